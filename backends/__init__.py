@@ -1,0 +1,1 @@
+"""Backends that execute the state machine: `reference` (eager PyTorch) and `cuda`."""

@@ -1,0 +1,58 @@
+"""The protocols between the machine, the backends and the methods' drafters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from core.models.layers import AttentionFn
+from core.request import Request
+from core.sampling import Verdict
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A round's drafts for every running request."""
+
+    tokens: Tensor  # [N, K] int64
+    probs: Tensor | None = None  # [N, K, V] the drafter's q, or None for argmax drafts
+
+
+@dataclass(frozen=True)
+class Verification:
+    logits: Tensor  # [N, K+1, V] float32 target logits at the last token and each draft
+    features: Tensor | None  # [N, K+1, n*H] tapped target hidden states, if the plan taps any
+
+
+class KVStore(Protocol):
+    """Per-request KV caches a backend lends to drafters that own one."""
+
+    def new(self, num_layers: int) -> Any: ...
+
+    def append(self, cache: Any, layer: int, k: Tensor, v: Tensor) -> None:
+        """k, v [Hkv, C, D] appended at the cache's end."""
+
+    def length(self, cache: Any) -> int: ...
+
+    def truncate(self, cache: Any, length: int) -> None: ...
+
+    def attention(self, caches: list[Any], causal: bool, persist: bool) -> AttentionFn:
+        """Attention of each row's new q/k/v over its cache then its new k/v."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def prefill(self, reqs: list[Request]) -> list[int]:
+        """Run the target over each prompt, prime the drafter; return each first token."""
+
+    def draft(self, reqs: list[Request]) -> Proposal: ...
+
+    def verify(self, reqs: list[Request], proposal: Proposal) -> Verification: ...
+
+    def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
+        """Decide the round and keep the accepted positions' KV and drafter context."""
+
+    def free(self, req: Request) -> None: ...

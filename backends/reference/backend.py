@@ -1,0 +1,83 @@
+"""The reference backend: plain eager PyTorch, the definition of correct output.
+
+Prefill runs one request at a time (prompts differ in length); every round runs the whole
+batch at once, since all rows verify the same K + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.base import Proposal, Verification
+from core.machine import Plan
+from core.methods.base import Drafter, Method
+from core.models.target import TargetModel
+from core.request import Request
+from core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
+
+from .kv import ReferenceKV
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype):
+        self.target, self.plan, self.device = target, plan, device
+        self.kv = ReferenceKV()
+        self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+
+    def _batch(self, reqs: list[Request]) -> SamplingBatch:
+        return SamplingBatch.of([r.params for r in reqs], self.device)
+
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Request]) -> list[int]:
+        last_logits = []
+        for req in reqs:
+            req.kv = self.kv.new(self.target.config.num_layers)
+            ids = torch.tensor([req.prompt_ids], device=self.device)  # [1, P]
+            positions = torch.arange(ids.shape[1], device=self.device)[None]  # [1, P]
+            attn = self.kv.attention([req.kv], causal=True, persist=True)
+            hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
+            last_logits.append(self.target.logits(hidden[0, -1]))
+            if self.drafter is not None:
+                self.drafter.extend(req, None if features is None else features[0], 0)
+        batch = self._batch(reqs)
+        probs = probs_from_logits(torch.stack(last_logits), batch)  # [N, V]
+        at = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        return sample(probs, batch.seed, at, Stream.SAMPLE).tolist()
+
+    @torch.inference_mode()
+    def draft(self, reqs: list[Request]) -> Proposal:
+        if self.drafter is None:
+            return Proposal(tokens=torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
+        return self.drafter.propose(reqs, self._batch(reqs))
+
+    @torch.inference_mode()
+    def verify(self, reqs: list[Request], proposal: Proposal) -> Verification:
+        last = torch.tensor([[r.last_token] for r in reqs], device=self.device)  # [N, 1]
+        ids = torch.cat([last, proposal.tokens], dim=1)  # [N, K+1]
+        start = torch.tensor([r.seq_len - 1 for r in reqs], device=self.device)
+        positions = start[:, None] + torch.arange(ids.shape[1], device=self.device)  # [N, K+1]
+        attn = self.kv.attention([r.kv for r in reqs], causal=True, persist=True)
+        hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
+        return Verification(logits=self.target.logits(hidden), features=features)
+
+    @torch.inference_mode()
+    def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
+        batch = self._batch(reqs)
+        probs = probs_from_logits(verification.logits, batch)  # [N, K+1, V]
+        first = torch.tensor([r.seq_len for r in reqs], device=self.device)
+        verdict = accept_drafts(probs, proposal.tokens, proposal.probs, batch.seed, first)
+        for i, req in enumerate(reqs):
+            accepted = int(verdict.num_accepted[i])
+            # keep KV for the last token and the accepted drafts; the new token is not yet run
+            self.kv.truncate(req.kv, req.seq_len + accepted)
+            if self.drafter is not None:
+                feats = None if verification.features is None else verification.features[i, : accepted + 1]
+                self.drafter.extend(req, feats, req.seq_len - 1)
+        return verdict
+
+    def free(self, req: Request) -> None:
+        req.kv = None
+        if self.drafter is not None:
+            self.drafter.release(req)

@@ -1,0 +1,81 @@
+"""Per-request contiguous KV caches and the attention that reads them, with explicit masks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    """One request's cache for one model: per layer K and V of shape [Hkv, S, D]."""
+
+    k: list[Tensor | None] = field(default_factory=list)
+    v: list[Tensor | None] = field(default_factory=list)
+
+    def length(self) -> int:
+        return 0 if not self.k or self.k[0] is None else self.k[0].shape[1]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """q [Hq, T, D] over k, v [Hkv, S, D] -> [Hq, T, D]. The T queries are the last T keys'
+    positions; with ``causal`` each sees keys up to and including its own position."""
+    hq, t, d = q.shape
+    hkv, s, _ = k.shape
+    k = k.repeat_interleave(hq // hkv, dim=0)  # grouped-query: each KV head serves hq/hkv heads
+    v = v.repeat_interleave(hq // hkv, dim=0)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * d**-0.5  # [Hq, T, S]
+    if causal:
+        own = torch.arange(s - t, s, device=q.device)[:, None]  # [T, 1] key index of each query
+        visible = torch.arange(s, device=q.device)[None, :] <= own  # [T, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class CachedAttention:
+    """Attention for a batch whose row b attends over caches[b] followed by its new keys.
+
+    ``persist`` appends the new keys to the cache (the target; the drafter's context); a DFlash
+    block passes False so its keys are dropped after the round.
+    """
+
+    caches: list[KVCache]
+    causal: bool
+    persist: bool
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = []
+        for b, cache in enumerate(self.caches):
+            keys, values = k[b], v[b]
+            if cache.k[layer] is not None:
+                keys = torch.cat([cache.k[layer], keys], dim=1)
+                values = torch.cat([cache.v[layer], values], dim=1)
+            if self.persist:
+                cache.k[layer], cache.v[layer] = keys, values
+            out.append(attend(q[b], keys, values, self.causal))
+        return torch.stack(out)
+
+
+class ReferenceKV:
+    """The KVStore the reference backend lends to drafters (and uses for the target)."""
+
+    def new(self, num_layers: int) -> KVCache:
+        return KVCache(k=[None] * num_layers, v=[None] * num_layers)
+
+    def append(self, cache: KVCache, layer: int, k: Tensor, v: Tensor) -> None:
+        if cache.k[layer] is not None:
+            k, v = torch.cat([cache.k[layer], k], dim=1), torch.cat([cache.v[layer], v], dim=1)
+        cache.k[layer], cache.v[layer] = k, v
+
+    def length(self, cache: KVCache) -> int:
+        return cache.length()
+
+    def truncate(self, cache: KVCache, length: int) -> None:
+        cache.k = [None if t is None else t[:, :length] for t in cache.k]
+        cache.v = [None if t is None else t[:, :length] for t in cache.v]
+
+    def attention(self, caches: list[KVCache], causal: bool, persist: bool) -> CachedAttention:
+        return CachedAttention(caches, causal, persist)

@@ -1,0 +1,155 @@
+"""The facade: ``Engine.from_spec(path).generate(prompts, sampling)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tokenizers import Tokenizer
+
+from .machine import Machine, Plan
+from .models.loader import load_target, place, random_target
+from .models.target import TargetModel
+from .models.tokenizer import byte_tokenizer, load_tokenizer
+from .registry import BACKENDS, METHODS
+from .request import Request, Round, SpecStats
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .spec import Spec, SpeculativeSpec, load_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    rounds: list[Round] | None = field(default=None)
+
+    def to_dict(self, trace: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
+        if trace and self.rounds is not None:
+            out["rounds"] = [r.__dict__ | {"drafted": list(r.drafted), "emitted": list(r.emitted)} for r in self.rounds]
+        return out
+
+
+def resolve_device(spec: Spec) -> torch.device:
+    if spec.model.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec.model.device)
+
+
+def resolve_backend(spec: Spec, device: torch.device) -> str:
+    if spec.backend != "auto":
+        return spec.backend
+    return "cuda" if device.type == "cuda" and "cuda" in BACKENDS.names() else "reference"
+
+
+def build_target(spec: Spec) -> tuple[TargetModel, Tokenizer]:
+    m = spec.model
+    if m.random_init is not None:
+        target = random_target(m.random_init.preset, m.random_init.seed)
+        tokenizer = load_tokenizer(m.tokenizer) if m.tokenizer else byte_tokenizer(target.config.vocab_size)
+    else:
+        target = load_target(m.path)
+        tokenizer = load_tokenizer(m.tokenizer or m.path)
+    return target, tokenizer
+
+
+class Engine:
+    def __init__(self, spec: Spec, target: TargetModel | None = None, tokenizer: Tokenizer | None = None):
+        self.spec = spec
+        self.device = resolve_device(spec)
+        self.backend_name = resolve_backend(spec, self.device)
+        default_dtype = "float32" if self.backend_name == "reference" else "bfloat16"
+        self.dtype = DTYPES[default_dtype if spec.model.dtype == "auto" else spec.model.dtype]
+        if target is None:
+            target, tokenizer = build_target(spec)
+            place(target, self.device, self.dtype)
+        self.target, self.tokenizer = target, tokenizer
+        method = METHODS.get(spec.speculative.method)(spec.speculative)
+        self.plan: Plan = method.plan(target.config)
+        self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype)
+        self.scheduler = Scheduler(spec.server.max_batch_size)
+        self.machine = Machine(self.plan, self.backend, self.scheduler)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_spec(cls, spec: Spec | str | Path) -> "Engine":
+        return cls(spec if isinstance(spec, Spec) else load_spec(spec))
+
+    def with_method(self, speculative: dict[str, Any] | SpeculativeSpec) -> "Engine":
+        """An engine for another method over the same target weights (e.g. the `none` baseline)."""
+        return Engine(self.spec.with_method(speculative), self.target, self.tokenizer)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
+        vocab = self.target.config.vocab_size
+        if not ids:
+            raise RequestError("prompt is empty; give at least one token of text")
+        if any(not 0 <= int(i) < vocab for i in ids):
+            raise RequestError(f"input_ids must lie in [0, {vocab}); the target's vocabulary has {vocab} tokens")
+        if len(ids) >= self.spec.model.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens, max_model_len is {self.spec.model.max_model_len}; "
+                "shorten the prompt or raise model.max_model_len"
+            )
+        return [int(i) for i in ids]
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False) -> Request:
+        eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)
+        req = Request(
+            rid=next(self._ids),
+            prompt_ids=self.encode(prompt),
+            params=params,
+            stop_ids=frozenset(eos | set(params.stop_token_ids)),
+            max_model_len=self.spec.model.max_model_len,
+            stats=SpecStats(num_drafts=self.plan.num_speculative_tokens),
+            rounds=[] if trace else None,
+        )
+        self.scheduler.add(req)
+        return req
+
+    def step(self) -> list[Request]:
+        return self.machine.step()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        trace: bool = False,
+    ) -> list[Completion]:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or self.spec.sampling.params()] * len(prompts)
+        reqs = [self.add_request(p, s, trace) for p, s in zip(prompts, sampling)]
+        while self.scheduler.has_work():
+            self.step()
+        return [self.completion(r) for r in reqs]
+
+    def completion(self, req: Request) -> Completion:
+        s = req.stats
+        elapsed = (req.t_finish or time.perf_counter()) - req.t_arrival
+        meta = {
+            "id": str(req.rid),
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "spec_verify_ct": s.verify_ct,
+            "spec_accept_length": round(s.accept_length, 4),
+            "spec_accept_rate": round(s.accept_rate, 4),
+            "spec_accept_per_pos": [round(a, 4) for a in s.accept_per_pos],
+            "tokens_per_s": round(len(req.output_ids) / elapsed, 2) if elapsed > 0 else 0.0,
+            "e2e_latency": round(elapsed, 4),
+        }
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        return Completion(text=text, output_ids=list(req.output_ids), meta_info=meta, rounds=req.rounds)

@@ -1,0 +1,52 @@
+"""What a method provides: its spec section, its compiled plan and its drafter."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..machine import Plan
+from ..models.config import ModelConfig
+from ..request import Request
+from ..sampling import SamplingBatch
+from ..spec import SpeculativeSpec
+
+if TYPE_CHECKING:
+    from backends.base import KVStore, Proposal
+
+    from ..models.target import TargetModel
+
+
+class Drafter(ABC):
+    """Per-round drafting for a batch; per-request state lives in ``req.draft_state``."""
+
+    @abstractmethod
+    def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
+        """Take the target's tapped features [n, taps*H] for positions first_position.. onward:
+        the whole prompt after prefill, then the accepted positions after each round."""
+
+    @abstractmethod
+    def propose(self, reqs: list[Request], batch: SamplingBatch) -> "Proposal":
+        """Draft K tokens after each request's last token."""
+
+    def release(self, req: Request) -> None:
+        req.draft_state = None
+
+
+class Method(ABC):
+    name: ClassVar[str]
+    config_model: ClassVar[type[SpeculativeSpec]]
+
+    def __init__(self, cfg: SpeculativeSpec):
+        self.cfg = cfg
+
+    @abstractmethod
+    def plan(self, target: ModelConfig) -> Plan: ...
+
+    def build_drafter(
+        self, plan: Plan, target: "TargetModel", kv: "KVStore", device: torch.device, dtype: torch.dtype
+    ) -> Drafter | None:
+        return None

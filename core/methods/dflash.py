@@ -1,0 +1,170 @@
+"""`dflash`: block-diffusion drafting. One non-causal drafter forward over
+[last token, MASK x (B-1)] proposes the whole block; the drafter keeps its own context K/V,
+extended each round with only the newly accepted positions' target features."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from backends.base import KVStore, Proposal
+
+from ..machine import Plan
+from ..models.config import ConfigError, DFlashConfig, ModelConfig, dflash_config, read_config_json
+from ..models.dflash import DFlashDraftModel
+from ..models.loader import load_dflash, place, random_dflash
+from ..models.presets import DRAFT_PRESETS, dflash_preset
+from ..models.target import TargetModel
+from ..registry import METHODS
+from ..request import Request
+from ..sampling import SamplingBatch, Stream, probs_from_logits, sample
+from ..spec import DraftModelSpec, SpeculativeSpec
+from .base import Drafter, Method
+
+
+class DFlashSpec(SpeculativeSpec):
+    method: Literal["dflash"] = "dflash"
+    draft: DraftModelSpec
+    block_size: int | None = Field(None, ge=2)  # defaults to the drafter's
+    num_speculative_tokens: int | None = Field(None, ge=1)  # K = block_size - 1
+    target_layer_ids: list[int] | None = None  # defaults to the drafter's dflash_config
+    mask_token_id: int | None = Field(None, ge=0)  # defaults to the drafter's dflash_config
+
+    def drafter_config(self, read_files: bool) -> DFlashConfig | None:
+        if self.draft.random_init is not None:
+            return dflash_preset(self.draft.random_init.preset)
+        return dflash_config(read_config_json(self.draft.path)) if read_files else None
+
+    def check(self, target: ModelConfig | None, read_files: bool) -> list[str]:
+        if self.draft.random_init is not None and self.draft.random_init.preset not in DRAFT_PRESETS:
+            known = ", ".join(sorted(DRAFT_PRESETS))
+            return [f"speculative.draft.random_init.preset: unknown preset {self.draft.random_init.preset!r}; known: {known}"]
+        try:
+            drafter = self.drafter_config(read_files)
+        except ConfigError as exc:
+            return [f"speculative.draft.path: {exc}"]
+        return _problems(self, target, drafter)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    block_size: int
+    layer_ids: tuple[int, ...]
+    mask_token_id: int
+
+
+def resolve(cfg: DFlashSpec, drafter: DFlashConfig) -> Resolved:
+    block = cfg.block_size or (cfg.num_speculative_tokens + 1 if cfg.num_speculative_tokens else drafter.block_size)
+    ids = tuple(cfg.target_layer_ids) if cfg.target_layer_ids is not None else drafter.target_layer_ids
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else drafter.mask_token_id
+    return Resolved(block_size=block, layer_ids=ids, mask_token_id=-1 if mask is None else mask)
+
+
+def _problems(cfg: DFlashSpec, target: ModelConfig | None, drafter: DFlashConfig | None) -> list[str]:
+    out = []
+    if cfg.block_size and cfg.num_speculative_tokens and cfg.num_speculative_tokens != cfg.block_size - 1:
+        out.append(
+            f"speculative.num_speculative_tokens: {cfg.num_speculative_tokens} disagrees with block_size "
+            f"{cfg.block_size} (DFlash drafts block_size - 1 tokens); give one of the two"
+        )
+    if drafter is None:
+        return out
+    r = resolve(cfg, drafter)
+    if r.block_size > drafter.block_size:
+        out.append(f"speculative.block_size: {r.block_size} exceeds the drafter's block_size {drafter.block_size}; use at most {drafter.block_size}")
+    if len(r.layer_ids) != len(drafter.target_layer_ids):
+        out.append(
+            f"speculative.target_layer_ids: {len(r.layer_ids)} ids given, the drafter's fc takes "
+            f"{len(drafter.target_layer_ids)} layers' features; give {len(drafter.target_layer_ids)} ids"
+        )
+    if r.mask_token_id < 0:
+        out.append("speculative.mask_token_id: the drafter's config has none; set mask_token_id to the tokenizer's mask id")
+    if target is not None:
+        out += _against_target(r, drafter, target)
+    return out
+
+
+def _against_target(r: Resolved, drafter: DFlashConfig, target: ModelConfig) -> list[str]:
+    out = []
+    bad = [i for i in r.layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        out.append(f"speculative.target_layer_ids: {bad} outside the target's layers 0..{target.num_layers - 1}")
+    if drafter.layers.hidden_size != target.hidden_size:
+        out.append(
+            f"speculative.draft: drafter hidden_size {drafter.layers.hidden_size} != target hidden_size "
+            f"{target.hidden_size}; the drafter must be trained for this target"
+        )
+    if r.mask_token_id >= target.vocab_size:
+        out.append(f"speculative.mask_token_id: {r.mask_token_id} is outside the target vocabulary ({target.vocab_size})")
+    if drafter.num_target_layers != target.num_layers:
+        out.append(
+            f"speculative.draft: drafter was trained for a {drafter.num_target_layers}-layer target, "
+            f"this target has {target.num_layers}; use the drafter made for this target"
+        )
+    return out
+
+
+@METHODS.register("dflash")
+class DFlashMethod(Method):
+    config_model = DFlashSpec
+    cfg: DFlashSpec
+
+    def plan(self, target: ModelConfig) -> Plan:
+        drafter = self.cfg.drafter_config(read_files=True)
+        problems = _problems(self.cfg, target, drafter)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        r = resolve(self.cfg, drafter)
+        src = self.cfg.draft.path or f"random_init {self.cfg.draft.random_init.preset}"
+        return Plan(
+            method="dflash",
+            drafting="parallel",
+            num_speculative_tokens=r.block_size - 1,
+            target_layer_ids=r.layer_ids,
+            drafter_kv="own",
+            draft_sample_method=self.cfg.draft_sample_method,
+            block_size=r.block_size,
+            drafter=f"{drafter.layers.num_layers} layers, hidden {drafter.layers.hidden_size} ({src})",
+        )
+
+    def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
+        d = self.cfg.draft
+        model = load_dflash(d.path) if d.path else random_dflash(d.random_init.preset, d.random_init.seed)
+        mask = resolve(self.cfg, model.config).mask_token_id
+        return DFlashDrafter(place(model, device, dtype), target, kv, plan, mask)
+
+
+class DFlashDrafter(Drafter):
+    def __init__(self, model: DFlashDraftModel, target: TargetModel, kv: KVStore, plan: Plan, mask_token_id: int):
+        self.model, self.target, self.kv, self.plan = model, target, kv, plan
+        self.mask_token_id = mask_token_id
+
+    def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
+        if req.draft_state is None:
+            req.draft_state = self.kv.new(len(self.model.layers))
+        n = features.shape[0]
+        positions = torch.arange(first_position, first_position + n, device=features.device)[None]
+        for layer, (k, v) in enumerate(self.model.context_kv(features[None], positions)):
+            self.kv.append(req.draft_state, layer, k[0], v[0])
+
+    def propose(self, reqs: list[Request], batch: SamplingBatch) -> Proposal:
+        dev = self.model.fc.weight.device
+        n, b = len(reqs), self.plan.block_size
+        ids = torch.full((n, b), self.mask_token_id, dtype=torch.long, device=dev)  # [N, B]
+        ids[:, 0] = torch.tensor([r.last_token for r in reqs], device=dev)
+        start = torch.tensor([r.seq_len - 1 for r in reqs], device=dev)  # block's first position
+        positions = start[:, None] + torch.arange(b, device=dev)  # [N, B]
+        attn = self.kv.attention([r.draft_state for r in reqs], causal=False, persist=False)
+        hidden = self.model(self.target.embed(ids), positions, attn)
+        logits = self.target.logits(hidden[:, 1:])  # [N, K, V]: slot k predicts position start + k
+        if self.plan.draft_sample_method == "greedy":
+            return Proposal(tokens=logits.argmax(-1))
+        q = probs_from_logits(logits, batch)  # [N, K, V]
+        k, v = q.shape[1], q.shape[2]
+        seeds = batch.seed.to(dev)[:, None].expand(n, k).reshape(-1)
+        tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:].reshape(-1), Stream.DRAFT)
+        return Proposal(tokens=tokens.view(n, k), probs=q)

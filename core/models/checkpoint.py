@@ -1,0 +1,83 @@
+"""HF-format checkpoint folders: ``config.json`` plus ``model.safetensors`` or a sharded
+``model.safetensors.index.json``. Missing or mis-shaped tensors raise an error naming them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not hold the tensors a module needs."""
+
+
+def tensor_files(folder: str | Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it."""
+    folder = Path(folder)
+    if (folder / INDEX).is_file():
+        weight_map = json.loads((folder / INDEX).read_text()).get("weight_map", {})
+        files = {name: folder / shard for name, shard in weight_map.items()}
+        missing = sorted({str(p) for p in files.values() if not p.is_file()})
+        if missing:
+            raise CheckpointError(f"{folder / INDEX} names shard files that are missing: {missing}")
+        return files
+    if (folder / SINGLE).is_file():
+        with safe_open(folder / SINGLE, framework="pt") as f:
+            return {name: folder / SINGLE for name in f.keys()}
+    raise CheckpointError(f"{folder}: neither {SINGLE} nor {INDEX} found; is this an HF-format checkpoint folder?")
+
+
+def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...] = ()) -> list[str]:
+    """Copy every parameter of ``module`` from the folder's tensors; return the unused names.
+
+    ``optional`` names may be absent (e.g. a tied ``lm_head.weight``).
+    """
+    files = tensor_files(folder)
+    params = dict(module.named_parameters())
+    missing = [n for n in params if n not in files and n not in optional]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"{folder}: missing tensor(s) {shown} ({len(missing)} in all)")
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        if name in files:
+            by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    _copy(params[name], f.get_tensor(name), name, path)
+    return sorted(set(files) - set(params))
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
+            f"the config implies {list(param.shape)}; the config.json and weights disagree"
+        )
+    param.copy_(tensor.to(param.dtype))
+
+
+def save_checkpoint(folder: str | Path, config: dict[str, Any], module: nn.Module) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (tied weights stored once)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    seen: set[int] = set()
+    tensors = {}
+    for name, p in module.named_parameters():  # named_parameters skips tied duplicates
+        if id(p) not in seen:
+            seen.add(id(p))
+            tensors[name] = p.detach().cpu().contiguous()
+    save_file(tensors, str(folder / SINGLE))
+    return folder

@@ -1,0 +1,170 @@
+"""Model configurations parsed from HF-format ``config.json`` dictionaries.
+
+Both rope layouts found in the wild load: top-level ``rope_theta`` / ``rope_scaling``
+(published Qwen3 and Llama-3.1 checkpoints) and transformers 5's ``rope_parameters``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a model this engine runs."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder stack's shape; the target and the DFlash drafter share it."""
+
+    arch: str  # "qwen3" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    eos_token_ids: tuple[int, ...] = ()
+    initializer_range: float = 0.02
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """The DFlash drafter: a Qwen3-style layer stack plus block-diffusion fields."""
+
+    layers: ModelConfig
+    block_size: int
+    mask_token_id: int | None
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+
+
+def default_dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Evenly spaced from layer 1 to N-3 (one per draft layer), as the published drafters."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def read_config_json(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found; point the spec's path at an HF-format checkpoint folder")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _rope(raw: dict[str, Any]) -> RopeConfig:
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"rope type {kind!r} is not supported; supported: default, linear, llama3")
+    return RopeConfig(
+        theta=float(theta),
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _arch(raw: dict[str, Any], default: str | None) -> str:
+    for name in raw.get("architectures") or []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    if raw.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[raw["model_type"]]
+    if default:
+        return default
+    known = ", ".join(ARCHITECTURES)
+    raise ConfigError(f"architectures {raw.get('architectures')} not supported; supported: {known}")
+
+
+def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelConfig:
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        return ModelConfig(
+            arch=_arch(raw, default_arch),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            eos_token_ids=_eos(raw),
+            initializer_range=float(raw.get("initializer_range", 0.02)),
+        )
+    except KeyError as exc:
+        raise ConfigError(f"config.json lacks the field {exc.args[0]!r}") from exc
+
+
+def dflash_config(raw: dict[str, Any]) -> DFlashConfig:
+    if "DFlashDraftModel" not in (raw.get("architectures") or []):
+        raise ConfigError(
+            f"architectures {raw.get('architectures')} is not a DFlash drafter; "
+            "expected ['DFlashDraftModel'] (the z-lab checkpoint dialect)"
+        )
+    layers = model_config(raw, default_arch="qwen3")
+    extra = raw.get("dflash_config") or {}
+    if "num_target_layers" not in raw:
+        raise ConfigError("config.json lacks the field 'num_target_layers'")
+    n_target = int(raw["num_target_layers"])
+    ids = extra.get("target_layer_ids") or default_dflash_layer_ids(n_target, layers.num_layers)
+    mask = extra.get("mask_token_id")
+    return DFlashConfig(
+        layers=layers,
+        block_size=int(raw.get("block_size", 16)),
+        mask_token_id=None if mask is None else int(mask),
+        target_layer_ids=tuple(int(i) for i in ids),
+        num_target_layers=n_target,
+    )

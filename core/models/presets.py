@@ -1,0 +1,85 @@
+"""Random-init model shapes, written as HF ``config.json`` dictionaries so that random and
+loaded checkpoints go through the same parsing path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import DFlashConfig, ModelConfig, dflash_config, model_config
+
+_TINY = {
+    "vocab_size": 384,  # 256 bytes + end-of-text + mask + reserved (see tokenizer.byte_tokenizer)
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "eos_token_id": 256,
+    # A wide init keeps random logits peaked, so greedy argmax has clear margins.
+    "initializer_range": 0.1,
+}
+
+_QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "eos_token_id": 151645,
+}
+
+TARGET_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_TINY},
+    "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_TINY},
+    "qwen3-8b": _QWEN3_8B,
+}
+
+DRAFT_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-dflash": {
+        **TARGET_PRESETS["tiny-qwen3"],
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 2,
+        "num_target_layers": 6,
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 257, "target_layer_ids": [1, 3]},
+    },
+    "qwen3-8b-dflash": {
+        **_QWEN3_8B,
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 5,
+        "num_target_layers": 36,
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    },
+}
+
+
+def _lookup(table: dict[str, dict[str, Any]], name: str, what: str) -> dict[str, Any]:
+    if name not in table:
+        raise KeyError(f"unknown {what} preset {name!r}; known: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def target_preset(name: str) -> ModelConfig:
+    return model_config(_lookup(TARGET_PRESETS, name, "target"))
+
+
+def draft_preset_raw(name: str) -> dict[str, Any]:
+    return _lookup(DRAFT_PRESETS, name, "drafter")
+
+
+def dflash_preset(name: str) -> DFlashConfig:
+    return dflash_config(draft_preset_raw(name))

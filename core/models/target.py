@@ -1,0 +1,53 @@
+"""The target family: Qwen3 and Llama-3 decoders (HF parameter names), able to return the
+hidden states output by chosen layers for the drafters that condition on them."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(ids)
+
+    def forward(
+        self, ids: Tensor, positions: Tensor, attn: AttentionFn, taps: tuple[int, ...] = ()
+    ) -> tuple[Tensor, Tensor | None]:
+        """ids/positions [B, T] -> (final-normed hidden [B, T, H], taps [B, T, len(taps)*H] or None).
+
+        ``taps`` are layer indices whose *output* hidden states are returned, concatenated.
+        """
+        h = self.embed(ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        tapped: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, i, attn)
+            if i in taps:
+                tapped[i] = h
+        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        return self.model.norm(h), features
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> float32 logits [..., V]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,106 @@
+"""A request's mutable state inside the engine, and its speculative-decoding statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Round:
+    """One draft -> verify -> accept round, for --trace."""
+
+    position: int  # absolute position of the first drafted token
+    drafted: tuple[int, ...]
+    accepted: int
+    emitted: tuple[int, ...]  # after stop truncation
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int  # K per round
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    round_tokens: int = 0  # accepted + 1 per round, before stop truncation
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K]
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_drafts
+
+    def record(self, accepted: int) -> None:
+        self.verify_ct += 1
+        self.draft_tokens += self.num_drafts
+        self.accepted_tokens += accepted
+        self.round_tokens += accepted + 1
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def accept_length(self) -> float:
+        """τ: mean tokens emitted per verify round (the bonus/correction token included)."""
+        return self.round_tokens / self.verify_ct if self.verify_ct else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def accept_per_pos(self) -> list[float]:
+        return [a / self.verify_ct if self.verify_ct else 0.0 for a in self.accepted_per_pos]
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]  # EOS (unless ignored) plus the request's stop ids
+    max_model_len: int
+    stats: SpecStats
+    output_ids: list[int] = field(default_factory=list)
+    phase: Any = None  # machine.Phase
+    finish_reason: dict[str, Any] | None = None
+    kv: Any = None  # the backend's handle for this request's target KV
+    draft_state: Any = None  # the drafter's per-request state
+    rounds: list[Round] | None = None  # filled when tracing
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_finish: float | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append tokens, stopping inside the run at a stop id or a length limit.
+
+        Returns the tokens actually kept; sets ``finish_reason`` when the request is done.
+        """
+        kept = []
+        for tok in tokens:
+            self.output_ids.append(tok)
+            kept.append(tok)
+            if self.t_first_token is None:
+                self.t_first_token = time.perf_counter()
+            if tok in self.stop_ids:
+                self.finish_reason = {"type": "stop", "matched": tok}
+            elif len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+            elif self.seq_len >= self.max_model_len:
+                self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+            if self.finish_reason is not None:
+                self.t_finish = time.perf_counter()
+                break
+        return kept

@@ -1,0 +1,187 @@
+"""Sampling and lossless acceptance in plain torch: the oracle for the backends' kernels.
+
+Randomness is keyed by (request seed, absolute position, stream), never by batch order or a
+generator's state, so a seeded request draws the same numbers alone or in any batch. The
+keyed hash uses only 32-bit integer operations so that a kernel can reproduce it bit-exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+MASK32 = 0xFFFFFFFF
+MAX_SEED = 2**63 - 1
+
+
+class Stream(IntEnum):
+    """Independent random streams at one (seed, position)."""
+
+    SAMPLE = 1  # plain sampling: the prefill token, the bonus token, `none` decoding
+    ACCEPT = 2  # the uniform of the accept/reject test
+    RESIDUAL = 3  # resampling from max(0, p - q) after a rejection
+    DRAFT = 4  # a drafter sampling its own tokens (draft_sample_method: probabilistic)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors (one row per request)."""
+
+    temperature: Tensor  # [N] float32
+    top_k: Tensor  # [N] int64, <= 0 means off
+    top_p: Tensor  # [N] float32
+    seed: Tensor  # [N] int64
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> "SamplingBatch":
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seed=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
+        )
+
+
+# ---------------------------------------------------------------- keyed randomness
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow (split c into 16-bit halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mixer (lowbias32 constants); x int64 holding values in [0, 2^32)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
+    """seed, position [N] int64 -> 32-bit key [N] int64."""
+    k = hash32(hash32(seed & MASK32) ^ ((seed >> 32) & MASK32))
+    k = hash32(k ^ (position & MASK32))
+    return hash32(k ^ int(stream))
+
+
+def uniform(key: Tensor, cols: int | None = None) -> Tensor:
+    """Uniform floats in (0, 1) from keys [N]: [N], or [N, cols] (one per column) when cols given."""
+    if cols is not None:
+        col = torch.arange(cols, dtype=torch.int64, device=key.device)
+        key = hash32(key[:, None] ^ hash32(col[None, :] + 0x9E3779B9))
+    bits = (hash32(key) >> 8).to(torch.float32)  # 24 random bits
+    return (bits + 0.5) * (1.0 / 16777216.0)
+
+
+# ---------------------------------------------------------------- distributions
+
+
+def probs_from_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """logits [N, ..., V] -> float32 probabilities after temperature, top-k and top-p.
+
+    Greedy rows (temperature 0) become one-hot at the argmax, so the acceptance rule below
+    reduces exactly to the greedy rule for them.
+    """
+    shape = logits.shape
+    n, v = shape[0], shape[-1]
+    x = logits.float().reshape(n, -1, v)  # [N, T, V]
+    temp = batch.temperature.to(x.device)[:, None, None]
+    greedy = temp == 0
+    x = x / torch.where(greedy, torch.ones_like(temp), temp)
+    x = _top_k(x, batch.top_k.to(x.device))
+    probs = _top_p(torch.softmax(x, dim=-1), batch.top_p.to(x.device))
+    onehot = torch.nn.functional.one_hot(logits.reshape(n, -1, v).argmax(-1), v).to(probs.dtype)
+    return torch.where(greedy, onehot, probs).reshape(shape)
+
+
+def _top_k(x: Tensor, k: Tensor) -> Tensor:
+    v = x.shape[-1]
+    k = torch.where(k <= 0, torch.full_like(k, v), k.clamp(max=v))  # [N]
+    kth = torch.sort(x, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_p(p: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest prefix of tokens (by descending probability) whose mass reaches top_p."""
+    sorted_p, idx = torch.sort(p, dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+    keep_sorted = before < top_p[:, None, None]
+    keep = torch.zeros_like(keep_sorted).scatter(-1, idx, keep_sorted)
+    p = p * keep
+    return p / p.sum(-1, keepdim=True)
+
+
+def sample(probs: Tensor, seed: Tensor, position: Tensor, stream: int) -> Tensor:
+    """Gumbel-max draw from probs [N, V] keyed by (seed, position, stream) -> ids [N]."""
+    u = uniform(row_key(seed, position, stream), probs.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    return (torch.log(probs) + gumbel).argmax(-1)
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: Tensor  # [N] int64, drafts accepted per row
+    tokens: Tensor  # [N, K+1] int64: the accepted drafts, then the correction or bonus token
+
+
+def accept_drafts(
+    target_probs: Tensor,  # [N, K+1, V] from probs_from_logits
+    drafts: Tensor,  # [N, K] int64
+    draft_probs: Tensor | None,  # [N, K, V] drafter's q, or None for one-hot (argmax) drafts
+    seed: Tensor,  # [N] int64
+    first_position: Tensor,  # [N] int64: absolute position the first draft would occupy
+) -> Verdict:
+    """Lossless speculative acceptance (Leviathan et al.; Chen et al.).
+
+    Accept d_i iff u_i < p_i(d_i) / q_i(d_i); at the first rejection emit a sample of
+    normalize(max(0, p_i - q_i)); if all K are accepted emit a bonus sample of p_{K+1}.
+    With one-hot p (greedy) this is exactly: accept while d_i == argmax p_i.
+    """
+    n, k1, v = target_probs.shape
+    k = k1 - 1
+    pos = first_position[:, None] + torch.arange(k1, device=drafts.device)  # [N, K+1]
+    q = draft_probs if draft_probs is not None else torch.nn.functional.one_hot(drafts, v).float()
+    p_d = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [N, K]
+    q_d = q.gather(-1, drafts[..., None])[..., 0]  # [N, K]
+    u = uniform(row_key(seed[:, None].expand(n, k), pos[:, :k], Stream.ACCEPT).reshape(-1)).reshape(n, k)
+    ok = u * q_d < p_d  # u < p/q without dividing by a zero q
+    num = ok.long().cumprod(dim=1).sum(dim=1)  # [N] leading accepted run
+    rows = torch.arange(n, device=drafts.device)
+    p_at = target_probs[rows, num]  # [N, V] target distribution where the run stopped
+    q_at = torch.cat([q, q.new_zeros(n, 1, v)], dim=1)[rows, num]  # zero q past the drafts
+    residual = (p_at - q_at).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
+    at = pos[rows, num]
+    fix = sample(residual, seed, at, Stream.RESIDUAL)
+    bonus = sample(p_at, seed, at, Stream.SAMPLE)
+    last = torch.where(num == k, bonus, fix)
+    tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
+    tokens[rows, num] = last
+    return Verdict(num_accepted=num, tokens=tokens)

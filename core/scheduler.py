@@ -1,0 +1,39 @@
+"""Admits waiting requests into free batch slots and retires finished ones, between steps."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from .machine import Phase
+from .request import Request
+
+
+class Scheduler:
+    def __init__(self, max_batch_size: int):
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.phase = Phase.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Request], list[Request]]:
+        """(requests to prefill now, requests to run a round for now)."""
+        running = [r for r in self.running if r.phase is Phase.DRAFT]
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            admitted.append(self.waiting.popleft())
+        self.running.extend(admitted)
+        return admitted, running
+
+    def reap(self, free: Callable[[Request], None]) -> list[Request]:
+        done = [r for r in self.running if r.phase is Phase.FINISHED]
+        for req in done:
+            free(req)
+        self.running = [r for r in self.running if r.phase is not Phase.FINISHED]
+        return done

@@ -1,0 +1,208 @@
+"""The spec file: the only user-facing configuration (pydantic v2, unknown fields rejected).
+
+``speculative`` is a union discriminated by ``method``: the method registry maps each name
+to its own section model, so a method added in one new file brings its spec fields with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .models.config import ConfigError, ModelConfig, model_config, read_config_json
+from .models.presets import TARGET_PRESETS, target_preset
+from .registry import METHODS, RegistryError
+from .sampling import MAX_SEED, SamplingParams
+
+
+class SpecError(ValueError):
+    """A spec that failed validation; ``messages`` name each bad field and its fix."""
+
+    def __init__(self, source: str, messages: list[str]):
+        self.source, self.messages = source, messages
+        super().__init__(f"{source}: invalid spec\n" + "\n".join(f"  - {m}" for m in messages))
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RandomInit(Strict):
+    preset: str
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+
+
+def _one_source(path: Path | None, random_init: RandomInit | None, where: str) -> None:
+    if (path is None) == (random_init is None):
+        raise ValueError(f"{where}: give exactly one of `path` (a checkpoint folder) or `random_init`")
+
+
+class ModelSpec(Strict):
+    path: Path | None = None
+    random_init: RandomInit | None = None
+    tokenizer: Path | None = None  # defaults to the checkpoint folder's tokenizer.json
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=2)
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+
+    @model_validator(mode="after")
+    def _source(self) -> "ModelSpec":
+        _one_source(self.path, self.random_init, "model")
+        if self.random_init is not None and self.random_init.preset not in TARGET_PRESETS:
+            known = ", ".join(sorted(TARGET_PRESETS))
+            raise ValueError(f"model.random_init.preset: unknown preset {self.random_init.preset!r}; known: {known}")
+        return self
+
+    def config(self, read_files: bool) -> ModelConfig | None:
+        """The target's config: from the preset, or from config.json when ``read_files``."""
+        if self.random_init is not None:
+            return target_preset(self.random_init.preset)
+        return model_config(read_config_json(self.path)) if read_files else None
+
+
+class DraftModelSpec(Strict):
+    """Where a drafter's weights come from."""
+
+    path: Path | None = None
+    random_init: RandomInit | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> "DraftModelSpec":
+        _one_source(self.path, self.random_init, "speculative.draft")
+        return self
+
+
+class SpeculativeSpec(Strict):
+    """Fields every method has; each method's section model extends this."""
+
+    method: str
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+
+    def check(self, target: ModelConfig | None, read_files: bool) -> list[str]:
+        """Cross-field checks against the target (None when unknown); messages name the field."""
+        return []
+
+
+class SamplingSpec(Strict):
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_k: int = Field(-1, ge=-1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(128, ge=1)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def params(self, **overrides: Any) -> SamplingParams:
+        fields = {**self.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+        return SamplingParams(**fields)
+
+
+class ServerSpec(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_batch_size: int = Field(8, ge=1, le=1024)
+    max_queue: int = Field(256, ge=1)
+    api_key_env: str | None = None  # name of the environment variable holding a bearer token
+
+
+def _speculative(data: Any) -> Any:
+    if isinstance(data, SpeculativeSpec):
+        return data
+    if not isinstance(data, dict) or "method" not in data:
+        raise ValueError("speculative: needs a `method` field (e.g. method: dflash)")
+    try:
+        method = METHODS.get(str(data["method"]))
+    except RegistryError as exc:
+        raise ValueError(f"speculative.method: {exc}") from None
+    return method.config_model.model_validate(data)
+
+
+class Spec(Strict):
+    description: str = ""
+    model: ModelSpec
+    speculative: SerializeAsAny[SpeculativeSpec] = Field(default_factory=lambda: _speculative({"method": "none"}))
+    backend: Literal["reference", "cuda", "auto"] = "auto"
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    server: ServerSpec = Field(default_factory=ServerSpec)
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _method_section(cls, value: Any) -> Any:
+        return _speculative(value)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Spec":
+        problems = self.speculative.check(self.model.config(read_files=False), read_files=False)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def with_method(self, speculative: dict[str, Any] | SpeculativeSpec) -> "Spec":
+        data = self.model_dump(mode="python")
+        data["speculative"] = speculative
+        return Spec.model_validate(data)
+
+
+def format_errors(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
+    return out
+
+
+def parse_spec(data: Any, source: str = "<spec>") -> Spec:
+    if not isinstance(data, dict):
+        raise SpecError(source, ["the spec must be a YAML mapping with at least a `model` section"])
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(source, format_errors(exc)) from None
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(str(path), ["file not found; pass the path of a YAML spec (see specs/)"])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError(str(path), [f"not valid YAML: {exc}"]) from None
+    spec = parse_spec(data, str(path))
+    return _resolve_paths(spec, path.parent)
+
+
+def _resolve_paths(spec: Spec, base: Path) -> Spec:
+    """Relative checkpoint paths in a spec file are relative to the file's folder."""
+    data = spec.model_dump(mode="python")
+
+    def fix(section: dict[str, Any] | None, key: str) -> None:
+        if section and section.get(key) is not None and not Path(section[key]).is_absolute():
+            section[key] = (base / section[key]).resolve()
+
+    fix(data["model"], "path")
+    fix(data["model"], "tokenizer")
+    fix(data["speculative"].get("draft"), "path")
+    return Spec.model_validate(data)
+
+
+def check_files(spec: Spec) -> list[str]:
+    """Open the checkpoints' config.json files and re-run the cross-field checks with them."""
+    try:
+        target = spec.model.config(read_files=True)
+    except ConfigError as exc:
+        return [f"model.path: {exc}"]
+    return spec.speculative.check(target, read_files=True)
