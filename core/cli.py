@@ -1,0 +1,152 @@
+"""The `draftline` command: validate, explain, generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .models.config import ConfigError
+from .models.checkpoint import CheckpointError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SPEC = PROJECT_ROOT / "specs" / "tiny-random-dflash.yaml"
+
+
+def _spec_files(paths: list[str]) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        out += sorted(p.rglob("*.y*ml")) if p.is_dir() else [p]
+    return out
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .spec import SpecError, check_files, load_spec
+
+    files, failed = _spec_files(args.paths), 0
+    if not files:
+        print(f"no spec files (*.yaml, *.yml) found under {' '.join(args.paths)}", file=sys.stderr)
+        return 1
+    for path in files:
+        try:
+            spec = load_spec(path)
+            problems = check_files(spec) if args.check_files else []
+        except SpecError as exc:
+            problems = exc.messages
+        if problems:
+            failed += 1
+            print(f"FAIL {path}")
+            for msg in problems:
+                print(f"  - {msg}")
+        else:
+            print(f"ok   {path}")
+    print(f"{len(files) - failed} valid, {failed} invalid")
+    return 1 if failed else 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .machine import describe_transitions
+    from .registry import METHODS
+    from .spec import load_spec
+
+    spec = load_spec(args.spec)
+    target = spec.model.config(read_files=True)
+    plan = METHODS.get(spec.speculative.method)(spec.speculative).plan(target)
+    print(f"spec:    {args.spec}")
+    print(f"target:  {target.arch}, {target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}")
+    print(f"backend: {spec.backend}\n\nplan")
+    print("\n".join("  " + line for line in plan.describe()))
+    print("\nphases (per request)")
+    print("\n".join("  " + line for line in describe_transitions()))
+    print("\nround: DRAFT proposes K tokens -> VERIFY runs the target on [last token, drafts]")
+    print("       -> ACCEPT keeps the longest accepted prefix plus one corrected/bonus token")
+    return 0
+
+
+def _sampling(engine: Any, args: argparse.Namespace):
+    return engine.spec.sampling.params(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
+    )
+
+
+def _run(engine: Any, prompt: str, params: Any, trace: bool) -> dict[str, Any]:
+    return engine.generate([prompt], params, trace=trace)[0].to_dict(trace=trace)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    engine = Engine.from_spec(args.spec)
+    params = _sampling(engine, args)
+    baseline = engine.with_method({"method": "none"}) if args.compare else None
+    if baseline is not None:  # warm both up so one-time costs stay out of the comparison
+        warm = engine.spec.sampling.params(max_new_tokens=4)
+        engine.generate([args.prompt], warm), baseline.generate([args.prompt], warm)
+    result = _run(engine, args.prompt, params, args.trace)
+    if baseline is not None:
+        result["baseline"] = _run(baseline, args.prompt, params, False)
+        base_tps = result["baseline"]["meta_info"]["tokens_per_s"]
+        result["speedup"] = round(result["meta_info"]["tokens_per_s"] / base_tps, 3) if base_tps else None
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_text(engine, args.prompt, result)
+    return 0
+
+
+def _print_text(engine: Any, prompt: str, result: dict[str, Any]) -> None:
+    m = result["meta_info"]
+    print(prompt + result["text"])
+    print("-" * 60)
+    print(
+        f"{engine.plan.method} ({engine.backend_name}, {engine.device}, {str(engine.dtype).removeprefix('torch.')}): "
+        f"{m['completion_tokens']} tokens, {m['tokens_per_s']} tok/s, tau {m['spec_accept_length']}, "
+        f"accept rate {m['spec_accept_rate']:.1%}, {m['spec_verify_ct']} rounds, finish {m['finish_reason']}"
+    )
+    if "baseline" in result:
+        b = result["baseline"]
+        same = "identical" if b["output_ids"] == result["output_ids"] else "different (sampled)"
+        print(f"none baseline: {b['meta_info']['tokens_per_s']} tok/s; speedup {result['speedup']}x; output {same}")
+    for r in result.get("rounds", []):
+        print(f"  @{r['position']}: drafted {r['drafted']} accepted {r['accepted']} emitted {r['emitted']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftline", description="Speculative-decoding inference engine.")
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="validate spec files and folders of specs")
+    v.add_argument("paths", nargs="+")
+    v.add_argument("--check-files", action="store_true", help="also open the checkpoints' config.json")
+    v.set_defaults(func=cmd_validate)
+    e = sub.add_parser("explain", help="print the compiled state machine of a spec")
+    e.add_argument("spec")
+    e.set_defaults(func=cmd_explain)
+    g = sub.add_parser("generate", help="generate a completion and print its statistics")
+    g.add_argument("prompt")
+    g.add_argument("--spec", default=str(DEFAULT_SPEC))
+    g.add_argument("--max-new-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--compare", action="store_true", help="also run method `none` and report the speedup")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--trace", action="store_true", help="add every round's drafts and acceptance")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .engine import RequestError
+    from .spec import SpecError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, ConfigError, CheckpointError, RequestError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from backends.reference.kv import ReferenceKV
+from core.spec import parse_spec
+
+SPECS = {
+    "dflash": {
+        "model": {"random_init": {"preset": "tiny-qwen3", "seed": 0}},
+        "speculative": {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}}},
+        "backend": "reference",
+        "server": {"max_batch_size": 8},
+    },
+}
+
+
+def tiny_spec(method: dict | None = None, max_batch_size: int = 8, **model_overrides):
+    data = {**SPECS["dflash"], "server": {"max_batch_size": max_batch_size}}
+    data["model"] = {**data["model"], **model_overrides}
+    if method is not None:
+        data["speculative"] = method
+    return parse_spec(data)
+
+
+def full_forward(target, ids: torch.Tensor, taps=()):
+    """Uncached causal forward over whole sequences ids [B, T] (the plainest oracle)."""
+    kv = ReferenceKV()
+    caches = [kv.new(target.config.num_layers) for _ in range(ids.shape[0])]
+    positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    return target(ids, positions, kv.attention(caches, causal=True, persist=False), taps)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

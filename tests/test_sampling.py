@@ -1,0 +1,126 @@
+"""core/sampling.py: keyed randomness, logit processing, and lossless acceptance."""
+
+import pytest
+import torch
+
+from core.sampling import (
+    SamplingBatch, SamplingParams, Stream, accept_drafts, hash32, probs_from_logits, row_key, sample, uniform,
+)
+from stats import chi_square_p
+
+
+def _batch(n, temperature=1.0, top_k=-1, top_p=1.0, seeds=None):
+    seeds = seeds if seeds is not None else range(n)
+    return SamplingBatch.of([SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s) for s in seeds])
+
+
+def test_hash_matches_32bit_arithmetic():
+    def ref(x):  # plain Python uint32 arithmetic
+        x &= 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    xs = [0, 1, 2, 12345, 0xFFFFFFFF, 0xDEADBEEF, 2**31]
+    assert hash32(torch.tensor(xs)).tolist() == [ref(x) for x in xs]
+
+
+def test_uniform_is_keyed_not_ordered():
+    seeds, pos = torch.tensor([5, 7, 5, 2**40 + 5]), torch.tensor([3, 3, 4, 3])
+    u = uniform(row_key(seeds, pos, Stream.SAMPLE), 8)
+    perm = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(uniform(row_key(seeds[perm], pos[perm], Stream.SAMPLE), 8), u[perm])
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[3])
+    assert not torch.equal(u[0], uniform(row_key(seeds[:1], pos[:1], Stream.ACCEPT), 8)[0])
+
+
+def test_uniform_is_uniform():
+    u = uniform(row_key(torch.arange(200), torch.zeros(200, dtype=torch.long), Stream.SAMPLE), 500).flatten()
+    assert 0 < u.min() and u.max() < 1
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    assert chi_square_p(counts, torch.full((20,), 0.05)) > 1e-3
+
+
+def test_temperature_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    torch.testing.assert_close(probs_from_logits(logits, _batch(1)), logits.exp())
+    assert probs_from_logits(logits, _batch(1, top_k=2))[0, 2:].sum() == 0
+    p = probs_from_logits(logits, _batch(1, top_p=0.8))  # 0.5 + 0.2 < 0.8 -> keep three
+    torch.testing.assert_close(p[0], torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    sharp = probs_from_logits(logits, _batch(1, temperature=0.5))
+    torch.testing.assert_close(sharp[0], logits.exp()[0] ** 2 / (logits.exp()[0] ** 2).sum())
+    greedy = probs_from_logits(torch.tensor([[0.1, 3.0, 2.9]]), _batch(1, temperature=0.0))
+    assert greedy.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_sample_follows_distribution_and_repeats():
+    p = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.05])
+    n = 20000
+    probs, seeds = p.expand(n, -1), torch.arange(n)
+    draws = sample(probs, seeds, torch.full((n,), 7), Stream.SAMPLE)
+    assert chi_square_p(torch.bincount(draws, minlength=5), p) > 1e-3
+    assert torch.equal(draws, sample(probs, seeds, torch.full((n,), 7), Stream.SAMPLE))
+
+
+def test_greedy_acceptance_rule_is_exact():
+    v, k = 11, 4
+    logits = torch.randn(3, k + 1, v)
+    best = logits.argmax(-1)  # [3, K+1]
+    drafts = best[:, :k].clone()
+    drafts[1, 2] = (best[1, 2] + 1) % v  # row 1 mismatches at position 2
+    drafts[2, 0] = (best[2, 0] + 1) % v  # row 2 at position 0; row 0 all match
+    probs = probs_from_logits(logits, _batch(3, temperature=0.0))
+    out = accept_drafts(probs, drafts, None, torch.arange(3), torch.tensor([10, 20, 30]))
+    assert out.num_accepted.tolist() == [4, 2, 0]
+    assert out.tokens[0].tolist() == best[0].tolist()  # all accepted + bonus argmax p_{K+1}
+    assert out.tokens[1, :3].tolist() == best[1, :3].tolist()
+    assert out.tokens[2, 0] == best[2, 0]
+
+
+def _accept_many(p, q, n, k=2, draft_from_q=True):
+    """Rows share fixed per-position p [K+1, V] and q [K, V]; drafts are drawn from q."""
+    seeds = torch.arange(n)
+    first = torch.full((n,), 100)
+    drafts = torch.stack(
+        [sample(q[i].expand(n, -1), seeds, first + i, Stream.DRAFT) for i in range(k)], dim=1
+    )
+    probs = p.expand(n, -1, -1)
+    qs = q.expand(n, -1, -1) if draft_from_q else None
+    return accept_drafts(probs, drafts, qs, seeds, first)
+
+
+@pytest.mark.parametrize("kind", ["non-degenerate q", "one-hot q"])
+def test_sampled_acceptance_is_lossless(kind):
+    torch.manual_seed(0)
+    v, k, n = 6, 2, 40000
+    p = torch.softmax(torch.randn(k + 1, v) * 1.5, -1)
+    if kind == "one-hot q":  # an argmax drafter: one-hot at a likely token, then an unlikely one
+        q = torch.nn.functional.one_hot(torch.stack([p[0].argmax(), p[1].argmin()]), v).float()
+    else:
+        q = torch.softmax(torch.randn(k, v) * 1.5, -1)
+    out = _accept_many(p, q, n, k, draft_from_q=(kind != "one-hot q"))
+    first = out.tokens[:, 0]
+    assert chi_square_p(torch.bincount(first, minlength=v), p[0]) > 1e-3
+    # given position 0 was an accepted draft, position 1 must still follow p_1
+    second = out.tokens[out.num_accepted >= 1, 1]
+    assert second.numel() > 1000
+    assert chi_square_p(torch.bincount(second, minlength=v), p[1]) > 1e-3
+    rate = out.num_accepted.float().mean()
+    assert 0 < rate < k  # a real mix of accepts and rejections was tested
+
+
+def test_seeded_acceptance_repeats_and_ignores_batch_order():
+    torch.manual_seed(1)
+    v, k, n = 7, 3, 64
+    p = torch.softmax(torch.randn(n, k + 1, v), -1)
+    q = torch.softmax(torch.randn(n, k, v), -1)
+    drafts = torch.randint(0, v, (n, k))
+    seeds, first = torch.arange(n) * 31, torch.arange(n) + 5
+    a = accept_drafts(p, drafts, q, seeds, first)
+    b = accept_drafts(p, drafts, q, seeds, first)
+    perm = torch.randperm(n)
+    c = accept_drafts(p[perm], drafts[perm], q[perm], seeds[perm], first[perm])
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+    assert torch.equal(a.tokens[perm], c.tokens) and torch.equal(a.num_accepted[perm], c.num_accepted)
