@@ -155,11 +155,17 @@ class Spec(Strict):
         return Spec.model_validate(data)
 
 
+FRIENDLY = {
+    "extra_forbidden": "unknown field; remove it or fix its spelling",
+    "missing": "required field is missing",
+}
+
+
 def format_errors(exc: ValidationError) -> list[str]:
     out = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = FRIENDLY.get(err["type"], err["msg"].removeprefix("Value error, "))
         out.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
     return out
 

@@ -1,0 +1,1 @@
+"""The HTTP layer (FastAPI): thin request models over ``core.engine``."""

@@ -1,0 +1,67 @@
+"""The `draftline` command line, run in-process and as the installed console script."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from core.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "specs" / "tiny-random-dflash.yaml")
+META = {"finish_reason", "prompt_tokens", "completion_tokens", "spec_verify_ct", "spec_accept_length",
+        "spec_accept_rate", "spec_accept_per_pos", "tokens_per_s"}
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_compare_trace(capsys):
+    out = _json(capsys, ["generate", "--spec", TINY, "--max-new-tokens", "12", "--json", "--compare", "--trace",
+                         "def fib(n):"])
+    assert META <= set(out["meta_info"]) and META <= set(out["baseline"]["meta_info"])
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) <= 12
+    assert out["output_ids"] == out["baseline"]["output_ids"]  # greedy: lossless
+    assert out["speedup"] > 0 and len(out["meta_info"]["spec_accept_per_pos"]) == 15
+    rounds = out["rounds"]
+    assert len(rounds) == out["meta_info"]["spec_verify_ct"]
+    assert sum(len(r["emitted"]) for r in rounds) + 1 == len(out["output_ids"])
+    assert all(len(r["drafted"]) == 15 and r["accepted"] <= 15 for r in rounds)
+
+
+def test_generate_sampled_is_seeded(capsys):
+    argv = ["generate", "--spec", TINY, "--max-new-tokens", "10", "--temperature", "1.0", "--seed", "7", "--json", "x"]
+    assert _json(capsys, argv)["output_ids"] == _json(capsys, argv)["output_ids"]
+
+
+def test_generate_text_output(capsys):
+    assert main(["generate", "--spec", TINY, "--max-new-tokens", "5", "--compare", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "tau" in out and "speedup" in out and "output identical" in out
+
+
+def test_explain_prints_machine(capsys):
+    assert main(["explain", TINY]) == 0
+    out = capsys.readouterr().out
+    for needle in ["K (drafts/round):     15", "parallel", "target layers tapped: [1, 3]", "drafter KV:           own",
+                   "ACCEPT   -> DRAFT | FINISHED"]:
+        assert needle in out
+
+
+def test_bad_inputs_give_clear_errors(capsys, tmp_path):
+    assert main(["generate", "--spec", str(tmp_path / "missing.yaml"), "x"]) == 1
+    assert "file not found" in capsys.readouterr().err
+    assert main(["generate", "--spec", TINY, ""]) == 1
+    assert "prompt is empty" in capsys.readouterr().err
+    assert main(["explain", str(ROOT / "specs" / "qwen3-8b-dflash-b16.yaml")]) == 1
+    assert "config.json: file not found" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("draftline") is None, reason="console script not installed (pip install -e .)")
+def test_console_script():
+    res = subprocess.run(["draftline", "validate", str(ROOT / "specs")], capture_output=True, text=True)
+    assert res.returncode == 0 and "invalid" in res.stdout

@@ -1,0 +1,86 @@
+"""Engine behaviour: the state machine's table, slots freed and refilled, limits and bad input."""
+
+import pytest
+
+from conftest import tiny_spec
+from core.engine import Engine, RequestError
+from core.machine import TRANSITIONS, Phase, TransitionError, advance
+from core.request import Request, SpecStats
+from core.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(tiny_spec(max_batch_size=2))
+
+
+def test_transition_table_is_closed_and_enforced():
+    assert set(TRANSITIONS) == set(Phase)
+    assert all(set(nxt) <= set(Phase) for nxt in TRANSITIONS.values())
+    req = Request(0, [1], GREEDY, frozenset(), 100, SpecStats(0), phase=Phase.WAITING)
+    with pytest.raises(TransitionError, match="WAITING -> VERIFY"):
+        advance(req, Phase.VERIFY)
+    for to in (Phase.PREFILL, Phase.DRAFT, Phase.VERIFY, Phase.ACCEPT, Phase.DRAFT):
+        advance(req, to)
+
+
+def test_more_requests_than_slots(engine):
+    prompts = ["a", "bb bb", "ccc ccc ccc", "d", "eeeee", "ff"]
+    together = [c.output_ids for c in engine.generate(prompts, GREEDY)]
+    alone = [engine.generate([p], GREEDY)[0].output_ids for p in prompts]
+    assert together == alone and all(len(x) == 10 for x in together)
+    assert not engine.scheduler.has_work()
+
+
+def test_phases_after_generate(engine):
+    req = engine.add_request("abc", GREEDY)
+    assert req.phase is Phase.WAITING
+    engine.step()
+    assert req.phase is Phase.DRAFT and len(req.output_ids) == 1 and req.draft_state is not None
+    while engine.scheduler.has_work():
+        engine.step()
+    assert req.phase is Phase.FINISHED and req.kv is None and req.draft_state is None
+
+
+def test_max_new_tokens_one_finishes_at_prefill(engine):
+    c = engine.generate(["abc"], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
+    assert len(c.output_ids) == 1 and c.meta_info["spec_verify_ct"] == 0
+
+
+def test_max_model_len_stops_generation():
+    short = Engine(tiny_spec(max_model_len=20))
+    c = short.generate(["0123456789"], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
+    assert c.meta_info["prompt_tokens"] + c.meta_info["completion_tokens"] == 20
+    assert c.meta_info["finish_reason"]["type"] == "length"
+    with pytest.raises(RequestError, match="max_model_len is 20"):
+        short.generate(["x" * 25], GREEDY)
+
+
+def test_eos_stops_unless_ignored(engine):
+    eos = engine.target.config.eos_token_ids
+    assert eos == (256,)
+    assert set(eos) <= engine.add_request("q", SamplingParams(stop_token_ids=(7,))).stop_ids == {256, 7}
+    assert engine.add_request("q", SamplingParams(ignore_eos=True, stop_token_ids=(7,))).stop_ids == {7}
+    while engine.scheduler.has_work():
+        engine.step()
+    full = engine.generate(["q"], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].output_ids
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=(full[3],), ignore_eos=True)
+    out = engine.generate(["q"], params)[0]
+    assert out.meta_info["finish_reason"] == {"type": "stop", "matched": full[3]}
+    assert out.output_ids == full[: full.index(full[3]) + 1]
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "prompt is empty"),
+    ([1, 2, 100000], r"input_ids must lie in \[0, 384\)"),
+])
+def test_bad_prompts(engine, prompt, match):
+    with pytest.raises(RequestError, match=match):
+        engine.generate([prompt], GREEDY)
+
+
+def test_token_id_prompts(engine):
+    ids = engine.encode("hello")
+    assert engine.generate([ids], GREEDY)[0].output_ids == engine.generate(["hello"], GREEDY)[0].output_ids
