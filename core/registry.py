@@ -27,6 +27,7 @@ class Registry:
         """Register ``obj`` under ``name``; used bare or as a class decorator."""
         if obj is None:
             return lambda o: self.register(name, o) or o
+        self._ensure_loaded()  # so a name clashing with a built-in raises here, not later
         if name in self._entries:
             raise RegistryError(f"{self.kind} {name!r} is already registered; pick another name")
         self._entries[name] = obj
