@@ -113,6 +113,54 @@ def _print_text(engine: Any, prompt: str, result: dict[str, Any]) -> None:
         print(f"  @{r['position']}: drafted {r['drafted']} accepted {r['accepted']} emitted {r['emitted']}")
 
 
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from .training.corpus import build_corpus
+
+    info = build_corpus(Path(args.out), args.vocab_size, args.prompts)
+    print(json.dumps(info, indent=2))
+    print(f"wrote {args.out}/corpus.pt ({info['bytes'] / 2**20:.1f} MiB: {info['train_tokens']:,} train and "
+          f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, eval_prompts.jsonl")
+    return 0
+
+
+def _corpus(path: str):
+    import torch
+
+    file = Path(path) / "corpus.pt"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: not found; build it first with `draftline corpus --out {path}`")
+    return torch.load(file)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import shutil
+
+    from .training.loop import pick_device
+
+    data, device, out = _corpus(args.data), pick_device(args.device), Path(args.out)
+    overrides = {k: v for k, v in vars(args).items() if k in TRAIN_KNOBS and v is not None}
+    if args.what == "target":
+        from .training.pretrain import PretrainConfig, pretrain
+
+        cfg = PretrainConfig(**{"preset": "tiny-code", **overrides})
+        summary = pretrain(data["train"], data["heldout"], data["vocab_size"], data["eos_id"], out, cfg, device)
+        shutil.copy(Path(args.data) / "tokenizer.json", out / "tokenizer.json")
+    else:
+        from .models.loader import load_target
+        from .training.distill import DistillConfig, train_dflash
+
+        if not args.target:
+            raise FileNotFoundError("train dflash needs --target FOLDER (a trained target checkpoint)")
+        cfg = DistillConfig(**{"preset": "tiny-code-dflash", **overrides})
+        summary = train_dflash(load_target(args.target), data["train"], data["heldout"], out, cfg, device)
+    print(summary.report())
+    return 0
+
+
+TRAIN_KNOBS = ("preset", "steps", "batch_size", "seq_len", "lr", "seed", "num_sequences", "gen_len", "gen_batch",
+               "anchors", "eval_every", "max_seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftline", description="Speculative-decoding inference engine.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true", help="add every round's drafts and acceptance")
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("corpus", help="tokenize the standard library's Python source (train/held-out by module)")
+    c.add_argument("--out", default="data/corpus")
+    c.add_argument("--vocab-size", type=int, default=4096)
+    c.add_argument("--prompts", type=int, default=120, help="held-out evaluation prompts to write")
+    c.set_defaults(func=cmd_corpus)
+    t = sub.add_parser("train", help="train the tiny target, or a DFlash drafter for it")
+    t.add_argument("what", choices=["target", "dflash"])
+    t.add_argument("--data", default="data/corpus", help="folder written by `draftline corpus`")
+    t.add_argument("--out", required=True, help="checkpoint folder to write")
+    t.add_argument("--target", help="(dflash) the trained target's folder")
+    t.add_argument("--device", default="auto")
+    for knob, kind in [("preset", str), ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
+                       ("seed", int), ("num_sequences", int), ("gen_len", int), ("gen_batch", int),
+                       ("anchors", int), ("eval_every", int), ("max_seconds", float)]:
+        t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind)
+    t.set_defaults(func=cmd_train)
     return p
 
 

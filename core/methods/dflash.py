@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
@@ -16,6 +17,7 @@ from backends.base import KVStore, Proposal
 from ..machine import Plan
 from ..models.config import ConfigError, DFlashConfig, ModelConfig, dflash_config, read_config_json
 from ..models.dflash import DFlashDraftModel
+from ..models.layers import causal_attention
 from ..models.loader import load_dflash, place, random_dflash
 from ..models.presets import DRAFT_PRESETS, dflash_preset
 from ..models.target import TargetModel
@@ -168,3 +170,62 @@ class DFlashDrafter(Drafter):
         seeds = batch.seed.to(dev)[:, None].expand(n, k).reshape(-1)
         tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:].reshape(-1), Stream.DRAFT)
         return Proposal(tokens=tokens.view(n, k), probs=q)
+
+
+# ---------------------------------------------------------------- training objective
+
+
+@dataclass(frozen=True)
+class BlockBatch:
+    """Anchored blocks cut from target-generated sequences."""
+
+    tokens: Tensor  # [b, L] token ids
+    anchors: Tensor  # [b, A] positions of each block's first slot (the anchor token)
+
+
+def training_loss(
+    drafter: DFlashDraftModel, target: TargetModel, batch: BlockBatch, mask_token_id: int, gamma: float = 7.0
+) -> tuple[Tensor, Tensor]:
+    """Weighted cross-entropy of slots 1..B-1, each block seeing target features strictly
+    before its anchor. Returns (loss, correct [b, A, B-1] bool) for acceptance estimates."""
+    tokens, anchors = batch.tokens, batch.anchors
+    b, length = tokens.shape
+    a, blk = anchors.shape[1], drafter.config.block_size
+    dev = tokens.device
+    positions = torch.arange(length, device=dev)[None].expand(b, -1)
+    with torch.no_grad():
+        _, features = target(tokens, positions, causal_attention, drafter.config.target_layer_ids)
+    context = drafter.context_kv(features, positions)  # per layer (k, v) [b, Hkv, L, D]
+    block_pos = anchors[..., None] + torch.arange(blk, device=dev)  # [b, A, B]
+    labels = tokens.gather(1, block_pos.flatten(1)).view(b, a, blk)
+    ids = torch.full_like(labels, mask_token_id)
+    ids[..., 0] = labels[..., 0]
+    sees = _block_mask(anchors, length, blk)  # [b, 1, A*B, L + A*B]
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys = torch.cat([context[layer][0], k], dim=2)
+        values = torch.cat([context[layer][1], v], dim=2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=sees, enable_gqa=True)
+
+    hidden = drafter(target.embed(ids.flatten(1)), block_pos.flatten(1), attend)  # [b, A*B, H]
+    logits = target.logits(hidden.view(b, a, blk, -1)[:, :, 1:])  # [b, A, B-1, V]
+    ce = F.cross_entropy(logits.flatten(0, 2), labels[:, :, 1:].flatten(), reduction="none").view(b, a, blk - 1)
+    weight = torch.exp(-torch.arange(blk - 1, device=dev, dtype=torch.float32) / gamma)  # exp(-(k-1)/gamma)
+    loss = (ce * weight).sum(-1).mean() / weight.sum()
+    return loss, logits.argmax(-1) == labels[:, :, 1:]
+
+
+def _block_mask(anchors: Tensor, length: int, blk: int) -> Tensor:
+    """Slot (a, k) sees context positions < anchor_a and every slot of its own block a."""
+    b, a = anchors.shape
+    dev = anchors.device
+    ctx = torch.arange(length, device=dev)[None, None] < anchors[..., None]  # [b, A, L]
+    ctx = ctx[:, :, None].expand(b, a, blk, length).reshape(b, a * blk, length)
+    which = torch.arange(a * blk, device=dev) // blk
+    own = (which[:, None] == which[None, :]).expand(b, -1, -1)  # [b, A*B, A*B]
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def expected_accept_length(correct: Tensor) -> float:
+    """τ if every block were verified greedily: 1 + mean length of the leading correct run."""
+    return 1.0 + float(correct.long().cumprod(dim=-1).sum(-1).float().mean())

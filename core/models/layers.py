@@ -23,6 +23,11 @@ class AttentionFn(Protocol):
         ...
 
 
+def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Whole sequences, causal, no cache: for training and for uncached scoring."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -41,13 +41,61 @@ _QWEN3_8B = {
     "eos_token_id": 151645,
 }
 
+# The trained tiny family (vocab_size and eos_token_id come from the trained tokenizer).
+_TINY_CODE = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "eos_token_id": 0,
+    "initializer_range": 0.02,
+}
+
+# A micro shape for CI's few-step training runs.
+_MICRO = {
+    **_TINY_CODE,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+}
+
 TARGET_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-code": _TINY_CODE,
+    "micro": _MICRO,
     "tiny-qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_TINY},
     "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_TINY},
     "qwen3-8b": _QWEN3_8B,
 }
 
 DRAFT_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-code-dflash": {
+        **_TINY_CODE,
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 2,
+        "num_target_layers": 8,
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 5]},
+    },
+    "micro-dflash": {
+        **_MICRO,
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 1,
+        "num_target_layers": 2,
+        "block_size": 4,
+        "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1]},
+    },
     "tiny-dflash": {
         **TARGET_PRESETS["tiny-qwen3"],
         "architectures": ["DFlashDraftModel"],

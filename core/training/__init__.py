@@ -1,0 +1,1 @@
+"""Training the tiny model family: corpus, tokenizer, target pretraining, drafter distillation."""

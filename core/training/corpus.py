@@ -1,0 +1,122 @@
+"""A Python-source corpus from the running interpreter's standard library, no downloads.
+
+Files are grouped by top-level module and split deterministically: a module is held out when
+the first byte of sha1(name) is divisible by 10, so held-out modules are never trained on.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+# Generated tables and bundled data say little about how Python is written.
+EXCLUDED_TOP = {"pydoc_data", "encodings", "site-packages"}
+EXCLUDED_PARTS = {"site-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Split:
+    train: dict[str, list[Path]]  # module -> files
+    heldout: dict[str, list[Path]]
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_held_out(module: str) -> bool:
+    return hashlib.sha1(module.encode()).digest()[0] % 10 == 0
+
+
+def split_stdlib(root: Path | None = None) -> Split:
+    root = root or stdlib_root()
+    modules: dict[str, list[Path]] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        top = rel.parts[0].removesuffix(".py")
+        if top in EXCLUDED_TOP or EXCLUDED_PARTS & set(rel.parts):
+            continue
+        modules.setdefault(top, []).append(path)
+    train = {m: f for m, f in modules.items() if not is_held_out(m)}
+    heldout = {m: f for m, f in modules.items() if is_held_out(m)}
+    return Split(train=train, heldout=heldout)
+
+
+def read_sources(modules: dict[str, list[Path]]) -> list[str]:
+    out = []
+    for files in modules.values():
+        for path in files:
+            try:
+                out.append(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, OSError):
+                continue  # a handful of stdlib files are not UTF-8 text; skip them
+    return out
+
+
+def function_prompts(modules: dict[str, list[Path]], count: int, max_chars: int = 400) -> list[dict]:
+    """Function signatures plus the first line of their bodies, dedented, chosen by a hash."""
+    found = []
+    for module, files in modules.items():
+        for path in files:
+            try:
+                source = path.read_text(encoding="utf-8")
+                tree = ast.parse(source)
+            except (UnicodeDecodeError, SyntaxError, OSError):
+                continue
+            lines = source.splitlines()
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(node.body) >= 2:
+                    first = node.body[0]
+                    if first.lineno <= node.lineno:
+                        continue  # a one-line def has no body to continue
+                    text = textwrap.dedent("\n".join(lines[node.lineno - 1 : first.lineno])) + "\n"
+                    if 30 <= len(text) <= max_chars:
+                        key = hashlib.sha1(f"{module}:{path.name}:{node.lineno}".encode()).hexdigest()
+                        found.append({"module": module, "name": node.name, "prompt": text, "key": key})
+    found.sort(key=lambda d: d["key"])
+    return [{k: d[k] for k in ("module", "name", "prompt")} for d in found[:count]]
+
+
+def write_prompts(path: Path, prompts: list[dict]) -> None:
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+
+
+def read_prompts(path: Path) -> list[str]:
+    return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
+    """Train the tokenizer on the train split, tokenize both splits, pick held-out prompts."""
+    import torch
+
+    from .bpe import train_bpe
+
+    out.mkdir(parents=True, exist_ok=True)
+    split = split_stdlib()
+    train_texts, heldout_texts = read_sources(split.train), read_sources(split.heldout)
+    tok = train_bpe(train_texts, vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+
+    def flat(texts: list[str]) -> torch.Tensor:
+        ids: list[int] = []
+        for enc in tok.encode_batch(texts, add_special_tokens=False):
+            ids += enc.ids + [eos]
+        return torch.tensor(ids, dtype=torch.int16)
+
+    data = {"train": flat(train_texts), "heldout": flat(heldout_texts), "vocab_size": tok.get_vocab_size(), "eos_id": eos}
+    torch.save(data, out / "corpus.pt")
+    write_prompts(out / "eval_prompts.jsonl", function_prompts(split.heldout, num_prompts))
+    return {
+        "train_modules": len(split.train),
+        "heldout_modules": sorted(split.heldout),
+        "train_tokens": data["train"].numel(),
+        "heldout_tokens": data["heldout"].numel(),
+        "vocab_size": data["vocab_size"],
+        "bytes": (out / "corpus.pt").stat().st_size,
+    }

@@ -1,0 +1,93 @@
+"""Training code paths on a micro config (CPU): corpus split, tokenizer, a few target and
+drafter steps, and the checkpoints they write round-tripping through the engine."""
+
+import json
+
+import pytest
+import torch
+
+from core.engine import Engine
+from core.methods.dflash import BlockBatch, _block_mask, training_loss
+from core.models.loader import load_target, random_dflash, random_target
+from core.models.tokenizer import byte_tokenizer
+from core.spec import parse_spec
+from core.training.bpe import train_bpe
+from core.training.corpus import function_prompts, is_held_out, split_stdlib
+from core.training.distill import DistillConfig, generate, train_dflash
+from core.training.pretrain import PretrainConfig, pretrain
+
+
+def test_split_is_by_module_and_deterministic():
+    a, b = split_stdlib(), split_stdlib()
+    assert a.train.keys() == b.train.keys() and a.heldout.keys() == b.heldout.keys()
+    assert not set(a.train) & set(a.heldout)
+    assert all(is_held_out(m) for m in a.heldout) and not any(is_held_out(m) for m in a.train)
+    assert len(a.heldout) >= 5 and len(a.train) > 5 * len(a.heldout)
+
+
+def test_heldout_prompts_are_function_starts():
+    split = split_stdlib()
+    prompts = function_prompts(split.heldout, 100)
+    assert len(prompts) == 100 and all(p["module"] in split.heldout for p in prompts)
+    assert all(p["prompt"].lstrip().startswith(("def ", "async def ")) for p in prompts)
+
+
+def test_bpe_has_specials_and_round_trips():
+    tok = train_bpe(["def f(x):\n    return x + 1\n"] * 50 + ["class A:\n    pass\n"] * 50, 600)
+    assert tok.token_to_id("<|endoftext|>") == 0 and tok.token_to_id("<|mask|>") == 1
+    text = "def g(y):\n    return y * 2  # é\n"
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_block_mask_sees_only_context_before_anchor_and_own_block():
+    m = _block_mask(torch.tensor([[2, 5]]), length=8, blk=3)[0, 0]  # [6, 8 + 6]
+    assert m[0, :8].tolist() == [1, 1, 0, 0, 0, 0, 0, 0] and m[4, :8].tolist() == [1] * 5 + [0] * 3
+    assert m[0, 8:].tolist() == [1, 1, 1, 0, 0, 0] and m[5, 8:].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_training_loss_ignores_everything_at_or_after_the_anchor():
+    """Perturbing tokens after the anchor (beyond the block's labels) cannot change the loss;
+    perturbing a context token before it does."""
+    target, drafter = random_target("tiny-qwen3", 0), random_dflash("tiny-dflash", 1)
+    tokens = torch.randint(0, 256, (1, 60))
+    anchors = torch.tensor([[20]])
+    base, _ = training_loss(drafter, target, BlockBatch(tokens, anchors), 257)
+    later = tokens.clone()
+    later[0, 36:] = (later[0, 36:] + 1) % 256  # after the block (20..35)
+    same, _ = training_loss(drafter, target, BlockBatch(later, anchors), 257)
+    earlier = tokens.clone()
+    earlier[0, 5] = (earlier[0, 5] + 1) % 256
+    moved, _ = training_loss(drafter, target, BlockBatch(earlier, anchors), 257)
+    assert torch.allclose(base, same) and not torch.allclose(base, moved)
+
+
+def test_micro_training_round_trip(tmp_path):
+    torch.manual_seed(0)
+    stream = torch.randint(2, 300, (20000,), dtype=torch.int16)
+    pre = PretrainConfig(preset="micro", steps=6, batch_size=4, seq_len=32, eval_every=3)
+    summary = pretrain(stream, stream[:2000], 300, 0, tmp_path / "t", pre, torch.device("cpu"))
+    assert summary.steps == 6 and "heldout_ppl" in summary.heldout
+    byte_tokenizer(300).save(str(tmp_path / "t" / "tokenizer.json"))
+    target = load_target(tmp_path / "t")
+    cfg = DistillConfig(preset="micro-dflash", num_sequences=8, prompt_len=8, gen_len=12, gen_batch=4, steps=4,
+                        batch_size=2, anchors=3, eval_every=2)
+    summary = train_dflash(target, stream, stream[:2000], tmp_path / "d", cfg, torch.device("cpu"))
+    assert summary.steps == 4 and "heldout_tau_est" in summary.heldout
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    spec = parse_spec({"model": {"path": str(tmp_path / "t")},
+                       "speculative": {"method": "dflash", "draft": {"path": str(tmp_path / "d")}}})
+    engine = Engine(spec)
+    params = engine.spec.sampling.params(max_new_tokens=6, ignore_eos=True)
+    out = engine.generate([[5, 6, 7]], params)[0]
+    base = engine.with_method({"method": "none"}).generate([[5, 6, 7]], params)[0]
+    assert out.output_ids == base.output_ids and len(out.output_ids) == 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dense_generation_matches_engine(temperature):
+    """The distillation generator agrees with the engine's `none` decoding, greedy and seeded."""
+    engine = Engine(parse_spec({"model": {"random_init": {"preset": "tiny-qwen3"}}}))
+    prompt = engine.encode("def f(x):")
+    out = generate(engine.target, torch.tensor([prompt]), 10, temperature, seed=4)[0, len(prompt):].tolist()
+    params = engine.spec.sampling.params(max_new_tokens=10, temperature=temperature, seed=4, ignore_eos=True)
+    assert out == engine.generate([prompt], params)[0].output_ids
