@@ -152,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not args.target:
             raise FileNotFoundError("train dflash needs --target FOLDER (a trained target checkpoint)")
         cfg = DistillConfig(**{"preset": "tiny-code-dflash", **overrides})
-        summary = train_dflash(load_target(args.target), data["train"], data["heldout"], out, cfg, device)
+        summary = train_dflash(load_target(args.target), data, out, cfg, device)
     print(summary.report())
     return 0
 

@@ -110,10 +110,15 @@ def probs_from_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     x = logits.float().reshape(n, -1, v)  # [N, T, V]
     temp = batch.temperature.to(x.device)[:, None, None]
     greedy = temp == 0
+    onehot = torch.nn.functional.one_hot(x.argmax(-1), v).to(torch.float32)
+    if bool(greedy.all()):
+        return onehot.reshape(shape)
     x = x / torch.where(greedy, torch.ones_like(temp), temp)
-    x = _top_k(x, batch.top_k.to(x.device))
-    probs = _top_p(torch.softmax(x, dim=-1), batch.top_p.to(x.device))
-    onehot = torch.nn.functional.one_hot(logits.reshape(n, -1, v).argmax(-1), v).to(probs.dtype)
+    if bool((batch.top_k > 0).any()):  # rows with top-k off pass through _top_k unchanged
+        x = _top_k(x, batch.top_k.to(x.device))
+    probs = torch.softmax(x, dim=-1)
+    if bool((batch.top_p < 1).any()):
+        probs = _top_p(probs, batch.top_p.to(x.device))
     return torch.where(greedy, onehot, probs).reshape(shape)
 
 

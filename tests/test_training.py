@@ -71,7 +71,8 @@ def test_micro_training_round_trip(tmp_path):
     target = load_target(tmp_path / "t")
     cfg = DistillConfig(preset="micro-dflash", num_sequences=8, prompt_len=8, gen_len=12, gen_batch=4, steps=4,
                         batch_size=2, anchors=3, eval_every=2)
-    summary = train_dflash(target, stream, stream[:2000], tmp_path / "d", cfg, torch.device("cpu"))
+    corpus = {"train": stream, "heldout": stream[:2000], "train_function_starts": torch.tensor([50, 700, 9000])}
+    summary = train_dflash(target, corpus, tmp_path / "d", cfg, torch.device("cpu"))
     assert summary.steps == 4 and "heldout_tau_est" in summary.heldout
     assert json.loads((tmp_path / "d" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     spec = parse_spec({"model": {"path": str(tmp_path / "t")},

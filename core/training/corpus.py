@@ -7,6 +7,7 @@ the first byte of sha1(name) is divisible by 10, so held-out modules are never t
 from __future__ import annotations
 
 import ast
+import bisect
 import hashlib
 import json
 import sysconfig
@@ -82,6 +83,22 @@ def function_prompts(modules: dict[str, list[Path]], count: int, max_chars: int 
     return [{k: d[k] for k in ("module", "name", "prompt")} for d in found[:count]]
 
 
+def function_starts(source: str) -> list[int]:
+    """Character offsets just past each function's signature and first body line."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    line_ends = [i + 1 for i, ch in enumerate(source) if ch == "\n"]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body[0].lineno > node.lineno:
+            line = node.body[0].lineno  # 1-based; its end is line_ends[line - 1]
+            if line - 1 < len(line_ends):
+                out.append(line_ends[line - 1])
+    return sorted(out)
+
+
 def write_prompts(path: Path, prompts: list[dict]) -> None:
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
 
@@ -103,13 +120,20 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
     tok.save(str(out / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
 
-    def flat(texts: list[str]) -> torch.Tensor:
+    def flat(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token stream with end-of-text between files, and each function start's last token."""
         ids: list[int] = []
-        for enc in tok.encode_batch(texts, add_special_tokens=False):
+        starts: list[int] = []
+        for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False)):
+            token_starts = [a for a, _ in enc.offsets]
+            starts += [len(ids) + bisect.bisect_left(token_starts, c) - 1 for c in function_starts(text)]
             ids += enc.ids + [eos]
-        return torch.tensor(ids, dtype=torch.int16)
+        return torch.tensor(ids, dtype=torch.int16), torch.tensor(starts, dtype=torch.int64)
 
-    data = {"train": flat(train_texts), "heldout": flat(heldout_texts), "vocab_size": tok.get_vocab_size(), "eos_id": eos}
+    train, train_fn = flat(train_texts)
+    heldout, heldout_fn = flat(heldout_texts)
+    data = {"train": train, "heldout": heldout, "train_function_starts": train_fn,
+            "heldout_function_starts": heldout_fn, "vocab_size": tok.get_vocab_size(), "eos_id": eos}
     torch.save(data, out / "corpus.pt")
     write_prompts(out / "eval_prompts.jsonl", function_prompts(split.heldout, num_prompts))
     return {
@@ -117,6 +141,7 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
         "heldout_modules": sorted(split.heldout),
         "train_tokens": data["train"].numel(),
         "heldout_tokens": data["heldout"].numel(),
+        "train_function_starts": train_fn.numel(),
         "vocab_size": data["vocab_size"],
         "bytes": (out / "corpus.pt").stat().st_size,
     }

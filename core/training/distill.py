@@ -60,7 +60,7 @@ class DistillConfig:
     num_sequences: int = 4096
     prompt_len: int = 64
     gen_len: int = 192
-    gen_batch: int = 512
+    gen_batch: int = 1024
     steps: int = 3000
     batch_size: int = 32
     anchors: int = 32
@@ -72,15 +72,27 @@ class DistillConfig:
     max_seconds: float | None = None  # stop early (then evaluate and save) past this wall time
 
 
-def distill_data(target: TargetModel, corpus: Tensor, cfg: DistillConfig, count: int, seed: int, device) -> Tensor:
-    """Target continuations of corpus windows: half greedy, half sampled at temperature 1."""
+def prompt_windows(stream: Tensor, ends: Tensor | None, count: int, length: int, gen: torch.Generator) -> Tensor:
+    """`count` windows of `length` tokens: ending where a function body starts, when known."""
+    if ends is None or ends.numel() == 0:
+        return random_windows(stream, count, length - 1, gen)
+    ends = ends[ends >= length]
+    pick = ends[torch.randint(0, ends.numel(), (count,), generator=gen)]
+    return torch.stack([stream[e - length + 1 : e + 1] for e in pick.tolist()]).long()
+
+
+def distill_data(target: TargetModel, stream: Tensor, ends: Tensor | None, cfg: DistillConfig, count: int,
+                 seed: int, device) -> Tensor:
+    """Target continuations of corpus windows (half ending at a function start): three
+    batches in four greedy, as temperature-0 serving sees them, one sampled at temperature 1."""
     gen = torch.Generator().manual_seed(seed)
+    batches = max(1, count // cfg.gen_batch)
     out = []
-    bar = progress(count // cfg.gen_batch, "generate")
-    for i in range(count // cfg.gen_batch):
-        prompts = random_windows(corpus, cfg.gen_batch, cfg.prompt_len - 1, gen).to(device)
-        temperature = 0.0 if i % 2 == 0 else 1.0
-        out.append(generate(target, prompts, cfg.gen_len, temperature, seed * 100003 + i * cfg.gen_batch))
+    bar = progress(batches, "generate")
+    for i in range(batches):
+        prompts = prompt_windows(stream, ends if i % 2 == 0 else None, cfg.gen_batch, cfg.prompt_len, gen)
+        temperature = 1.0 if i % 4 == 3 else 0.0
+        out.append(generate(target, prompts.to(device), cfg.gen_len, temperature, seed * 100003 + i * cfg.gen_batch))
         bar.update(1)
     bar.close()
     return torch.cat(out)
@@ -105,7 +117,8 @@ def evaluate(drafter, target, data: Tensor, cfg: DistillConfig, mask_id: int, bl
     return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus)}
 
 
-def train_dflash(target: TargetModel, train: Tensor, heldout: Tensor, out: Path, cfg: DistillConfig, device) -> Summary:
+def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfig, device) -> Summary:
+    """``corpus`` as written by build_corpus: token streams and function-start positions."""
     raw = {**DRAFT_PRESETS[cfg.preset], "vocab_size": target.config.vocab_size}
     drafter = DFlashDraftModel(dflash_config(raw))
     init_random(drafter, cfg.seed, drafter.config.layers.initializer_range)
@@ -113,14 +126,15 @@ def train_dflash(target: TargetModel, train: Tensor, heldout: Tensor, out: Path,
     target.to(device).eval().requires_grad_(False)
     mask_id, blk = drafter.config.mask_token_id, drafter.config.block_size
     log.info("distill.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
-    data = distill_data(target, train, cfg, cfg.num_sequences, cfg.seed, device)
-    held = distill_data(target, heldout, cfg, max(cfg.gen_batch, cfg.num_sequences // 16), cfg.seed + 1, device)
+    train_ends, held_ends = corpus.get("train_function_starts"), corpus.get("heldout_function_starts")
+    data = distill_data(target, corpus["train"], train_ends, cfg, cfg.num_sequences, cfg.seed, device)
+    held = distill_data(target, corpus["heldout"], held_ends, cfg, cfg.num_sequences // 8, cfg.seed + 1, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
     summary = Summary("dflash")
     bar = progress(cfg.steps, "dflash")
     for step in range(cfg.steps):
-        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup))
+        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(cfg.max_seconds)))
         with autocast(device):
             loss, _ = training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)
         opt.zero_grad(set_to_none=True)

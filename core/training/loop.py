@@ -27,10 +27,12 @@ def autocast(device: torch.device):
     return nullcontext()
 
 
-def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
+def cosine_lr(step: int, total: int, peak: float, warmup: int, time_fraction: float = 0.0) -> float:
+    """Warmup then cosine decay to 3% of peak; a time budget counts as progress too, so a
+    run cut short by its budget still ends with a decayed learning rate."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    progress = max((step - warmup) / max(1, total - warmup), time_fraction)
     return peak * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -50,6 +52,9 @@ class Summary:
     @property
     def wall_s(self) -> float:
         return time.perf_counter() - self.started
+
+    def time_fraction(self, budget: float | None) -> float:
+        return 0.0 if budget is None else self.wall_s / budget
 
     def report(self) -> str:
         parts = [f"{self.what}: {self.steps} steps", f"final loss {self.loss:.4f}"]

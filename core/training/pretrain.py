@@ -72,7 +72,7 @@ def pretrain(train: torch.Tensor, heldout: torch.Tensor, vocab_size: int, eos_id
     summary = Summary("target")
     bar = progress(cfg.steps, "target")
     for step in range(cfg.steps):
-        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup))
+        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(cfg.max_seconds)))
         with autocast(device):
             loss = lm_loss(model, random_windows(train, cfg.batch_size, cfg.seq_len, gen).to(device))
         opt.zero_grad(set_to_none=True)
