@@ -12,7 +12,7 @@ from .models.config import ConfigError
 from .models.checkpoint import CheckpointError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SPEC = PROJECT_ROOT / "specs" / "tiny-random-dflash.yaml"
+DEFAULT_SPEC = PROJECT_ROOT / "specs" / "tiny-dflash.yaml"
 
 
 def _spec_files(paths: list[str]) -> list[Path]:
@@ -152,13 +152,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not args.target:
             raise FileNotFoundError("train dflash needs --target FOLDER (a trained target checkpoint)")
         cfg = DistillConfig(**{"preset": "tiny-code-dflash", **overrides})
-        summary = train_dflash(load_target(args.target), data, out, cfg, device)
+        init = Path(args.init) if args.init else None
+        summary = train_dflash(load_target(args.target), data, out, cfg, device, init)
     print(summary.report())
     return 0
 
 
 TRAIN_KNOBS = ("preset", "steps", "batch_size", "seq_len", "lr", "seed", "num_sequences", "gen_len", "gen_batch",
-               "anchors", "eval_every", "max_seconds")
+               "anchors", "eval_every", "max_seconds", "mix")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .evaluation import evaluate, format_table, plot
+    from .training.corpus import read_prompts
+
+    engine = Engine.from_spec(args.spec)
+    prompts = read_prompts(args.prompts)[: args.num_prompts]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    results = [evaluate(engine, prompts, t, args.max_new_tokens, args.seed) for t in temps]
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "round_lengths"} for r in results]))
+    else:
+        print(f"{args.spec}: {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, batch 1, "
+              f"{engine.backend_name} backend on {engine.device}")
+        print(format_table(results))
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    lossy = [r for r in results if r["temperature"] == 0 and not r["lossless_check"].startswith(f"{len(prompts)}/")]
+    return 1 if lossy else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true", help="add every round's drafts and acceptance")
     g.set_defaults(func=cmd_generate)
+    ev = sub.add_parser("eval", help="tau, acceptance and speedup against `none` on held-out prompts")
+    ev.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
+    ev.add_argument("--prompts", default=str(PROJECT_ROOT / "specs" / "tiny" / "eval_prompts.jsonl"))
+    ev.add_argument("--num-prompts", type=int, default=120)
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--temperatures", default="0,1.0")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--plot", help="write a PNG of per-position acceptance and the tau distribution")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_eval)
     c = sub.add_parser("corpus", help="tokenize the standard library's Python source (train/held-out by module)")
     c.add_argument("--out", default="data/corpus")
     c.add_argument("--vocab-size", type=int, default=4096)
@@ -191,10 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default="data/corpus", help="folder written by `draftline corpus`")
     t.add_argument("--out", required=True, help="checkpoint folder to write")
     t.add_argument("--target", help="(dflash) the trained target's folder")
+    t.add_argument("--init", help="(dflash) continue training from this drafter checkpoint")
     t.add_argument("--device", default="auto")
     for knob, kind in [("preset", str), ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
                        ("seed", int), ("num_sequences", int), ("gen_len", int), ("gen_batch", int),
-                       ("anchors", int), ("eval_every", int), ("max_seconds", float)]:
+                       ("anchors", int), ("eval_every", int), ("max_seconds", float), ("mix", str)]:
         t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind)
     t.set_defaults(func=cmd_train)
     return p

@@ -134,6 +134,10 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
     heldout, heldout_fn = flat(heldout_texts)
     data = {"train": train, "heldout": heldout, "train_function_starts": train_fn,
             "heldout_function_starts": heldout_fn, "vocab_size": tok.get_vocab_size(), "eos_id": eos}
+    for name, modules in (("train", split.train), ("heldout", split.heldout)):  # bare prompts, as served
+        texts = [p["prompt"] for p in function_prompts(modules, 50000)]
+        encoded = tok.encode_batch(texts, add_special_tokens=False)
+        data[f"{name}_prompts"] = [torch.tensor(e.ids[:64], dtype=torch.int16) for e in encoded]
     torch.save(data, out / "corpus.pt")
     write_prompts(out / "eval_prompts.jsonl", function_prompts(split.heldout, num_prompts))
     return {

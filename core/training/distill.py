@@ -11,9 +11,10 @@ from torch import Tensor
 
 from ..methods.dflash import BlockBatch, expected_accept_length, training_loss
 from ..models.checkpoint import save_checkpoint
-from ..models.config import dflash_config
+from ..models.config import dflash_config, read_config_json
 from ..models.dflash import DFlashDraftModel
 from ..models.layers import init_random
+from ..models.loader import load_dflash
 from ..models.presets import DRAFT_PRESETS
 from ..models.target import TargetModel
 from ..sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits, sample
@@ -58,9 +59,10 @@ def generate(target: TargetModel, prompts: Tensor, new_tokens: int, temperature:
 class DistillConfig:
     preset: str = "tiny-code-dflash"
     num_sequences: int = 4096
-    prompt_len: int = 64
-    gen_len: int = 192
+    prompt_len: int = 64  # corpus-window prompts; bare prompts keep their own length
+    gen_len: int = 192  # every sequence is prompt_len + gen_len tokens long
     gen_batch: int = 1024
+    mix: str = "bare,fn,bare,sampled"  # prompt kind of each generation batch, cycled
     steps: int = 3000
     batch_size: int = 32
     anchors: int = 32
@@ -72,6 +74,12 @@ class DistillConfig:
     max_seconds: float | None = None  # stop early (then evaluate and save) past this wall time
 
 
+@dataclass(frozen=True)
+class Distilled:
+    tokens: Tensor  # [N, L] prompt + target continuation
+    first_anchor: Tensor  # [N] each row's last prompt position: blocks start there or later
+
+
 def prompt_windows(stream: Tensor, ends: Tensor | None, count: int, length: int, gen: torch.Generator) -> Tensor:
     """`count` windows of `length` tokens: ending where a function body starts, when known."""
     if ends is None or ends.numel() == 0:
@@ -81,54 +89,80 @@ def prompt_windows(stream: Tensor, ends: Tensor | None, count: int, length: int,
     return torch.stack([stream[e - length + 1 : e + 1] for e in pick.tolist()]).long()
 
 
-def distill_data(target: TargetModel, stream: Tensor, ends: Tensor | None, cfg: DistillConfig, count: int,
-                 seed: int, device) -> Tensor:
-    """Target continuations of corpus windows (half ending at a function start): three
-    batches in four greedy, as temperature-0 serving sees them, one sampled at temperature 1."""
+def bare_prompts(prompts: list[Tensor], count: int, gen: torch.Generator) -> Tensor:
+    """`count` function-start prompts of near-equal length (neighbours in length order), cut
+    to the shortest so they batch: what serving sees, a signature with nothing before it."""
+    order = sorted(prompts, key=len)
+    start = int(torch.randint(0, max(1, len(order) - count), (1,), generator=gen))
+    chosen = order[start : start + count]
+    n = min(len(p) for p in chosen)
+    return torch.stack([p[:n] for p in chosen]).long()
+
+
+def _prompts(kind: str, corpus: dict, split: str, cfg: DistillConfig, gen: torch.Generator) -> Tensor:
+    if kind == "bare" and corpus.get(f"{split}_prompts"):
+        return bare_prompts(corpus[f"{split}_prompts"], cfg.gen_batch, gen)
+    ends = corpus.get(f"{split}_function_starts") if kind == "fn" else None
+    return prompt_windows(corpus[split], ends, cfg.gen_batch, cfg.prompt_len, gen)
+
+
+def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConfig, count: int, seed: int,
+                 device) -> Distilled:
+    """Target continuations, greedy (labels = what temperature-0 verification accepts) except
+    for `sampled` batches, which continue random windows at temperature 1."""
     gen = torch.Generator().manual_seed(seed)
-    batches = max(1, count // cfg.gen_batch)
-    out = []
-    bar = progress(batches, "generate")
-    for i in range(batches):
-        prompts = prompt_windows(stream, ends if i % 2 == 0 else None, cfg.gen_batch, cfg.prompt_len, gen)
-        temperature = 1.0 if i % 4 == 3 else 0.0
-        out.append(generate(target, prompts.to(device), cfg.gen_len, temperature, seed * 100003 + i * cfg.gen_batch))
+    kinds = cfg.mix.split(",")
+    rows, firsts = [], []
+    bar = progress(max(1, count // cfg.gen_batch), "generate")
+    for i in range(max(1, count // cfg.gen_batch)):
+        kind = kinds[i % len(kinds)]
+        prompts = _prompts(kind, corpus, split, cfg, gen).to(device)
+        total = cfg.prompt_len + cfg.gen_len
+        temperature = 1.0 if kind == "sampled" else 0.0
+        rows.append(generate(target, prompts, total - prompts.shape[1], temperature, seed * 100003 + i * cfg.gen_batch))
+        firsts.append(torch.full((prompts.shape[0],), prompts.shape[1] - 1, device=device))
         bar.update(1)
     bar.close()
-    return torch.cat(out)
+    return Distilled(torch.cat(rows), torch.cat(firsts))
 
 
-def sample_blocks(data: Tensor, cfg: DistillConfig, blk: int, gen: torch.Generator) -> BlockBatch:
-    rows = torch.randint(0, data.shape[0], (cfg.batch_size,), generator=gen)
-    lo, hi = cfg.prompt_len - 1, data.shape[1] - blk  # blocks start at the last prompt token or later
-    anchors = torch.randint(lo, hi + 1, (cfg.batch_size, cfg.anchors), generator=gen)
-    return BlockBatch(tokens=data[rows], anchors=anchors.to(data.device))
+def sample_blocks(data: Distilled, cfg: DistillConfig, blk: int, gen: torch.Generator) -> BlockBatch:
+    rows = torch.randint(0, data.tokens.shape[0], (cfg.batch_size,), generator=gen).to(data.tokens.device)
+    lo = data.first_anchor[rows][:, None].float()  # [b, 1]
+    hi = data.tokens.shape[1] - blk
+    u = torch.rand(cfg.batch_size, cfg.anchors, generator=gen).to(lo.device)
+    anchors = (lo + u * (hi - lo + 1)).long().clamp(max=hi)  # uniform in [first_anchor, L - B]
+    return BlockBatch(tokens=data.tokens[rows], anchors=anchors)
 
 
 @torch.no_grad()
-def evaluate(drafter, target, data: Tensor, cfg: DistillConfig, mask_id: int, blk: int) -> dict[str, float]:
+def evaluate(drafter, target, data: Distilled, cfg: DistillConfig, mask_id: int, blk: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
     losses, taus = [], []
     for _ in range(8):
-        with autocast(data.device):
+        with autocast(data.tokens.device):
             loss, correct = training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)
         losses.append(float(loss))
         taus.append(expected_accept_length(correct))
     return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus)}
 
 
-def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfig, device) -> Summary:
-    """``corpus`` as written by build_corpus: token streams and function-start positions."""
-    raw = {**DRAFT_PRESETS[cfg.preset], "vocab_size": target.config.vocab_size}
-    drafter = DFlashDraftModel(dflash_config(raw))
-    init_random(drafter, cfg.seed, drafter.config.layers.initializer_range)
+def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfig, device,
+                 init: Path | None = None) -> Summary:
+    """``corpus`` as written by build_corpus; ``init`` continues from a drafter checkpoint."""
+    if init is not None:
+        raw = read_config_json(init)
+        drafter = load_dflash(init).float()
+    else:
+        raw = {**DRAFT_PRESETS[cfg.preset], "vocab_size": target.config.vocab_size}
+        drafter = DFlashDraftModel(dflash_config(raw))
+        init_random(drafter, cfg.seed, drafter.config.layers.initializer_range)
     drafter.to(device).train()
     target.to(device).eval().requires_grad_(False)
     mask_id, blk = drafter.config.mask_token_id, drafter.config.block_size
     log.info("distill.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
-    train_ends, held_ends = corpus.get("train_function_starts"), corpus.get("heldout_function_starts")
-    data = distill_data(target, corpus["train"], train_ends, cfg, cfg.num_sequences, cfg.seed, device)
-    held = distill_data(target, corpus["heldout"], held_ends, cfg, cfg.num_sequences // 8, cfg.seed + 1, device)
+    data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device)
+    held = distill_data(target, corpus, "heldout", cfg, cfg.num_sequences // 8, cfg.seed + 1, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
     summary = Summary("dflash")
