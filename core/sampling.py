@@ -92,8 +92,16 @@ def uniform(key: Tensor, cols: int | None = None) -> Tensor:
     if cols is not None:
         col = torch.arange(cols, dtype=torch.int64, device=key.device)
         key = hash32(key[:, None] ^ hash32(col[None, :] + 0x9E3779B9))
-    bits = (hash32(key) >> 8).to(torch.float32)  # 24 random bits
-    return (bits + 0.5) * (1.0 / 16777216.0)
+    return unit_interval(hash32(key))
+
+
+def unit_interval(h: Tensor) -> Tensor:
+    """32-bit hashes -> float32 strictly inside (0, 1): 23 bits plus one half, scaled by 2^-23.
+
+    Every value (k + 0.5) / 2^23 is exact in float32, so neither 0 nor 1 can occur; 24 bits
+    would round the top value to 1.0 and make Gumbel noise infinite.
+    """
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 # ---------------------------------------------------------------- distributions

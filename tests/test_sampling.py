@@ -5,6 +5,7 @@ import torch
 
 from core.sampling import (
     SamplingBatch, SamplingParams, Stream, accept_drafts, hash32, probs_from_logits, row_key, sample, uniform,
+    unit_interval,
 )
 from stats import chi_square_p
 
@@ -124,3 +125,21 @@ def test_seeded_acceptance_repeats_and_ignores_batch_order():
     c = accept_drafts(p[perm], drafts[perm], q[perm], seeds[perm], first[perm])
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
     assert torch.equal(a.tokens[perm], c.tokens) and torch.equal(a.num_accepted[perm], c.num_accepted)
+
+
+def test_unit_interval_never_reaches_zero_or_one():
+    h = torch.tensor([0, 1, 511, 512, 2**31, 0xFFFFFE00, 0xFFFFFFFF])
+    u = unit_interval(h)
+    assert (u > 0).all() and (u < 1).all()
+    assert u[-1].item() == 1 - 2**-24 and u[0].item() == 2**-24
+    g = -torch.log(-torch.log(u))
+    assert torch.isfinite(g).all()
+
+
+def test_sampling_a_one_hot_distribution_is_exact():
+    """Greedy rows go through the same Gumbel path: it must always return the hot index."""
+    v, n = 4096, 2048
+    hot = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(0))
+    probs = torch.nn.functional.one_hot(hot, v).float()
+    for position in range(4):
+        assert torch.equal(sample(probs, torch.arange(n), torch.full((n,), position), Stream.SAMPLE), hot)
