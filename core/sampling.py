@@ -169,24 +169,56 @@ def accept_drafts(
     draft_probs: Tensor | None,  # [N, K, V] drafter's q, or None for one-hot (argmax) drafts
     seed: Tensor,  # [N] int64
     first_position: Tensor,  # [N] int64: absolute position the first draft would occupy
+    greedy: Tensor | None = None,  # [N] bool: rows at temperature 0 (argmax, skipping the noise)
 ) -> Verdict:
-    """Lossless speculative acceptance (Leviathan et al.; Chen et al.).
+    """Lossless speculative acceptance. With one-hot drafts (the default drafting), see
+    `_accept_matching`; with a drafter's own distribution q, see `_accept_rejection`."""
+    if draft_probs is None:
+        return _accept_matching(target_probs, drafts, seed, first_position, greedy)
+    return _accept_rejection(target_probs, drafts, draft_probs, seed, first_position)
 
-    Accept d_i iff u_i < p_i(d_i) / q_i(d_i); at the first rejection emit a sample of
-    normalize(max(0, p_i - q_i)); if all K are accepted emit a bonus sample of p_{K+1}.
-    With one-hot p (greedy) this is exactly: accept while d_i == argmax p_i.
+
+def _finish(drafts: Tensor, num: Tensor, last: Tensor) -> Verdict:
+    n = drafts.shape[0]
+    rows = torch.arange(n, device=drafts.device)
+    tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
+    tokens[rows, num] = last
+    return Verdict(num_accepted=num, tokens=tokens)
+
+
+def _accept_matching(p: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, greedy: Tensor | None) -> Verdict:
+    """One-hot q: draw the target's own keyed sample t_i at every position (exactly what plain
+    decoding draws there); accept while d_i == t_i; emit t_i where the run stops.
+
+    P(accept d_i) = p_i(d_i), and on rejection t_i follows p_i with d_i removed: the rule
+    "accept with probability p_i(d_i), else resample without d_i", with its randomness shared
+    with plain decoding. So a seeded request emits the same tokens whether it was drafted for
+    or not, alone or in any batch. Greedy rows: t_i = argmax p_i.
     """
-    n, k1, v = target_probs.shape
+    n, k1, v = p.shape
+    pos = first[:, None] + torch.arange(k1, device=p.device)  # [N, K+1]
+    if greedy is not None and bool(greedy.all()):
+        t = p.argmax(-1)  # identical to the Gumbel draw from a one-hot p, without the noise
+    else:
+        t = sample(p.reshape(-1, v), seed.repeat_interleave(k1), pos.reshape(-1), Stream.SAMPLE).view(n, k1)
+    num = (drafts == t[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [N] leading accepted run
+    return _finish(drafts, num, t.gather(1, num[:, None])[:, 0])
+
+
+def _accept_rejection(p: Tensor, drafts: Tensor, q: Tensor, seed: Tensor, first: Tensor) -> Verdict:
+    """Drafts sampled from q (Leviathan et al.; Chen et al.): accept d_i iff u_i < p_i(d_i) /
+    q_i(d_i); at the first rejection emit a sample of normalize(max(0, p_i - q_i)); if all K
+    are accepted emit a bonus sample of p_{K+1}."""
+    n, k1, v = p.shape
     k = k1 - 1
-    pos = first_position[:, None] + torch.arange(k1, device=drafts.device)  # [N, K+1]
-    q = draft_probs if draft_probs is not None else torch.nn.functional.one_hot(drafts, v).float()
-    p_d = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [N, K]
+    pos = first[:, None] + torch.arange(k1, device=p.device)  # [N, K+1]
+    p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # [N, K]
     q_d = q.gather(-1, drafts[..., None])[..., 0]  # [N, K]
     u = uniform(row_key(seed[:, None].expand(n, k), pos[:, :k], Stream.ACCEPT).reshape(-1)).reshape(n, k)
     ok = u * q_d < p_d  # u < p/q without dividing by a zero q
     num = ok.long().cumprod(dim=1).sum(dim=1)  # [N] leading accepted run
-    rows = torch.arange(n, device=drafts.device)
-    p_at = target_probs[rows, num]  # [N, V] target distribution where the run stopped
+    rows = torch.arange(n, device=p.device)
+    p_at = p[rows, num]  # [N, V] target distribution where the run stopped
     q_at = torch.cat([q, q.new_zeros(n, 1, v)], dim=1)[rows, num]  # zero q past the drafts
     residual = (p_at - q_at).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
@@ -194,7 +226,4 @@ def accept_drafts(
     at = pos[rows, num]
     fix = sample(residual, seed, at, Stream.RESIDUAL)
     bonus = sample(p_at, seed, at, Stream.SAMPLE)
-    last = torch.where(num == k, bonus, fix)
-    tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
-    tokens[rows, num] = last
-    return Verdict(num_accepted=num, tokens=tokens)
+    return _finish(drafts, num, torch.where(num == k, bonus, fix))

@@ -95,6 +95,16 @@ def test_seeded_sampling_repeats_alone_or_batched(baseline, method):
     assert len({tuple(x) for x in batched}) == 4
 
 
+@pytest.mark.parametrize("method", [DFLASH, {"method": "test_oracle", "num_speculative_tokens": 4},
+                                    {"method": "test_oracle", "num_speculative_tokens": 3, "corrupt_at": [1]}],
+                         ids=["dflash", "oracle", "oracle-corrupt"])
+def test_sampled_output_with_argmax_drafts_equals_plain_decoding(baseline, method):
+    """Argmax drafts are verified against the target's own keyed sample, so a seeded sampled
+    request emits exactly what plain decoding emits with that seed, drafted for or not."""
+    params = [SamplingParams(**{**SAMPLED.__dict__, "seed": 99 + i}) for i in range(4)]
+    assert _ids(baseline.with_method(method), PROMPTS, params) == _ids(baseline, PROMPTS, params)
+
+
 def _second_token_law(engine, prompt_ids, params):
     """Exact marginal of the 2nd generated token: sum_t1 p(t1) p(t2 | t1)."""
     one = SamplingBatch.of([params])

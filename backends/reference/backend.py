@@ -67,7 +67,7 @@ class ReferenceBackend:
         batch = self._batch(reqs)
         probs = probs_from_logits(verification.logits, batch)  # [N, K+1, V]
         first = torch.tensor([r.seq_len for r in reqs], device=self.device)
-        verdict = accept_drafts(probs, proposal.tokens, proposal.probs, batch.seed, first)
+        verdict = accept_drafts(probs, proposal.tokens, proposal.probs, batch.seed, first, batch.temperature == 0)
         for i, req in enumerate(reqs):
             accepted = int(verdict.num_accepted[i])
             # keep KV for the last token and the accepted drafts; the new token is not yet run
