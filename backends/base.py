@@ -19,11 +19,17 @@ class Proposal:
     tokens: Tensor  # [N, K] int64
     probs: Tensor | None = None  # [N, K, V] the drafter's q, or None for argmax drafts
 
+    def rows(self, keep: list[int]) -> "Proposal":
+        return Proposal(self.tokens[keep], None if self.probs is None else self.probs[keep])
+
 
 @dataclass(frozen=True)
 class Verification:
     logits: Tensor  # [N, K+1, V] float32 target logits at the last token and each draft
     features: Tensor | None  # [N, K+1, n*H] tapped target hidden states, if the plan taps any
+
+    def rows(self, keep: list[int]) -> "Verification":
+        return Verification(self.logits[keep], None if self.features is None else self.features[keep])
 
 
 class KVStore(Protocol):
@@ -45,10 +51,14 @@ class KVStore(Protocol):
 class Backend(Protocol):
     name: str
 
-    def prefill(self, reqs: list[Request]) -> list[int]:
-        """Run the target over each prompt, prime the drafter; return each first token."""
+    def prefill(self, reqs: list[Request]) -> list[int | None]:
+        """Run the target over each prompt, prime the drafter; return each first token
+        (None for a request whose logits were not finite)."""
 
     def draft(self, reqs: list[Request]) -> Proposal: ...
+
+    def skip_draft(self, reqs: list[Request]) -> Proposal:
+        """An empty proposal: this round is a plain decode step."""
 
     def verify(self, reqs: list[Request], proposal: Proposal) -> Verification: ...
 

@@ -78,7 +78,7 @@ def _run(engine: Any, prompt: str, params: Any, trace: bool) -> dict[str, Any]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Engine
 
-    engine = Engine.from_spec(args.spec)
+    engine = Engine.from_spec(args.spec, draft_policy="always")  # show the method itself, every round
     params = _sampling(engine, args)
     baseline = engine.with_method({"method": "none"}) if args.compare else None
     if baseline is not None:  # warm both up so one-time costs stay out of the comparison
@@ -167,7 +167,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation import evaluate, format_table, plot
     from .training.corpus import read_prompts
 
-    engine = Engine.from_spec(args.spec)
+    engine = Engine.from_spec(args.spec, draft_policy="always")
     prompts = read_prompts(args.prompts)[: args.num_prompts]
     temps = [float(t) for t in args.temperatures.split(",")]
     results = [evaluate(engine, prompts, t, args.max_new_tokens, args.seed) for t in temps]

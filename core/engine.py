@@ -11,7 +11,8 @@ from typing import Any, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from .machine import Machine, Plan
+from .machine import Machine, Phase, Plan, advance
+from .policy import DraftPolicy
 from .models.loader import load_target, place, random_target
 from .models.target import TargetModel
 from .models.tokenizer import byte_tokenizer, load_tokenizer
@@ -66,7 +67,10 @@ def build_target(spec: Spec) -> tuple[TargetModel, Tokenizer]:
 
 
 class Engine:
-    def __init__(self, spec: Spec, target: TargetModel | None = None, tokenizer: Tokenizer | None = None):
+    def __init__(self, spec: Spec, target: TargetModel | None = None, tokenizer: Tokenizer | None = None,
+                 draft_policy: int | str | None = None):
+        """``draft_policy`` overrides the spec's ``speculative.max_draft_batch`` (e.g. "always"
+        to measure a method itself)."""
         self.spec = spec
         self.device = resolve_device(spec)
         self.backend_name = resolve_backend(spec, self.device)
@@ -79,17 +83,18 @@ class Engine:
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
         self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype)
-        self.scheduler = Scheduler(spec.server.max_batch_size)
-        self.machine = Machine(self.plan, self.backend, self.scheduler)
+        self.scheduler = Scheduler(spec.server.max_batch_size)  # the server bounds its own queue
+        self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
+        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy)
         self._ids = itertools.count()
 
     @classmethod
-    def from_spec(cls, spec: Spec | str | Path) -> "Engine":
-        return cls(spec if isinstance(spec, Spec) else load_spec(spec))
+    def from_spec(cls, spec: Spec | str | Path, draft_policy: int | str | None = None) -> "Engine":
+        return cls(spec if isinstance(spec, Spec) else load_spec(spec), draft_policy=draft_policy)
 
     def with_method(self, speculative: dict[str, Any] | SpeculativeSpec) -> "Engine":
         """An engine for another method over the same target weights (e.g. the `none` baseline)."""
-        return Engine(self.spec.with_method(speculative), self.target, self.tokenizer)
+        return Engine(self.spec.with_method(speculative), self.target, self.tokenizer, self.policy.limit)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
@@ -105,7 +110,11 @@ class Engine:
             )
         return [int(i) for i in ids]
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False) -> Request:
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False,
+                    speculate: bool = True, stop: Sequence[str] = ()) -> Request:
+        """Queue a request (raises RequestError for bad input, QueueFull at the queue bound)."""
+        if params.max_new_tokens < 1:
+            raise RequestError("max_new_tokens must be >= 1")
         eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)
         req = Request(
             rid=next(self._ids),
@@ -115,12 +124,33 @@ class Engine:
             max_model_len=self.spec.model.max_model_len,
             stats=SpecStats(num_drafts=self.plan.num_speculative_tokens),
             rounds=[] if trace else None,
+            speculate=speculate,
+            stop_strings=tuple(s for s in stop if s),
         )
         self.scheduler.add(req)
         return req
 
     def step(self) -> list[Request]:
-        return self.machine.step()
+        finished = self.machine.step()
+        for req in self.scheduler.running:
+            if req.stop_strings and req.phase is not Phase.FINISHED and self._stop_string(req):
+                advance(req, Phase.FINISHED)
+        return finished + self.scheduler.reap(self.backend.free)
+
+    def _stop_string(self, req: Request) -> bool:
+        text = self.text(req)
+        hit = next((s for s in req.stop_strings if s in text), None)
+        if hit is not None:
+            req.finish({"type": "stop", "matched": hit})
+        return hit is not None
+
+    def text(self, req: Request) -> str:
+        """The completion text, cut before a matched stop string (which it does not include)."""
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        matched = (req.finish_reason or {}).get("matched")
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+        return text
 
     def generate(
         self,
@@ -151,5 +181,4 @@ class Engine:
             "tokens_per_s": round(len(req.output_ids) / elapsed, 2) if elapsed > 0 else 0.0,
             "e2e_latency": round(elapsed, 4),
         }
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        return Completion(text=text, output_ids=list(req.output_ids), meta_info=meta, rounds=req.rounds)
+        return Completion(text=self.text(req), output_ids=list(req.output_ids), meta_info=meta, rounds=req.rounds)

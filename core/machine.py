@@ -3,10 +3,14 @@ method compiles to, and the step loop a backend executes."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
+from .policy import DraftPolicy
 from .request import Request, Round
 
 if TYPE_CHECKING:
@@ -24,7 +28,8 @@ class Phase(str, Enum):
     FINISHED = "FINISHED"
 
 
-# phase -> phases it may move to; anything else is a bug and raises
+# phase -> phases it may move to; anything else is a bug and raises. Every phase may end in
+# FINISHED: a stop, a cancellation, or a failure of that request alone.
 TRANSITIONS: dict[Phase, tuple[Phase, ...]] = {
     Phase.WAITING: (Phase.PREFILL, Phase.FINISHED),
     Phase.PREFILL: (Phase.DRAFT, Phase.FINISHED),
@@ -43,6 +48,12 @@ def advance(req: Request, to: Phase) -> None:
     if to not in TRANSITIONS[req.phase]:
         raise TransitionError(f"request {req.rid}: illegal transition {req.phase.value} -> {to.value}")
     req.phase = to
+
+
+def abort(req: Request, message: str) -> None:
+    if req.phase is not Phase.FINISHED:
+        req.finish({"type": "abort", "message": message})
+        advance(req, Phase.FINISHED)
 
 
 @dataclass(frozen=True)
@@ -84,29 +95,50 @@ def describe_transitions() -> list[str]:
 class Machine:
     """Runs one step: prefill the newly admitted, one round for every running request."""
 
-    def __init__(self, plan: Plan, backend: "Backend", scheduler: "Scheduler"):
-        self.plan, self.backend, self.scheduler = plan, backend, scheduler
+    def __init__(self, plan: Plan, backend: "Backend", scheduler: "Scheduler", policy: DraftPolicy):
+        self.plan, self.backend, self.scheduler, self.policy = plan, backend, scheduler, policy
 
     def step(self) -> list[Request]:
         admitted, running = self.scheduler.schedule()
         if admitted:
             self._prefill(admitted)
-        if running:
-            self._round(running)
+        drafting = bool(running) and self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(running))
+        for group, draft in (([r for r in running if drafting and r.speculate], True),
+                             ([r for r in running if not (drafting and r.speculate)], False)):
+            if group:
+                self._timed_round(group, draft)
         return self.scheduler.reap(self.backend.free)
 
     def _prefill(self, reqs: list[Request]) -> None:
         for req in reqs:
             advance(req, Phase.PREFILL)
         for req, token in zip(reqs, self.backend.prefill(reqs)):
+            if token is None:
+                abort(req, "non-finite logits in prefill")
+                continue
             req.emit([token])
             advance(req, Phase.FINISHED if req.finish_reason else Phase.DRAFT)
 
-    def _round(self, reqs: list[Request]) -> None:
-        proposal = self.backend.draft(reqs)
+    def _timed_round(self, reqs: list[Request], draft: bool) -> None:
+        start, before = time.perf_counter(), sum(len(r.output_ids) for r in reqs)
+        self._round(reqs, draft)
+        emitted = sum(len(r.output_ids) for r in reqs) - before
+        self.policy.record(len(reqs), draft, time.perf_counter() - start, emitted)
+
+    def _round(self, reqs: list[Request], draft: bool) -> None:
+        proposal = self.backend.draft(reqs) if draft else self.backend.skip_draft(reqs)
         for req in reqs:
             advance(req, Phase.VERIFY)
         verification = self.backend.verify(reqs, proposal)
+        finite = torch.isfinite(verification.logits).flatten(1).all(dim=1).tolist()
+        if not all(finite):  # one request's failure ends that request, never the batch
+            for req, ok in zip(reqs, finite):
+                if not ok:
+                    abort(req, "non-finite logits in verify")
+            keep = [i for i, ok in enumerate(finite) if ok]
+            reqs, proposal, verification = [reqs[i] for i in keep], proposal.rows(keep), verification.rows(keep)
+            if not reqs:
+                return
         for req in reqs:
             advance(req, Phase.ACCEPT)
         verdict = self.backend.accept(reqs, proposal, verification)
@@ -116,9 +148,8 @@ class Machine:
     @staticmethod
     def _finish_round(req: Request, drafted: list[int], accepted: int, tokens) -> None:
         start = req.seq_len
-        req.stats.record(accepted)
+        req.stats.record(accepted, len(drafted))
         kept = req.emit(tokens[: accepted + 1].tolist())
         if req.rounds is not None:
             req.rounds.append(Round(position=start, drafted=tuple(drafted), accepted=accepted, emitted=tuple(kept)))
         advance(req, Phase.FINISHED if req.finish_reason else Phase.DRAFT)
-

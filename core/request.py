@@ -26,14 +26,16 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     round_tokens: int = 0  # accepted + 1 per round, before stop truncation
+    drafted_rounds: int = 0  # rounds that drafted (the policy may skip drafting under load)
     accepted_per_pos: list[int] = field(default_factory=list)  # [K]
 
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_drafts
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, drafted: int) -> None:
         self.verify_ct += 1
-        self.draft_tokens += self.num_drafts
+        self.draft_tokens += drafted
+        self.drafted_rounds += drafted > 0
         self.accepted_tokens += accepted
         self.round_tokens += accepted + 1
         for i in range(accepted):
@@ -50,7 +52,7 @@ class SpecStats:
 
     @property
     def accept_per_pos(self) -> list[float]:
-        return [a / self.verify_ct if self.verify_ct else 0.0 for a in self.accepted_per_pos]
+        return [a / self.drafted_rounds if self.drafted_rounds else 0.0 for a in self.accepted_per_pos]
 
 
 @dataclass
@@ -67,6 +69,9 @@ class Request:
     kv: Any = None  # the backend's handle for this request's target KV
     draft_state: Any = None  # the drafter's per-request state
     rounds: list[Round] | None = None  # filled when tracing
+    speculate: bool = True  # False: this request never drafts
+    stop_strings: tuple[str, ...] = ()
+    cancelled: bool = False  # set from another thread; the machine frees the slot next step
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
@@ -82,6 +87,10 @@ class Request:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        self.finish_reason = reason
+        self.t_finish = time.perf_counter()
 
     def emit(self, tokens: list[int]) -> list[int]:
         """Append tokens, stopping inside the run at a stop id or a length limit.
@@ -101,6 +110,6 @@ class Request:
             elif self.seq_len >= self.max_model_len:
                 self.finish_reason = {"type": "length", "length": len(self.output_ids)}
             if self.finish_reason is not None:
-                self.t_finish = time.perf_counter()
+                self.finish(self.finish_reason)
                 break
         return kept

@@ -5,25 +5,40 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from .machine import Phase
+from .machine import Phase, abort
 from .request import Request
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
 class Scheduler:
-    def __init__(self, max_batch_size: int):
-        self.max_batch_size = max_batch_size
+    def __init__(self, max_batch_size: int, max_queue: int | None = None):
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.cancelled: list[Request] = []  # finished while waiting; handed back by reap
 
     def add(self, req: Request) -> None:
+        if self.max_queue is not None and len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting (server.max_queue); retry shortly")
         req.phase = Phase.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.cancelled)
 
     def schedule(self) -> tuple[list[Request], list[Request]]:
-        """(requests to prefill now, requests to run a round for now)."""
+        """(requests to prefill now, requests to run a round for now); cancellations free
+        their slots here, before anything runs."""
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            abort(req, "cancelled")
+            self.cancelled.append(req)
+        for req in self.running:
+            if req.cancelled:
+                abort(req, "cancelled")
         running = [r for r in self.running if r.phase is Phase.DRAFT]
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
@@ -36,4 +51,5 @@ class Scheduler:
         for req in done:
             free(req)
         self.running = [r for r in self.running if r.phase is not Phase.FINISHED]
+        done, self.cancelled = done + self.cancelled, []
         return done

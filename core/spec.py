@@ -88,6 +88,17 @@ class SpeculativeSpec(Strict):
 
     method: str
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    # When to draft at all: "auto" measures time per emitted token with and without drafting
+    # for each batch size and picks the faster; an integer drafts only while at most that many
+    # requests run; "always" never turns drafting off.
+    max_draft_batch: int | Literal["auto", "always"] = Field("auto")
+
+    @field_validator("max_draft_batch")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1, or 'auto' / 'always'")
+        return value
 
     def check(self, target: ModelConfig | None, read_files: bool) -> list[str]:
         """Cross-field checks against the target (None when unknown); messages name the field."""

@@ -7,7 +7,8 @@ from core.spec import parse_spec
 SPECS = {
     "dflash": {
         "model": {"random_init": {"preset": "tiny-qwen3", "seed": 0}},
-        "speculative": {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}}},
+        "speculative": {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}},
+                        "max_draft_batch": "always"},
         "backend": "reference",
         "server": {"max_batch_size": 8},
     },
@@ -18,7 +19,7 @@ def tiny_spec(method: dict | None = None, max_batch_size: int = 8, **model_overr
     data = {**SPECS["dflash"], "server": {"max_batch_size": max_batch_size}}
     data["model"] = {**data["model"], **model_overrides}
     if method is not None:
-        data["speculative"] = method
+        data["speculative"] = {"max_draft_batch": "always", **method}
     return parse_spec(data)
 
 

@@ -1,7 +1,8 @@
 """The reference backend: plain eager PyTorch, the definition of correct output.
 
-Prefill runs one request at a time (prompts differ in length); every round runs the whole
-batch at once, since all rows verify the same K + 1 tokens.
+The target runs one request at a time, so a request computes with the same shapes alone or
+in any batch and its tokens never depend on its neighbours; sampling, acceptance and the
+drafter run batched.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ReferenceBackend:
         return SamplingBatch.of([r.params for r in reqs], self.device)
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> list[int]:
+    def prefill(self, reqs: list[Request]) -> list[int | None]:
         last_logits = []
         for req in reqs:
             req.kv = self.kv.new(self.target.config.num_layers)
@@ -41,26 +42,36 @@ class ReferenceBackend:
             last_logits.append(self.target.logits(hidden[0, -1]))
             if self.drafter is not None:
                 self.drafter.extend(req, None if features is None else features[0], 0)
-        batch = self._batch(reqs)
-        probs = probs_from_logits(torch.stack(last_logits), batch)  # [N, V]
+        batch, logits = self._batch(reqs), torch.stack(last_logits)  # [N, V]
+        finite = torch.isfinite(logits).all(dim=1).tolist()
+        probs = probs_from_logits(torch.nan_to_num(logits), batch)
         at = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
-        return sample(probs, batch.seed, at, Stream.SAMPLE).tolist()
+        tokens = sample(probs, batch.seed, at, Stream.SAMPLE).tolist()
+        return [t if ok else None for t, ok in zip(tokens, finite)]
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:
         if self.drafter is None:
-            return Proposal(tokens=torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
+            return self.skip_draft(reqs)
         return self.drafter.propose(reqs, self._batch(reqs))
+
+    def skip_draft(self, reqs: list[Request]) -> Proposal:
+        return Proposal(tokens=torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], proposal: Proposal) -> Verification:
-        last = torch.tensor([[r.last_token] for r in reqs], device=self.device)  # [N, 1]
-        ids = torch.cat([last, proposal.tokens], dim=1)  # [N, K+1]
-        start = torch.tensor([r.seq_len - 1 for r in reqs], device=self.device)
-        positions = start[:, None] + torch.arange(ids.shape[1], device=self.device)  # [N, K+1]
-        attn = self.kv.attention([r.kv for r in reqs], causal=True, persist=True)
-        hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
-        return Verification(logits=self.target.logits(hidden), features=features)
+        """One target forward per request over [last token, drafts]: every row then computes
+        with the same shapes alone or in any batch, so outputs are batch-invariant."""
+        logits, features = [], []
+        for i, req in enumerate(reqs):
+            ids = torch.cat([torch.tensor([req.last_token], device=self.device), proposal.tokens[i]])[None]
+            positions = req.seq_len - 1 + torch.arange(ids.shape[1], device=self.device)[None]  # [1, K+1]
+            attn = self.kv.attention([req.kv], causal=True, persist=True)
+            hidden, feats = self.target(ids, positions, attn, self.plan.target_layer_ids)
+            logits.append(self.target.logits(hidden[0]))
+            features.append(None if feats is None else feats[0])
+        stacked = None if features[0] is None else torch.stack(features)  # [N, K+1, n*H]
+        return Verification(logits=torch.stack(logits), features=stacked)  # [N, K+1, V]
 
     @torch.inference_mode()
     def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
