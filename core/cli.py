@@ -184,6 +184,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 1 if lossy else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from api.server import serve
+
+    from .spec import load_spec
+
+    spec = load_spec(args.spec)
+    serve(spec, args.host or spec.server.host, args.port or spec.server.port)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from api.bench import run_bench
+
+    from .spec import load_spec
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(run_bench(load_spec(args.spec), levels, args.requests, args.max_new_tokens, args.json))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftline", description="Speculative-decoding inference engine.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -214,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--plot", help="write a PNG of per-position acceptance and the tau distribution")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
+    sv = sub.add_parser("serve", help="start the HTTP server (/generate, /v1/completions, /metrics, ...)")
+    sv.add_argument("--spec", default=str(DEFAULT_SPEC))
+    sv.add_argument("--host", help="default: the spec's server.host (127.0.0.1)")
+    sv.add_argument("--port", type=int, help="default: the spec's server.port (8000)")
+    sv.set_defaults(func=cmd_serve)
+    bs = sub.add_parser("bench-serve", help="requests/s, tokens/s, TTFT, TPOT at several concurrencies, drafting on and off")
+    bs.add_argument("--spec", default=str(DEFAULT_SPEC))
+    bs.add_argument("--concurrency", default="1,4,16")
+    bs.add_argument("--requests", type=int, default=0, help="per level (default: max(8, 2 x concurrency))")
+    bs.add_argument("--max-new-tokens", type=int, default=64)
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(func=cmd_bench_serve)
     c = sub.add_parser("corpus", help="tokenize the standard library's Python source (train/held-out by module)")
     c.add_argument("--out", default="data/corpus")
     c.add_argument("--vocab-size", type=int, default=4096)

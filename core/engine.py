@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from .machine import Machine, Phase, Plan, advance
+from .machine import Machine, Phase, Plan, abort, advance
 from .policy import DraftPolicy
 from .models.loader import load_target, place, random_target
 from .models.target import TargetModel
@@ -112,13 +112,26 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False,
                     speculate: bool = True, stop: Sequence[str] = ()) -> Request:
-        """Queue a request (raises RequestError for bad input, QueueFull at the queue bound)."""
+        """Validate and queue a request (RequestError names what is wrong with it)."""
+        req = self.make_request(prompt, params, trace, speculate, stop)
+        self.scheduler.add(req)
+        return req
+
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False,
+                     speculate: bool = True, stop: Sequence[str] = ()) -> Request:
         if params.max_new_tokens < 1:
             raise RequestError("max_new_tokens must be >= 1")
+        prompt_ids = self.encode(prompt)
+        budget = self.spec.model.max_model_len - len(prompt_ids)
+        if params.max_new_tokens > budget:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds max_model_len "
+                f"({self.spec.model.max_model_len}); ask for at most {budget} new tokens"
+            )
         eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)
         req = Request(
             rid=next(self._ids),
-            prompt_ids=self.encode(prompt),
+            prompt_ids=prompt_ids,
             params=params,
             stop_ids=frozenset(eos | set(params.stop_token_ids)),
             max_model_len=self.spec.model.max_model_len,
@@ -127,8 +140,13 @@ class Engine:
             speculate=speculate,
             stop_strings=tuple(s for s in stop if s),
         )
-        self.scheduler.add(req)
         return req
+
+    def abort_running(self, message: str) -> None:
+        """End every admitted request (after a step raised) and free their slots."""
+        for req in self.scheduler.running:
+            abort(req, message)
+        self.scheduler.reap(self.backend.free)
 
     def step(self) -> list[Request]:
         finished = self.machine.step()
@@ -178,6 +196,8 @@ class Engine:
             "spec_accept_length": round(s.accept_length, 4),
             "spec_accept_rate": round(s.accept_rate, 4),
             "spec_accept_per_pos": [round(a, 4) for a in s.accept_per_pos],
+            "spec_draft_tokens": s.draft_tokens,
+            "spec_accepted_tokens": s.accepted_tokens,
             "tokens_per_s": round(len(req.output_ids) / elapsed, 2) if elapsed > 0 else 0.0,
             "e2e_latency": round(elapsed, 4),
         }

@@ -49,11 +49,12 @@ def test_max_new_tokens_one_finishes_at_prefill(engine):
     assert len(c.output_ids) == 1 and c.meta_info["spec_verify_ct"] == 0
 
 
-def test_max_model_len_stops_generation():
+def test_max_model_len_is_enforced_up_front():
     short = Engine(tiny_spec(max_model_len=20))
-    c = short.generate(["0123456789"], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
+    c = short.generate(["0123456789"], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
     assert c.meta_info["prompt_tokens"] + c.meta_info["completion_tokens"] == 20
-    assert c.meta_info["finish_reason"]["type"] == "length"
+    with pytest.raises(RequestError, match=r"exceeds max_model_len \(20\); ask for at most 10 new tokens"):
+        short.generate(["0123456789"], SamplingParams(max_new_tokens=11))
     with pytest.raises(RequestError, match="max_model_len is 20"):
         short.generate(["x" * 25], GREEDY)
 

@@ -1,0 +1,167 @@
+"""The engine loop: one thread steps the engine; asyncio callers submit requests and read
+their progress. A failing step ends the requests it was running, never the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import structlog
+
+from .engine import Completion, Engine
+from .request import Request
+from .sampling import SamplingParams
+from .scheduler import QueueFull
+
+log = structlog.get_logger("draftline.server")
+
+
+def stable_text(text: str, stops: tuple[str, ...]) -> str:
+    """What can be streamed now: hold back a trailing incomplete UTF-8 character and any
+    suffix that may still grow into a stop string (which the final text excludes)."""
+    text = text.rstrip("\ufffd")
+    hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - hold]
+
+
+class EngineDead(RuntimeError):
+    """The loop thread has stopped; the server reports unhealthy."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """A request's progress after a step: cumulative output, and the final result when done."""
+
+    text: str
+    output_ids: list[int]
+    finished: Completion | None = None
+
+
+@dataclass
+class Handle:
+    """The caller's side of one request."""
+
+    aio: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    req: Request | None = None
+    sent_ids: int = 0
+
+    def cancel(self) -> None:
+        if self.req is not None:
+            self.req.cancelled = True  # the loop frees the slot at its next step
+
+    async def updates(self):
+        while True:
+            update: Update = await self.queue.get()
+            yield update
+            if update.finished is not None:
+                return
+
+    async def result(self) -> Completion:
+        async for update in self.updates():
+            if update.finished is not None:
+                return update.finished
+        raise RuntimeError("request ended without a result")
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_queue: int):
+        self.engine, self.max_queue = engine, max_queue
+        self.inbox: list[tuple[Handle, Request]] = []
+        self.active: list[Handle] = []
+        self.cond = threading.Condition()
+        self.finish_listeners: list[Callable[[Request, Completion], None]] = []
+        self.thread = threading.Thread(target=self._run, name="draftline-engine", daemon=True)
+        self.ready = self.dead = self.stopping = False
+        self.consecutive_failures = 0
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout=10)
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams, speculate: bool = True,
+               stop: Sequence[str] = ()) -> Handle:
+        """Validate and queue a request; RequestError, QueueFull or EngineDead are raised here."""
+        if self.dead:
+            raise EngineDead("the engine loop has stopped; see the server log")
+        handle = Handle(aio=asyncio.get_running_loop())
+        with self.cond:
+            if len(self.inbox) + len(self.engine.scheduler.waiting) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests already waiting (server.max_queue); retry shortly")
+            handle.req = self.engine.make_request(prompt, params, speculate=speculate, stop=stop)
+            self.inbox.append((handle, handle.req))
+            self.cond.notify()
+        return handle
+
+    def _run(self) -> None:
+        self.ready = True
+        log.info("engine.ready", method=self.engine.plan.method, backend=self.engine.backend_name)
+        try:
+            while not self.stopping:
+                self._admit()
+                if self.engine.scheduler.has_work():
+                    self._step()
+        except BaseException as exc:  # the loop itself broke: report dead, fail what is left
+            self.dead = True
+            log.exception("engine.dead", error=repr(exc))
+            for handle in self.active:
+                handle.req.finish({"type": "abort", "message": f"engine stopped: {exc!r}"})
+                self._publish(handle)
+
+    def _admit(self) -> None:
+        with self.cond:
+            while not self.inbox and not self.engine.scheduler.has_work() and not self.stopping:
+                self.cond.wait(timeout=0.5)
+            pending, self.inbox = self.inbox, []
+        for handle, req in pending:
+            self.engine.scheduler.add(req)
+            self.active.append(handle)
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+            self.consecutive_failures = 0
+        except Exception as exc:  # a step that raised ends the requests it held, not the loop
+            self.consecutive_failures += 1
+            log.exception("engine.step_failed", error=repr(exc), running=len(self.engine.scheduler.running))
+            self.engine.abort_running(f"internal error: {exc!r}")
+            if self.consecutive_failures >= 8:
+                raise
+        for handle in list(self.active):
+            self._publish(handle)
+
+    def _publish(self, handle: Handle) -> None:
+        req = handle.req
+        done = req.finish_reason is not None
+        if not done and len(req.output_ids) == handle.sent_ids:
+            return
+        handle.sent_ids = len(req.output_ids)
+        finished = self.engine.completion(req) if done else None
+        text = finished.text if done else stable_text(self.engine.text(req), req.stop_strings)
+        update = Update(text, list(req.output_ids), finished)
+        handle.aio.call_soon_threadsafe(handle.queue.put_nowait, update)
+        if done:
+            self.active.remove(handle)
+            self._log_finished(req, finished)
+
+    def _log_finished(self, req: Request, c: Completion) -> None:
+        m = c.meta_info
+        ttft = (req.t_first_token - req.t_arrival) if req.t_first_token else None
+        log.info("request.finished", id=m["id"], prompt_tokens=m["prompt_tokens"], completion_tokens=m["completion_tokens"],
+                 tau=m["spec_accept_length"], ttft_s=None if ttft is None else round(ttft, 4),
+                 total_s=m["e2e_latency"], finish_reason=m["finish_reason"])
+        for listener in self.finish_listeners:
+            listener(req, c)
+
+    def status(self) -> dict[str, Any]:
+        return {"ready": self.ready and not self.dead, "running": len(self.engine.scheduler.running),
+                "waiting": len(self.engine.scheduler.waiting) + len(self.inbox), "time": time.time()}
