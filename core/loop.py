@@ -4,12 +4,14 @@ their progress. A failing step ends the requests it was running, never the loop.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import structlog
+import torch
 
 from .engine import Completion, Engine
 from .request import Request
@@ -103,8 +105,13 @@ class EngineLoop:
         return handle
 
     def _run(self) -> None:
+        if self.engine.device.type == "cpu":
+            # Leave a core to the HTTP side: torch's worker threads spin-wait, and contending
+            # with the event loop for every core made each step several times slower.
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self.ready = True
-        log.info("engine.ready", method=self.engine.plan.method, backend=self.engine.backend_name)
+        log.info("engine.ready", method=self.engine.plan.method, backend=self.engine.backend_name,
+                 torch_threads=torch.get_num_threads())
         try:
             while not self.stopping:
                 self._admit()
