@@ -231,3 +231,23 @@ def test_fuzzed_requests_never_break_the_server(case, url):
     response = case.call(timeout=120)
     assert response.status_code < 500 or response.status_code == 503, response.text
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_engine_that_keeps_failing_reports_unhealthy():
+    """A loop whose every step fails gives up after a few tries: each waiting client still
+    gets an answer (an abort naming the error), new requests get 503, /health turns 503."""
+    engine = Engine(SPEC)
+
+    def broken_step():
+        raise RuntimeError("simulated device fault")
+
+    engine.machine.step = broken_step
+    with background(SPEC, engine) as base, httpx.Client(base_url=base, timeout=60) as c:
+        first = c.post("/generate", json=_gen("x")).json()
+        assert first["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "simulated device fault" in first["meta_info"]["finish_reason"]["message"]
+        for _ in range(10):
+            r = c.post("/generate", json=_gen("x"))
+            if r.status_code == 503:
+                break
+        assert r.status_code == 503 and c.get("/health").status_code == 503
