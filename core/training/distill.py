@@ -18,7 +18,7 @@ from ..models.loader import load_dflash
 from ..models.presets import DRAFT_PRESETS
 from ..models.target import TargetModel
 from ..sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits, sample
-from .loop import Summary, autocast, cosine_lr, log, progress, set_lr
+from .loop import Schedule, Summary, autocast, log, progress, train_loop
 from .pretrain import random_windows
 
 
@@ -56,22 +56,15 @@ def generate(target: TargetModel, prompts: Tensor, new_tokens: int, temperature:
 
 
 @dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(Schedule):
     preset: str = "tiny-code-dflash"
     num_sequences: int = 4096
     prompt_len: int = 64  # corpus-window prompts; bare prompts keep their own length
     gen_len: int = 192  # every sequence is prompt_len + gen_len tokens long
     gen_batch: int = 1024
     mix: str = "bare,fn,bare,sampled"  # prompt kind of each generation batch, cycled
-    steps: int = 3000
-    batch_size: int = 32
     anchors: int = 32
-    lr: float = 1e-3
-    warmup: int = 100
     gamma: float = 7.0
-    seed: int = 0
-    eval_every: int = 500
-    max_seconds: float | None = None  # stop early (then evaluate and save) past this wall time
 
 
 @dataclass(frozen=True)
@@ -157,7 +150,7 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
         raw = {**DRAFT_PRESETS[cfg.preset], "vocab_size": target.config.vocab_size}
         drafter = DFlashDraftModel(dflash_config(raw))
         init_random(drafter, cfg.seed, drafter.config.layers.initializer_range)
-    drafter.to(device).train()
+    drafter.to(device)
     target.to(device).eval().requires_grad_(False)
     mask_id, blk = drafter.config.mask_token_id, drafter.config.block_size
     log.info("distill.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
@@ -165,30 +158,12 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
     held = distill_data(target, corpus, "heldout", cfg, cfg.num_sequences // 8, cfg.seed + 1, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
-    summary = Summary("dflash")
-    bar = progress(cfg.steps, "dflash")
-    for step in range(cfg.steps):
-        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(cfg.max_seconds)))
-        with autocast(device):
-            loss, _ = training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        summary.steps, summary.loss = step + 1, loss.item()
-        bar.update(1)
-        bar.set_postfix(loss=f"{summary.loss:.3f}", refresh=False)
-        out_of_time = cfg.max_seconds is not None and summary.wall_s > cfg.max_seconds
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
-            drafter.eval()
-            summary.heldout = evaluate(drafter, target, held, cfg, mask_id, blk)
-            drafter.train()
-            log.info("distill.eval", step=step + 1, loss=round(summary.loss, 4), **{k: round(v, 4) for k, v in summary.heldout.items()})
-        if out_of_time:
-            log.info("distill.time_budget_reached", step=step + 1, max_seconds=cfg.max_seconds)
-            break
-    bar.close()
-    drafter.eval()
+
+    def loss() -> Tensor:
+        return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)[0]
+
+    summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, cfg, mask_id, blk),
+                         cfg, device)
     save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter.to(torch.bfloat16))
     log.info("distill.done", summary=summary.report(), out=str(out))
     return summary

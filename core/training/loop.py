@@ -6,6 +6,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import structlog
 import torch
@@ -65,3 +66,48 @@ class Summary:
 
 def progress(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every training run shares: how long, how fast, how often to evaluate."""
+
+    steps: int = 3000
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup: int = 100
+    seed: int = 0
+    eval_every: int = 500
+    max_seconds: float | None = None  # stop early (then evaluate and save) past this wall time
+
+
+def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor],
+               eval_fn: Callable[[], dict[str, float]], cfg: Schedule, device: torch.device) -> Summary:
+    """Steps until cfg.steps or the time budget, evaluating every cfg.eval_every and at the end."""
+    summary = Summary(name)
+    bar = progress(cfg.steps, name)
+    model.train()
+    for step in range(cfg.steps):
+        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(cfg.max_seconds)))
+        with autocast(device):
+            loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        summary.steps, summary.loss = step + 1, loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{summary.loss:.3f}", refresh=False)
+        out_of_time = cfg.max_seconds is not None and summary.wall_s > cfg.max_seconds
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
+            model.eval()
+            summary.heldout = eval_fn()
+            model.train()
+            log.info(f"{name}.eval", step=step + 1, loss=round(summary.loss, 4),
+                     **{k: round(v, 4) for k, v in summary.heldout.items()})
+        if out_of_time:
+            log.info(f"{name}.time_budget_reached", step=step + 1, max_seconds=cfg.max_seconds)
+            break
+    bar.close()
+    model.eval()
+    return summary

@@ -14,21 +14,16 @@ from ..models.config import model_config
 from ..models.layers import causal_attention, init_random
 from ..models.presets import TARGET_PRESETS
 from ..models.target import TargetModel
-from .loop import Summary, autocast, cosine_lr, log, progress, set_lr
+from .loop import Schedule, Summary, autocast, log, train_loop
 
 
 @dataclass(frozen=True)
-class PretrainConfig:
+class PretrainConfig(Schedule):
     preset: str = "tiny-code"
     steps: int = 2000
     batch_size: int = 64
     seq_len: int = 512
-    lr: float = 1e-3
     weight_decay: float = 0.1
-    warmup: int = 100
-    seed: int = 0
-    eval_every: int = 500
-    max_seconds: float | None = None  # stop early (then evaluate and save) past this wall time
 
 
 def random_windows(tokens: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -59,41 +54,25 @@ def target_config(preset: str, vocab_size: int, eos_id: int) -> dict:
     return {**TARGET_PRESETS[preset], "vocab_size": vocab_size, "eos_token_id": eos_id}
 
 
-def pretrain(train: torch.Tensor, heldout: torch.Tensor, vocab_size: int, eos_id: int, out: Path,
+def pretrain(train: torch.Tensor, heldout_tokens: torch.Tensor, vocab_size: int, eos_id: int, out: Path,
              cfg: PretrainConfig, device: torch.device) -> Summary:
     raw = target_config(cfg.preset, vocab_size, eos_id)
     model = TargetModel(model_config(raw))
     init_random(model, cfg.seed, model.config.initializer_range)
-    model.to(device).train()
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
     params = sum(p.numel() for p in model.parameters())
     log.info("pretrain.start", params=params, tokens=train.numel(), device=str(device), **cfg.__dict__)
-    summary = Summary("target")
-    bar = progress(cfg.steps, "target")
-    for step in range(cfg.steps):
-        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(cfg.max_seconds)))
-        with autocast(device):
-            loss = lm_loss(model, random_windows(train, cfg.batch_size, cfg.seq_len, gen).to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        summary.steps, summary.loss = step + 1, loss.item()
-        bar.update(1)
-        bar.set_postfix(loss=f"{summary.loss:.3f}", refresh=False)
-        out_of_time = cfg.max_seconds is not None and summary.wall_s > cfg.max_seconds
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
-            model.eval()
-            held = heldout_loss(model, heldout, cfg.seq_len, device)
-            model.train()
-            summary.heldout = {"heldout_loss": held, "heldout_ppl": math.exp(held)}
-            log.info("pretrain.eval", step=step + 1, loss=round(summary.loss, 4), heldout_loss=round(held, 4))
-        if out_of_time:
-            log.info("pretrain.time_budget_reached", step=step + 1, max_seconds=cfg.max_seconds)
-            break
-    bar.close()
-    model.eval()
+
+    def heldout() -> dict[str, float]:
+        held = heldout_loss(model, heldout_tokens, cfg.seq_len, device)
+        return {"heldout_loss": held, "heldout_ppl": math.exp(held)}
+
+    def loss() -> torch.Tensor:
+        return lm_loss(model, random_windows(train, cfg.batch_size, cfg.seq_len, gen).to(device))
+
+    summary = train_loop("target", model, opt, loss, heldout, cfg, device)
     save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model.to(torch.bfloat16))
     log.info("pretrain.done", summary=summary.report(), out=str(out))
     return summary
