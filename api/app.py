@@ -41,6 +41,13 @@ def create_app(loop: EngineLoop) -> FastAPI:
         if token is not None and request.headers.get("authorization") != f"Bearer {token}":
             raise PermissionError("missing or wrong bearer token (Authorization: Bearer <token>)")
 
+    _error_handlers(app, metrics)
+    _status_routes(app, loop, metrics, Depends(authorize))
+    _generation_routes(app, loop, Depends(authorize))
+    return app
+
+
+def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.rejected.labels(reason="invalid").inc()
@@ -66,6 +73,8 @@ def create_app(loop: EngineLoop) -> FastAPI:
     async def denied(_: Request, exc: PermissionError) -> JSONResponse:
         return _error(401, str(exc), "unauthorized", {"WWW-Authenticate": "Bearer"})
 
+
+def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, auth: Any) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         status = loop.status()
@@ -75,25 +84,27 @@ def create_app(loop: EngineLoop) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name(loop), "object": "model", "owned_by": "draftline"}]}
 
-    @app.get("/spec", dependencies=[Depends(authorize)])
+    @app.get("/spec", dependencies=[auth])
     async def active_spec() -> dict[str, Any]:
         plan = loop.engine.plan
-        return {"spec": spec.model_dump(mode="json"), "plan": plan.__dict__ | {"target_layer_ids": list(plan.target_layer_ids)},
+        return {"spec": loop.engine.spec.model_dump(mode="json"), "plan": plan.__dict__ | {"target_layer_ids": list(plan.target_layer_ids)},
                 "phases": describe_transitions(), "draft_policy": loop.engine.policy.table()}
 
-    @app.post("/generate", dependencies=[Depends(authorize)])
-    async def generate(body: GenerateRequest, request: Request):
+
+def _generation_routes(app: FastAPI, loop: EngineLoop, auth: Any) -> None:
+    @app.post("/generate", dependencies=[auth])
+    async def generate(body: GenerateRequest):
         handle = loop.submit(body.prompt, body.sampling_params.params(), body.speculative, body.sampling_params.stops())
         if body.stream:
             return _sse(_native_chunks(handle), handle)
         c = await handle.result()
         return {"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta_info}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: CompletionRequest):
         sampling: SamplingIn = body.sampling()
         handle = loop.submit(body.prompt, sampling.params(), True, sampling.stops())
@@ -103,8 +114,6 @@ def create_app(loop: EngineLoop) -> FastAPI:
             return _sse(_openai_chunks(handle, head), handle)
         c = await handle.result()
         return head | {"choices": [_choice(c.text, c)], "usage": _usage(c)}
-
-    return app
 
 
 def _finish(c: Completion) -> str:

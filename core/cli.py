@@ -158,8 +158,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAIN_KNOBS = ("preset", "steps", "batch_size", "seq_len", "lr", "seed", "num_sequences", "gen_len", "gen_batch",
-               "anchors", "eval_every", "max_seconds", "mix")
+TRAIN_KNOBS = {"preset": str, "steps": int, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
+               "num_sequences": int, "gen_len": int, "gen_batch": int, "anchors": int, "eval_every": int,
+               "max_seconds": float, "mix": str}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -207,6 +208,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftline", description="Speculative-decoding inference engine.")
     sub = p.add_subparsers(dest="command", required=True)
+    _spec_commands(sub)
+    _generation_commands(sub)
+    _serving_commands(sub)
+    _training_commands(sub)
+    return p
+
+
+def _spec_commands(sub) -> None:
     v = sub.add_parser("validate", help="validate spec files and folders of specs")
     v.add_argument("paths", nargs="+")
     v.add_argument("--check-files", action="store_true", help="also open the checkpoints' config.json")
@@ -214,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="print the compiled state machine of a spec")
     e.add_argument("spec")
     e.set_defaults(func=cmd_explain)
+
+
+def _generation_commands(sub) -> None:
     g = sub.add_parser("generate", help="generate a completion and print its statistics")
     g.add_argument("prompt")
     g.add_argument("--spec", default=str(DEFAULT_SPEC))
@@ -234,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--plot", help="write a PNG of per-position acceptance and the tau distribution")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
+
+
+def _serving_commands(sub) -> None:
     sv = sub.add_parser("serve", help="start the HTTP server (/generate, /v1/completions, /metrics, ...)")
     sv.add_argument("--spec", default=str(DEFAULT_SPEC))
     sv.add_argument("--host", help="default: the spec's server.host (127.0.0.1)")
@@ -246,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-new-tokens", type=int, default=64)
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=cmd_bench_serve)
+
+
+def _training_commands(sub) -> None:
     c = sub.add_parser("corpus", help="tokenize the standard library's Python source (train/held-out by module)")
     c.add_argument("--out", default="data/corpus")
     c.add_argument("--vocab-size", type=int, default=4096)
@@ -258,12 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", help="(dflash) the trained target's folder")
     t.add_argument("--init", help="(dflash) continue training from this drafter checkpoint")
     t.add_argument("--device", default="auto")
-    for knob, kind in [("preset", str), ("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
-                       ("seed", int), ("num_sequences", int), ("gen_len", int), ("gen_batch", int),
-                       ("anchors", int), ("eval_every", int), ("max_seconds", float), ("mix", str)]:
+    for knob, kind in TRAIN_KNOBS.items():
         t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind)
     t.set_defaults(func=cmd_train)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
