@@ -1,0 +1,112 @@
+"""Triton kernels for sampling and acceptance, keyed like core/sampling.py bit for bit.
+
+The keyed hash is 32-bit integer arithmetic, so the kernels reproduce core.sampling's noise
+exactly; the Gumbel transform is float32 in both. No torch.Generator: safe inside a graph.
+Under TRITON_INTERPRET=1 these run on the CPU, which is how CI checks them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    return x * c  # uint32 arithmetic wraps modulo 2^32, as core.sampling._mul32 emulates
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 on uint32 values (core.sampling.hash32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_key(seed, position, stream: tl.constexpr):
+    """core.sampling.row_key for one row: seed int64, position int64 -> uint32 key."""
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    k = _hash32(_hash32(lo) ^ hi)
+    k = _hash32(k ^ (position & 0xFFFFFFFF).to(tl.uint32))
+    return _hash32(k ^ stream)
+
+
+@triton.jit
+def _gumbel_argmax(logp_row, key, V, BLOCK: tl.constexpr):
+    """argmax over the vocabulary of log p + Gumbel(key, column); ties go to the lower index."""
+    best_val = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < V
+        lp = tl.load(logp_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        h = _hash32(key ^ _hash32(cols.to(tl.uint32) + 0x9E3779B9))
+        u = ((_hash32(h) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        val = lp + -tl.log(-tl.log(u))
+        val = tl.where(inside, val, float("-inf"))
+        blk_val = tl.max(val, axis=0)
+        blk_idx = tl.argmax(val, axis=0).to(tl.int64) + start
+        better = blk_val > best_val
+        best_idx = tl.where(better, blk_idx, best_idx)
+        best_val = tl.where(better, blk_val, best_val)
+    return best_idx
+
+
+@triton.jit
+def _sample_kernel(logp, seed, position, out, V, stride, stream: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    key = _row_key(tl.load(seed + row), tl.load(position + row), stream)
+    tl.store(out + row, _gumbel_argmax(logp + row * stride, key, V, BLOCK))
+
+
+@triton.jit
+def _accept_matching_kernel(logp, drafts, seed, first, num_out, tok_out, V, K, stride_req, stride_pos,
+                            stream: tl.constexpr, BLOCK: tl.constexpr):
+    """One request per program: draw the target's keyed sample t_i at each position, accept
+    drafts while they match, write the accepted run then t at the first mismatch (or the
+    bonus t_K). Mirrors core.sampling._accept_matching."""
+    req = tl.program_id(0)
+    s, p0 = tl.load(seed + req), tl.load(first + req)
+    accepted = tl.full((), 0, tl.int64)
+    matching = tl.full((), 1, tl.int1)
+    for i in range(0, K + 1):
+        if matching:
+            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, _row_key(s, p0 + i, stream), V, BLOCK)
+            d = tl.load(drafts + req * K + i, mask=i < K, other=-1)
+            tl.store(tok_out + req * (K + 1) + i, t)
+            if d == t:
+                accepted += 1
+            else:
+                matching = False
+    tl.store(num_out + req, accepted)
+
+
+SAMPLE_STREAM = 1  # core.sampling.Stream.SAMPLE
+
+
+def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_STREAM, block: int = 1024) -> Tensor:
+    """log-probabilities [N, V] (-inf where filtered) -> ids [N]; as core.sampling.sample on exp(logp)."""
+    n, v = logp.shape
+    out = torch.empty(n, dtype=torch.int64, device=logp.device)
+    _sample_kernel[(n,)](logp, seed, position, out, v, logp.stride(0), stream=stream, BLOCK=block)
+    return out
+
+
+def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024
+                    ) -> tuple[Tensor, Tensor]:
+    """logp [N, K+1, V], drafts [N, K] -> (num_accepted [N], tokens [N, K+1]); positions past
+    the emitted token are left unwritten (callers read tokens[:num_accepted + 1])."""
+    n, k1, v = logp.shape
+    logp = logp.contiguous()
+    num = torch.empty(n, dtype=torch.int64, device=logp.device)
+    tokens = torch.full((n, k1), -1, dtype=torch.int64, device=logp.device)
+    _accept_matching_kernel[(n,)](logp, drafts.contiguous(), seed, first, num, tokens, v, k1 - 1,
+                                  logp.stride(0), logp.stride(1), stream=SAMPLE_STREAM, BLOCK=block)
+    return num, tokens
