@@ -93,10 +93,10 @@ class EngineLoop:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams, speculate: bool = True,
                stop: Sequence[str] = ()) -> Handle:
         """Validate and queue a request; RequestError, QueueFull or EngineDead are raised here."""
-        if self.dead:
-            raise EngineDead("the engine loop has stopped; see the server log")
         handle = Handle(aio=asyncio.get_running_loop())
         with self.cond:
+            if self.dead:
+                raise EngineDead("the engine loop has stopped; see the server log")
             if len(self.inbox) + len(self.engine.scheduler.waiting) >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests already waiting (server.max_queue); retry shortly")
             handle.req = self.engine.make_request(prompt, params, speculate=speculate, stop=stop)
@@ -117,10 +117,13 @@ class EngineLoop:
                 self._admit()
                 if self.engine.scheduler.has_work():
                     self._step()
-        except BaseException as exc:  # the loop itself broke: report dead, fail what is left
-            self.dead = True
+        except BaseException as exc:  # the loop itself broke: report dead, answer everyone left
+            with self.cond:
+                self.dead = True
+                pending, self.inbox = self.inbox, []
             log.exception("engine.dead", error=repr(exc))
-            for handle in self.active:
+            self.active += [handle for handle, _ in pending]
+            for handle in list(self.active):
                 handle.req.finish({"type": "abort", "message": f"engine stopped: {exc!r}"})
                 self._publish(handle)
 
