@@ -15,6 +15,7 @@ from core.sampling import SamplingBatch, SamplingParams, Stream, accept_drafts, 
 from stats import chi_square_p  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # log(0) = -inf, by design
 
 
 def _logp(probs):
@@ -66,3 +67,23 @@ def test_acceptance_kernel_matches_the_oracle(temperature):
              and torch.equal(tokens[r, : num[r] + 1], want.tokens[r, : num[r] + 1]) for r in range(n)]
     # greedy: every row exact; sampled: a float32 log may differ by an ulp at a near-tie
     assert sum(agree) >= (n if temperature == 0 else n - 1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rejection_kernel_matches_the_oracle(temperature):
+    """Drafts sampled from a drafter's own q: accept/reject, residual and bonus as the oracle."""
+    torch.manual_seed(3)
+    n, k, v = 16, 4, 200
+    batch = SamplingBatch.of([SamplingParams(temperature=temperature, seed=100 + s) for s in range(n)])
+    p = probs_from_logits(torch.randn(n, k + 1, v) * 2, batch)
+    q = probs_from_logits(torch.randn(n, k, v) * 2 + torch.log(p[:, :k] + 1e-3), batch)  # correlated with p
+    first = torch.arange(n) + 30
+    drafts = torch.stack([sample(q[:, i], batch.seed, first + i, Stream.DRAFT) for i in range(k)], dim=1)
+    want = accept_drafts(p, drafts, q, batch.seed, first)
+    num, tokens = kernels.accept_rejection(p.to(DEV), q.to(DEV), drafts.to(DEV), batch.seed.to(DEV), first.to(DEV),
+                                           block=64)
+    num, tokens = num.cpu(), tokens.cpu()
+    agree = [int(num[r]) == int(want.num_accepted[r]) and torch.equal(tokens[r, : num[r] + 1], want.tokens[r, : num[r] + 1])
+             for r in range(n)]
+    assert sum(agree) >= (n if temperature == 0 else n - 1)
+    assert 0 < int(want.num_accepted.sum()) < n * k  # accepts and rejections both happened

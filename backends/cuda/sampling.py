@@ -38,19 +38,32 @@ def _row_key(seed, position, stream: tl.constexpr):
     return _hash32(k ^ stream)
 
 
+# what _gumbel_argmax reads from its rows (constexpr: jit functions may read such globals)
+LOGP, PROBS, RESIDUAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
-def _gumbel_argmax(logp_row, key, V, BLOCK: tl.constexpr):
-    """argmax over the vocabulary of log p + Gumbel(key, column); ties go to the lower index."""
+def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, use_q=True):
+    """argmax over the vocabulary of log w + Gumbel(key, column), ties to the lower index, where
+    w is ``row`` as log-probabilities (LOGP) or probabilities (PROBS), or max(0, row - q_row)
+    (RESIDUAL; just ``row`` when not use_q). Unnormalized w is fine: a constant shift of
+    every log cannot move the argmax."""
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < V
-        lp = tl.load(logp_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        if MODE == LOGP:
+            lp = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        else:
+            w = tl.load(row + cols, mask=inside, other=0.0).to(tl.float32)
+            if MODE == RESIDUAL:
+                q = tl.load(q_row + cols, mask=inside, other=0.0).to(tl.float32)
+                w = tl.where(use_q, tl.maximum(w - q, 0.0), w)
+            lp = tl.log(w)
         h = _hash32(key ^ _hash32(cols.to(tl.uint32) + 0x9E3779B9))
         u = ((_hash32(h) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        val = lp + -tl.log(-tl.log(u))
-        val = tl.where(inside, val, float("-inf"))
+        val = tl.where(inside, lp + -tl.log(-tl.log(u)), float("-inf"))
         blk_val = tl.max(val, axis=0)
         blk_idx = tl.argmax(val, axis=0).to(tl.int64) + start
         better = blk_val > best_val
@@ -63,7 +76,7 @@ def _gumbel_argmax(logp_row, key, V, BLOCK: tl.constexpr):
 def _sample_kernel(logp, seed, position, out, V, stride, stream: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     key = _row_key(tl.load(seed + row), tl.load(position + row), stream)
-    tl.store(out + row, _gumbel_argmax(logp + row * stride, key, V, BLOCK))
+    tl.store(out + row, _gumbel_argmax(logp + row * stride, logp, key, V, BLOCK, LOGP))
 
 
 @triton.jit
@@ -78,13 +91,61 @@ def _accept_matching_kernel(logp, drafts, seed, first, num_out, tok_out, V, K, s
     matching = tl.full((), 1, tl.int1)
     for i in range(0, K + 1):
         if matching:
-            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, _row_key(s, p0 + i, stream), V, BLOCK)
+            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, logp, _row_key(s, p0 + i, stream), V, BLOCK, LOGP)
             d = tl.load(drafts + req * K + i, mask=i < K, other=-1)
             tl.store(tok_out + req * (K + 1) + i, t)
             if d == t:
                 accepted += 1
             else:
                 matching = False
+    tl.store(num_out + req, accepted)
+
+
+@triton.jit
+def _uniform(key):
+    """core.sampling.uniform for one key: float32 strictly inside (0, 1)."""
+    return ((_hash32(key) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
+def _residual_argmax(p_row, q_row, key, V, BLOCK: tl.constexpr):
+    """A draw from normalize(max(0, p - q)), or from p when that has no mass."""
+    mass = tl.full((), 0.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < V
+        p = tl.load(p_row + cols, mask=inside, other=0.0)
+        q = tl.load(q_row + cols, mask=inside, other=0.0)
+        mass += tl.sum(tl.maximum(p - q, 0.0), axis=0)
+    return _gumbel_argmax(p_row, q_row, key, V, BLOCK, RESIDUAL, mass > 0)
+
+
+@triton.jit
+def _accept_rejection_kernel(p, q, drafts, seed, first, num_out, tok_out, V, K, sp_req, sp_pos, sq_req, sq_pos,
+                             BLOCK: tl.constexpr):
+    """Drafts sampled from q: accept d_i iff u_i * q_i(d_i) < p_i(d_i); at the first rejection
+    emit a residual draw, after K acceptances a bonus draw from p_K. Mirrors
+    core.sampling._accept_rejection (streams ACCEPT = 2, RESIDUAL = 3, SAMPLE = 1)."""
+    req = tl.program_id(0)
+    s, p0 = tl.load(seed + req), tl.load(first + req)
+    accepted = tl.full((), 0, tl.int64)
+    open_run = tl.full((), 1, tl.int1)
+    for i in range(0, K):
+        if open_run:
+            d = tl.load(drafts + req * K + i)
+            p_d = tl.load(p + req * sp_req + i * sp_pos + d)
+            q_d = tl.load(q + req * sq_req + i * sq_pos + d)
+            if _uniform(_row_key(s, p0 + i, 2)) * q_d < p_d:
+                tl.store(tok_out + req * (K + 1) + i, d)
+                accepted += 1
+            else:
+                t = _residual_argmax(p + req * sp_req + i * sp_pos, q + req * sq_req + i * sq_pos,
+                                     _row_key(s, p0 + i, 3), V, BLOCK)
+                tl.store(tok_out + req * (K + 1) + i, t)
+                open_run = False
+    if open_run:
+        bonus = _gumbel_argmax(p + req * sp_req + K * sp_pos, p, _row_key(s, p0 + K, 1), V, BLOCK, PROBS)
+        tl.store(tok_out + req * (K + 1) + K, bonus)
     tl.store(num_out + req, accepted)
 
 
@@ -109,4 +170,17 @@ def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, b
     tokens = torch.full((n, k1), -1, dtype=torch.int64, device=logp.device)
     _accept_matching_kernel[(n,)](logp, drafts.contiguous(), seed, first, num, tokens, v, k1 - 1,
                                   logp.stride(0), logp.stride(1), stream=SAMPLE_STREAM, BLOCK=block)
+    return num, tokens
+
+
+def accept_rejection(p: Tensor, q: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024
+                     ) -> tuple[Tensor, Tensor]:
+    """p [N, K+1, V] and q [N, K, V] probabilities, drafts [N, K] sampled from q ->
+    (num_accepted [N], tokens [N, K+1]); tokens past the emitted one are left unwritten."""
+    n, k1, v = p.shape
+    p, q = p.contiguous().float(), q.contiguous().float()
+    num = torch.empty(n, dtype=torch.int64, device=p.device)
+    tokens = torch.full((n, k1), -1, dtype=torch.int64, device=p.device)
+    _accept_rejection_kernel[(n,)](p, q, drafts.contiguous(), seed, first, num, tokens, v, k1 - 1,
+                                   p.stride(0), p.stride(1), q.stride(0), q.stride(1), BLOCK=block)
     return num, tokens
