@@ -13,9 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from core.engine import Completion, RequestError
-from core.loop import EngineDead, EngineLoop, Handle
+from core.loop import EngineDead, EngineLoop, Handle, QueueFull
 from core.machine import describe_transitions
-from core.scheduler import QueueFull
 
 from .metrics import Metrics
 from .schemas import CompletionRequest, GenerateRequest, SamplingIn

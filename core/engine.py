@@ -83,7 +83,7 @@ class Engine:
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
         self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype)
-        self.scheduler = Scheduler(spec.server.max_batch_size)  # the server bounds its own queue
+        self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy)
         self._ids = itertools.count()

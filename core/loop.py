@@ -16,7 +16,6 @@ import torch
 from .engine import Completion, Engine
 from .request import Request
 from .sampling import SamplingParams
-from .scheduler import QueueFull
 
 log = structlog.get_logger("draftline.server")
 
@@ -27,6 +26,10 @@ def stable_text(text: str, stops: tuple[str, ...]) -> str:
     text = text.rstrip("\ufffd")
     hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
     return text[: len(text) - hold]
+
+
+class QueueFull(RuntimeError):
+    """The server's waiting queue is at its bound (server.max_queue); retry later."""
 
 
 class EngineDead(RuntimeError):

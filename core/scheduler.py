@@ -9,20 +9,14 @@ from .machine import Phase, abort
 from .request import Request
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound; the caller should retry later."""
-
-
 class Scheduler:
-    def __init__(self, max_batch_size: int, max_queue: int | None = None):
-        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+    def __init__(self, max_batch_size: int):
+        self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.cancelled: list[Request] = []  # finished while waiting; handed back by reap
 
     def add(self, req: Request) -> None:
-        if self.max_queue is not None and len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests already waiting (server.max_queue); retry shortly")
         req.phase = Phase.WAITING
         self.waiting.append(req)
 
