@@ -75,7 +75,7 @@ class Handle:
 class EngineLoop:
     def __init__(self, engine: Engine, max_queue: int):
         self.engine, self.max_queue = engine, max_queue
-        self.inbox: list[tuple[Handle, Request]] = []
+        self.inbox: list[Handle] = []  # submitted, not yet handed to the scheduler
         self.active: list[Handle] = []
         self.cond = threading.Condition()
         self.finish_listeners: list[Callable[[Request, Completion], None]] = []
@@ -103,7 +103,7 @@ class EngineLoop:
             if len(self.inbox) + len(self.engine.scheduler.waiting) >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests already waiting (server.max_queue); retry shortly")
             handle.req = self.engine.make_request(prompt, params, speculate=speculate, stop=stop)
-            self.inbox.append((handle, handle.req))
+            self.inbox.append(handle)
             self.cond.notify()
         return handle
 
@@ -125,7 +125,7 @@ class EngineLoop:
                 self.dead = True
                 pending, self.inbox = self.inbox, []
             log.exception("engine.dead", error=repr(exc))
-            self.active += [handle for handle, _ in pending]
+            self.active += pending
             for handle in list(self.active):
                 handle.req.finish({"type": "abort", "message": f"engine stopped: {exc!r}"})
                 self._publish(handle)
@@ -135,8 +135,8 @@ class EngineLoop:
             while not self.inbox and not self.engine.scheduler.has_work() and not self.stopping:
                 self.cond.wait(timeout=0.5)
             pending, self.inbox = self.inbox, []
-        for handle, req in pending:
-            self.engine.scheduler.add(req)
+        for handle in pending:
+            self.engine.scheduler.add(handle.req)
             self.active.append(handle)
 
     def _step(self) -> None:

@@ -104,12 +104,9 @@ class Request:
             if self.t_first_token is None:
                 self.t_first_token = time.perf_counter()
             if tok in self.stop_ids:
-                self.finish_reason = {"type": "stop", "matched": tok}
-            elif len(self.output_ids) >= self.params.max_new_tokens:
-                self.finish_reason = {"type": "length", "length": len(self.output_ids)}
-            elif self.seq_len >= self.max_model_len:
-                self.finish_reason = {"type": "length", "length": len(self.output_ids)}
-            if self.finish_reason is not None:
-                self.finish(self.finish_reason)
+                self.finish({"type": "stop", "matched": tok})
+                break
+            if len(self.output_ids) >= self.params.max_new_tokens or self.seq_len >= self.max_model_len:
+                self.finish({"type": "length", "length": len(self.output_ids)})
                 break
         return kept

@@ -38,6 +38,12 @@ def _row_key(seed, position, stream: tl.constexpr):
     return _hash32(k ^ stream)
 
 
+@triton.jit
+def _uniform(key):
+    """core.sampling.uniform for one key: float32 strictly inside (0, 1)."""
+    return ((_hash32(key) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
 # what _gumbel_argmax reads from its rows (constexpr: jit functions may read such globals)
 LOGP, PROBS, RESIDUAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
@@ -61,8 +67,7 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
                 q = tl.load(q_row + cols, mask=inside, other=0.0).to(tl.float32)
                 w = tl.where(use_q, tl.maximum(w - q, 0.0), w)
             lp = tl.log(w)
-        h = _hash32(key ^ _hash32(cols.to(tl.uint32) + 0x9E3779B9))
-        u = ((_hash32(h) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        u = _uniform(_hash32(key ^ _hash32(cols.to(tl.uint32) + 0x9E3779B9)))  # one per column
         val = tl.where(inside, lp + -tl.log(-tl.log(u)), float("-inf"))
         blk_val = tl.max(val, axis=0)
         blk_idx = tl.argmax(val, axis=0).to(tl.int64) + start
@@ -99,12 +104,6 @@ def _accept_matching_kernel(logp, drafts, seed, first, num_out, tok_out, V, K, s
             else:
                 matching = False
     tl.store(num_out + req, accepted)
-
-
-@triton.jit
-def _uniform(key):
-    """core.sampling.uniform for one key: float32 strictly inside (0, 1)."""
-    return ((_hash32(key) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit
