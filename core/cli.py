@@ -132,17 +132,29 @@ def _corpus(path: str):
     return torch.load(file)
 
 
+def _train_config(kind: type, args: argparse.Namespace, preset: str):
+    """The run's config from its dataclass defaults and the knobs given on the command line."""
+    import dataclasses
+
+    given = {k: v for k, v in vars(args).items() if k in TRAIN_KNOBS and v is not None}
+    fields = {f.name for f in dataclasses.fields(kind)}
+    stray = sorted(set(given) - fields)
+    if stray:
+        flags = ", ".join("--" + k.replace("_", "-") for k in stray)
+        raise ConfigError(f"train {args.what}: {flags} does not apply to this command; drop it")
+    return kind(**{"preset": preset, **given})
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import shutil
 
     from .training.loop import pick_device
 
     data, device, out = _corpus(args.data), pick_device(args.device), Path(args.out)
-    overrides = {k: v for k, v in vars(args).items() if k in TRAIN_KNOBS and v is not None}
     if args.what == "target":
         from .training.pretrain import PretrainConfig, pretrain
 
-        cfg = PretrainConfig(**{"preset": "tiny-code", **overrides})
+        cfg = _train_config(PretrainConfig, args, "tiny-code")
         summary = pretrain(data["train"], data["heldout"], data["vocab_size"], data["eos_id"], out, cfg, device)
         shutil.copy(Path(args.data) / "tokenizer.json", out / "tokenizer.json")
     else:
@@ -151,7 +163,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         if not args.target:
             raise FileNotFoundError("train dflash needs --target FOLDER (a trained target checkpoint)")
-        cfg = DistillConfig(**{"preset": "tiny-code-dflash", **overrides})
+        cfg = _train_config(DistillConfig, args, "tiny-code-dflash")
         init = Path(args.init) if args.init else None
         summary = train_dflash(load_target(args.target), data, out, cfg, device, init)
     print(summary.report())
@@ -160,7 +172,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 TRAIN_KNOBS = {"preset": str, "steps": int, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
                "num_sequences": int, "gen_len": int, "gen_batch": int, "anchors": int, "eval_every": int,
-               "max_seconds": float, "mix": str}
+               "max_seconds": float, "mix": str, "warm_tokens": int,
+               "weight_decay": float}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

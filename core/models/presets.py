@@ -96,6 +96,14 @@ DRAFT_PRESETS: dict[str, dict[str, Any]] = {
         "block_size": 16,
         "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 5]},
     },
+    "tiny-code-dflash4": {
+        **_TINY_CODE,
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 4,
+        "num_target_layers": 8,
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 5]},
+    },
     "micro-dflash": {
         **_MICRO,
         "architectures": ["DFlashDraftModel"],

@@ -63,6 +63,7 @@ class DistillConfig(Schedule):
     gen_len: int = 192  # every sequence is prompt_len + gen_len tokens long
     gen_batch: int = 1024
     mix: str = "bare,fn,bare,sampled"  # prompt kind of each generation batch, cycled
+    warm_tokens: int = 16  # `warm` rows: sampled tokens after a bare prompt, before the greedy part
     anchors: int = 32
     gamma: float = 7.0
 
@@ -100,19 +101,24 @@ def _prompts(kind: str, corpus: dict, split: str, cfg: DistillConfig, gen: torch
 
 
 def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConfig, count: int, seed: int,
-                 device) -> Distilled:
+                 device, mix: str | None = None) -> Distilled:
     """Target continuations, greedy (labels = what temperature-0 verification accepts) except
-    for `sampled` batches, which continue random windows at temperature 1."""
+    for `sampled` batches, which continue random windows at temperature 1. `warm` batches
+    sample a few tokens after a bare prompt first: on training prompts an overfit target
+    recites what it memorised, and the sampled detour shows the drafter the target's own
+    greedy habits, which is what it meets on unseen prompts."""
     gen = torch.Generator().manual_seed(seed)
-    kinds = cfg.mix.split(",")
+    kinds = (mix or cfg.mix).split(",")
     rows, firsts = [], []
     bar = progress(max(1, count // cfg.gen_batch), "generate")
     for i in range(max(1, count // cfg.gen_batch)):
-        kind = kinds[i % len(kinds)]
-        prompts = _prompts(kind, corpus, split, cfg, gen).to(device)
+        kind, key = kinds[i % len(kinds)], seed * 100003 + i * cfg.gen_batch
+        prompts = _prompts("bare" if kind == "warm" else kind, corpus, split, cfg, gen).to(device)
+        if kind == "warm":
+            prompts = generate(target, prompts, cfg.warm_tokens, 1.0, key + 7)
         total = cfg.prompt_len + cfg.gen_len
         temperature = 1.0 if kind == "sampled" else 0.0
-        rows.append(generate(target, prompts, total - prompts.shape[1], temperature, seed * 100003 + i * cfg.gen_batch))
+        rows.append(generate(target, prompts, total - prompts.shape[1], temperature, key))
         firsts.append(torch.full((prompts.shape[0],), prompts.shape[1] - 1, device=device))
         bar.update(1)
     bar.close()
@@ -129,7 +135,27 @@ def sample_blocks(data: Distilled, cfg: DistillConfig, blk: int, gen: torch.Gene
 
 
 @torch.no_grad()
-def evaluate(drafter, target, data: Distilled, cfg: DistillConfig, mask_id: int, blk: int) -> dict[str, float]:
+def round_tau(drafter, target, data: Distilled, mask_id: int, blk: int, new_tokens: int) -> float:
+    """τ as the engine measures it at temperature 0 on greedy rows: the first round starts at
+    the token prefill emitted, each next one right after the last accepted draft. Anchors sampled uniformly
+    overstate τ, since a round tends to start where the previous one failed."""
+    tokens, anchors = data.tokens, data.first_anchor + 1  # prefill emits the first token
+    end = torch.clamp(anchors + new_tokens, max=tokens.shape[1])  # first position not generated
+    emitted = rounds = 0
+    while True:
+        live = (anchors + blk <= end).nonzero()[:, 0]
+        if live.numel() == 0:
+            return emitted / max(1, rounds)
+        with autocast(tokens.device):
+            _, correct = training_loss(drafter, target, BlockBatch(tokens[live], anchors[live, None]), mask_id)
+        n = correct[:, 0].long().cumprod(dim=-1).sum(-1) + 1  # tokens this round emits
+        anchors[live] += n
+        emitted, rounds = emitted + int(n.sum()), rounds + live.numel()
+
+
+@torch.no_grad()
+def evaluate(drafter, target, data: Distilled, bare: Distilled, cfg: DistillConfig, mask_id: int,
+             blk: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
     losses, taus = [], []
     for _ in range(8):
@@ -137,7 +163,8 @@ def evaluate(drafter, target, data: Distilled, cfg: DistillConfig, mask_id: int,
             loss, correct = training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)
         losses.append(float(loss))
         taus.append(expected_accept_length(correct))
-    return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus)}
+    return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus),
+            "heldout_tau_rounds": round_tau(drafter, target, bare, mask_id, blk, new_tokens=128)}
 
 
 def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfig, device,
@@ -156,13 +183,15 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
     log.info("distill.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
     data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device)
     held = distill_data(target, corpus, "heldout", cfg, cfg.num_sequences // 8, cfg.seed + 1, device)
+    bare = distill_data(target, corpus, "heldout", cfg, cfg.gen_batch, cfg.seed + 2, device, mix="bare")
+    bare = Distilled(bare.tokens[:256], bare.first_anchor[:256])  # function starts, as `draftline eval` runs
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def loss() -> Tensor:
         return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)[0]
 
-    summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, cfg, mask_id, blk),
+    summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, bare, cfg, mask_id, blk),
                          cfg, device)
     save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter.to(torch.bfloat16))
     log.info("distill.done", summary=summary.report(), out=str(out))
