@@ -9,7 +9,7 @@ from torch import Tensor
 
 from core.models.layers import AttentionFn
 from core.request import Request
-from core.sampling import Verdict
+from core.sampling import SamplingBatch, Verdict
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,16 @@ class Verification:
         return Verification(self.logits[keep], None if self.features is None else self.features[keep])
 
 
+@dataclass(frozen=True)
+class DraftRows:
+    """The rows a drafter drafts for, as device tensors: what a graph-captured draft step reads."""
+
+    last_token: Tensor  # [N] int64, the token each row's round starts from
+    start: Tensor  # [N] int64, its position (seq_len - 1)
+    batch: SamplingBatch  # per-row sampling parameters
+    caches: Any  # the KVStore's handle on these rows' drafter caches
+
+
 class KVStore(Protocol):
     """Per-request KV caches a backend lends to drafters that own one."""
 
@@ -44,8 +54,12 @@ class KVStore(Protocol):
 
     def truncate(self, cache: Any, length: int) -> None: ...
 
-    def attention(self, caches: list[Any], causal: bool, persist: bool) -> AttentionFn:
-        """Attention of each row's new q/k/v over its cache then its new k/v."""
+    def attention(self, caches: Any, causal: bool, persist: bool) -> AttentionFn:
+        """Attention of each row's new q/k/v over its cache then its new k/v. ``caches`` is a
+        list of ``new()`` handles, or a backend's batched handle (DraftRows.caches)."""
+
+    # Stores that index KV by absolute position (the cuda backend's static caches) also offer
+    # write(caches, layer, k, v): k, v [N, Hkv, W, D] at each row's positions start .. start+W-1.
 
 
 class Backend(Protocol):

@@ -43,7 +43,8 @@ class OracleDrafter(Drafter):
     def extend(self, req, features, first_position):
         pass
 
-    def propose(self, reqs, batch):
+    def propose(self, reqs, rows):
+        batch = rows.batch
         k, v = self.plan.num_speculative_tokens, self.target.config.vocab_size
         rows = [self._one(r, batch, i, k, v) for i, r in enumerate(reqs)]
         tokens = torch.stack([t for t, _ in rows])

@@ -110,9 +110,9 @@ def test_drafter_context_is_exactly_the_target_features_before_the_anchor():
         torch.testing.assert_close(cache.k[layer], k[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(cache.v[layer], v[0], rtol=1e-4, atol=1e-5)
     with torch.no_grad():
-        before = drafter.propose([req], engine.backend._batch([req])).tokens
+        before = drafter.propose([req], engine.backend.draft_rows([req])).tokens
         drafter.extend(req, feats[0, -1:] * 3.0, anchor)  # a leaked row at the anchor position
-        after = drafter.propose([req], engine.backend._batch([req])).tokens
+        after = drafter.propose([req], engine.backend.draft_rows([req])).tokens
     assert not torch.equal(before, after)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import Proposal, Verification
+from backends.base import DraftRows, Proposal, Verification
 from core.machine import Plan
 from core.methods.base import Drafter, Method
 from core.models.target import TargetModel
@@ -53,7 +53,15 @@ class ReferenceBackend:
     def draft(self, reqs: list[Request]) -> Proposal:
         if self.drafter is None:
             return self.skip_draft(reqs)
-        return self.drafter.propose(reqs, self._batch(reqs))
+        return self.drafter.propose(reqs, self.draft_rows(reqs))
+
+    def draft_rows(self, reqs: list[Request]) -> DraftRows:
+        return DraftRows(
+            last_token=torch.tensor([r.last_token for r in reqs], device=self.device),
+            start=torch.tensor([r.seq_len - 1 for r in reqs], device=self.device),
+            batch=self._batch(reqs),
+            caches=[r.draft_state for r in reqs],
+        )
 
     def skip_draft(self, reqs: list[Request]) -> Proposal:
         return Proposal(tokens=torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))

@@ -11,17 +11,23 @@ from torch import Tensor
 from ..machine import Plan
 from ..models.config import ModelConfig
 from ..request import Request
-from ..sampling import SamplingBatch
 from ..spec import SpeculativeSpec
 
 if TYPE_CHECKING:
-    from backends.base import KVStore, Proposal
+    from backends.base import DraftRows, KVStore, Proposal
 
     from ..models.target import TargetModel
 
 
 class Drafter(ABC):
-    """Per-round drafting for a batch; per-request state lives in ``req.draft_state``."""
+    """Per-round drafting for a batch; per-request state lives in ``req.draft_state``.
+
+    A drafter whose ``propose`` reads only ``rows`` (device tensors) and whose KV goes through
+    the lent store sets ``graph_safe``: a backend may then capture its draft step in a graph,
+    and call ``extend_rows`` instead of ``extend`` after each round.
+    """
+
+    graph_safe: ClassVar[bool] = False
 
     @abstractmethod
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
@@ -29,8 +35,15 @@ class Drafter(ABC):
         the whole prompt after prefill, then the accepted positions after each round."""
 
     @abstractmethod
-    def propose(self, reqs: list[Request], batch: SamplingBatch) -> "Proposal":
-        """Draft K tokens after each request's last token."""
+    def propose(self, reqs: list[Request], rows: "DraftRows") -> "Proposal":
+        """Draft K tokens after each request's last token (``rows`` holds the same facts as
+        tensors; a graph-safe drafter reads only those)."""
+
+    def extend_rows(self, rows: "DraftRows", features: Tensor) -> None:
+        """Graph-safe form of ``extend`` for stores that index KV by absolute position: take the
+        features [N, W, taps*H] of all W verified positions from ``rows.start``. Those past a
+        row's accepted run are never read: the next round writes its own K/V over them."""
+        raise NotImplementedError(f"{type(self).__name__} has no graph-safe extend")
 
     def release(self, req: Request) -> None:
         req.draft_state = None

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from backends.base import KVStore, Proposal
+from backends.base import DraftRows, KVStore, Proposal
 
 from ..machine import Plan
 from ..models.config import ConfigError, DFlashConfig, ModelConfig, dflash_config, read_config_json
@@ -24,7 +24,7 @@ from ..models.presets import DRAFT_PRESETS, dflash_preset
 from ..models.target import TargetModel
 from ..registry import METHODS
 from ..request import Request
-from ..sampling import SamplingBatch, Stream, probs_from_logits, sample
+from ..sampling import Stream, probs_from_logits, sample
 from ..spec import DraftModelSpec, SpeculativeSpec
 from .base import Drafter, Method
 
@@ -149,6 +149,8 @@ class DFlashMethod(Method):
 
 
 class DFlashDrafter(Drafter):
+    graph_safe = True
+
     def __init__(self, model: DFlashDraftModel, target: TargetModel, kv: KVStore, plan: Plan, mask_token_id: int):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.mask_token_id = mask_token_id
@@ -161,21 +163,24 @@ class DFlashDrafter(Drafter):
         for layer, (k, v) in enumerate(self.model.context_kv(features[None], positions)):
             self.kv.append(req.draft_state, layer, k[0], v[0])
 
-    def propose(self, reqs: list[Request], batch: SamplingBatch) -> Proposal:
-        dev = self.model.fc.weight.device
-        n, b = len(reqs), self.plan.block_size
-        ids = torch.full((n, b), self.mask_token_id, dtype=torch.long, device=dev)  # [N, B]
-        ids[:, 0] = torch.tensor([r.last_token for r in reqs], device=dev)
-        start = torch.tensor([r.seq_len - 1 for r in reqs], device=dev)  # block's first position
-        positions = start[:, None] + torch.arange(b, device=dev)  # [N, B]
-        attn = self.kv.attention([r.draft_state for r in reqs], causal=False, persist=False)
+    def extend_rows(self, rows: DraftRows, features: Tensor) -> None:
+        positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)  # [N, W]
+        for layer, (k, v) in enumerate(self.model.context_kv(features, positions)):
+            self.kv.write(rows.caches, layer, k, v)
+
+    def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
+        n, b = rows.last_token.shape[0], self.plan.block_size
+        offsets = torch.arange(b, device=rows.start.device)
+        ids = torch.where(offsets == 0, rows.last_token[:, None], self.mask_token_id)  # [N, B]: anchor, MASK...
+        positions = rows.start[:, None] + offsets  # [N, B]
+        attn = self.kv.attention(rows.caches, causal=False, persist=False)
         hidden = self.model(self.target.embed(ids), positions, attn)
         logits = self.target.logits(hidden[:, 1:])  # [N, K, V]: slot k predicts position start + k
         if self.plan.draft_sample_method == "greedy":
             return Proposal(tokens=logits.argmax(-1))
-        q = probs_from_logits(logits, batch)  # [N, K, V]
+        q = probs_from_logits(logits, rows.batch)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
-        seeds = batch.seed.to(dev)[:, None].expand(n, k).reshape(-1)
+        seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
         tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:].reshape(-1), Stream.DRAFT)
         return Proposal(tokens=tokens.view(n, k), probs=q)
 
