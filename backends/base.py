@@ -13,6 +13,15 @@ from core.sampling import SamplingBatch, Verdict
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """What a backend sizes its persistent state by."""
+
+    max_batch: int  # requests running at once (server.max_batch_size)
+    max_model_len: int  # prompt + output tokens of one request
+    graphs: bool = True  # capture CUDA graphs where the backend can
+
+
+@dataclass(frozen=True)
 class Proposal:
     """A round's drafts for every running request."""
 

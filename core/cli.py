@@ -176,6 +176,40 @@ TRAIN_KNOBS = {"preset": str, "steps": int, "batch_size": int, "seq_len": int, "
                "weight_decay": float}
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import benchmark
+    from .engine import Engine
+
+    if not torch.cuda.is_available():
+        raise ConfigError("draftline bench measures GPU time against the bandwidth floor; it needs a CUDA device")
+    engine = Engine.from_spec(args.spec, draft_policy="always")
+    if engine.backend_name != "cuda":
+        raise ConfigError(f"{args.spec}: backend is {engine.backend_name}; bench the cuda backend (backend: cuda or auto)")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    too_big = [b for b in batches if b > engine.spec.server.max_batch_size]
+    if too_big:
+        raise ConfigError(f"--batch-sizes {too_big} exceed server.max_batch_size {engine.spec.server.max_batch_size}")
+    bandwidth = benchmark.copy_bandwidth(engine.device)
+    rows = benchmark.bench_method(engine, batches, args.prompt_len, args.new_tokens, bandwidth)
+    if engine.plan.method != "none" and not args.no_baseline:
+        base = engine.with_method({"method": "none"})
+        rows = benchmark.bench_method(base, batches, args.prompt_len, args.new_tokens, bandwidth) + rows
+    print(f"{args.spec}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.cuda.get_device_name()}")
+    print(benchmark.format_rows(rows, bandwidth))
+    if args.attention:
+        print("verify attention kernel alone (batch 1, 16 queries):  context  µs  KV-read TB/s")
+        for ctx, us, tbs in benchmark.attention_bandwidth(engine, [4096, 32768, 131072], 1, 16):
+            print(f"  {ctx:>8} {us:>8.1f} {tbs:>6.2f}")
+    if args.peer == "hf":
+        ms = benchmark.hf_peer(engine, args.prompt_len, args.new_tokens)
+        ours = next(r.ms_token for r in rows if r.method == "none" and r.batch == 1) if 1 in batches else float("nan")
+        print(f"transformers static cache + torch.compile, batch 1: {ms:.3f} ms/token; draftline none: {ours:.3f} "
+              f"ms/token ({ms / ours:.2f}x faster)")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .evaluation import evaluate, format_table, plot
@@ -259,6 +293,16 @@ def _generation_commands(sub) -> None:
     ev.add_argument("--plot", help="write a PNG of per-position acceptance and the tau distribution")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
+
+    bn = sub.add_parser("bench", help="GPU: ms per round and per token against the bandwidth floor (cuda backend)")
+    bn.add_argument("--spec", default=str(PROJECT_ROOT / "specs" / "qwen3-8b-random-dflash.yaml"))
+    bn.add_argument("--batch-sizes", default="1,4,16")
+    bn.add_argument("--prompt-len", type=int, default=512)
+    bn.add_argument("--new-tokens", type=int, default=128)
+    bn.add_argument("--peer", choices=["hf"], help="also time transformers' static-cache torch.compile decoding")
+    bn.add_argument("--no-baseline", action="store_true", help="skip the `none` rows of a speculative spec")
+    bn.add_argument("--attention", action="store_true", help="also time the verify attention kernel at long context")
+    bn.set_defaults(func=cmd_bench)
 
 
 def _serving_commands(sub) -> None:

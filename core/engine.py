@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import torch
 from tokenizers import Tokenizer
 
+from backends.base import Capacity
+
 from .machine import Machine, Phase, Plan, abort, advance
 from .policy import DraftPolicy
 from .models.loader import load_target, place, random_target
@@ -55,10 +57,11 @@ def resolve_backend(spec: Spec, device: torch.device) -> str:
     return "cuda" if device.type == "cuda" and "cuda" in BACKENDS.names() else "reference"
 
 
-def build_target(spec: Spec) -> tuple[TargetModel, Tokenizer]:
+def build_target(spec: Spec, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> tuple[TargetModel, Tokenizer]:
     m = spec.model
     if m.random_init is not None:
-        target = random_target(m.random_init.preset, m.random_init.seed)
+        target = random_target(m.random_init.preset, m.random_init.seed, device, dtype)
         tokenizer = load_tokenizer(m.tokenizer) if m.tokenizer else byte_tokenizer(target.config.vocab_size)
     else:
         target = load_target(m.path)
@@ -77,12 +80,13 @@ class Engine:
         default_dtype = "float32" if self.backend_name == "reference" else "bfloat16"
         self.dtype = DTYPES[default_dtype if spec.model.dtype == "auto" else spec.model.dtype]
         if target is None:
-            target, tokenizer = build_target(spec)
+            target, tokenizer = build_target(spec, self.device, self.dtype)
             place(target, self.device, self.dtype)
         self.target, self.tokenizer = target, tokenizer
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
-        self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype)
+        capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager)
+        self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype, capacity)
         self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy)

@@ -142,8 +142,9 @@ class Machine:
         for req in reqs:
             advance(req, Phase.ACCEPT)
         verdict = self.backend.accept(reqs, proposal, verification)
+        drafted = proposal.tokens.tolist()  # one copy for the batch, not one per row
         for i, req in enumerate(reqs):
-            self._finish_round(req, proposal.tokens[i].tolist(), int(verdict.num_accepted[i]), verdict.tokens[i])
+            self._finish_round(req, drafted[i], int(verdict.num_accepted[i]), verdict.tokens[i])
 
     @staticmethod
     def _finish_round(req: Request, drafted: list[int], accepted: int, tokens) -> None:

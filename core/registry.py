@@ -68,3 +68,4 @@ def _load_builtin_methods() -> None:
 METHODS = Registry("method", _load_builtin_methods)
 BACKENDS = Registry("backend")
 BACKENDS.register("reference", "backends.reference.backend:ReferenceBackend")
+BACKENDS.register("cuda", "backends.cuda.backend:CudaBackend")

@@ -55,6 +55,7 @@ class ModelSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, ge=2)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    enforce_eager: bool = False  # cuda backend: run every step eagerly instead of replaying CUDA graphs
 
     @model_validator(mode="after")
     def _source(self) -> "ModelSpec":

@@ -45,15 +45,16 @@ def _uniform(key):
 
 
 # what _gumbel_argmax reads from its rows (constexpr: jit functions may read such globals)
-LOGP, PROBS, RESIDUAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+LOGP, PROBS, RESIDUAL, LOGITS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
-def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, use_q=True):
+def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, use_q=True, inv_temp=1.0):
     """argmax over the vocabulary of log w + Gumbel(key, column), ties to the lower index, where
     w is ``row`` as log-probabilities (LOGP) or probabilities (PROBS), or max(0, row - q_row)
-    (RESIDUAL; just ``row`` when not use_q). Unnormalized w is fine: a constant shift of
-    every log cannot move the argmax."""
+    (RESIDUAL; just ``row`` when not use_q), or softmax(row * inv_temp) from raw logits
+    (LOGITS; inv_temp 0 is greedy: the plain argmax, no noise). Unnormalized w is fine: a
+    constant shift of every log cannot move the argmax."""
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
     for start in range(0, V, BLOCK):
@@ -61,6 +62,9 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
         inside = cols < V
         if MODE == LOGP:
             lp = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        elif MODE == LOGITS:
+            x = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            lp = x * tl.where(inv_temp > 0, inv_temp, 1.0)
         else:
             w = tl.load(row + cols, mask=inside, other=0.0).to(tl.float32)
             if MODE == RESIDUAL:
@@ -68,7 +72,10 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
                 w = tl.where(use_q, tl.maximum(w - q, 0.0), w)
             lp = tl.log(w)
         u = _uniform(_hash32(key ^ _hash32(cols.to(tl.uint32) + 0x9E3779B9)))  # one per column
-        val = tl.where(inside, lp + -tl.log(-tl.log(u)), float("-inf"))
+        noise = -tl.log(-tl.log(u))
+        if MODE == LOGITS:
+            noise = tl.where(inv_temp > 0, noise, 0.0)
+        val = tl.where(inside, lp + noise, float("-inf"))
         blk_val = tl.max(val, axis=0)
         blk_idx = tl.argmax(val, axis=0).to(tl.int64) + start
         better = blk_val > best_val
@@ -78,25 +85,30 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
 
 
 @triton.jit
-def _sample_kernel(logp, seed, position, out, V, stride, stream: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_kernel(logp, seed, position, inv_temp, out, V, stride, stream: tl.constexpr, BLOCK: tl.constexpr,
+                   MODE: tl.constexpr):
     row = tl.program_id(0)
     key = _row_key(tl.load(seed + row), tl.load(position + row), stream)
-    tl.store(out + row, _gumbel_argmax(logp + row * stride, logp, key, V, BLOCK, LOGP))
+    t = tl.load(inv_temp + row) if MODE == LOGITS else 1.0
+    tl.store(out + row, _gumbel_argmax(logp + row * stride, logp, key, V, BLOCK, MODE, True, t))
 
 
 @triton.jit
-def _accept_matching_kernel(logp, drafts, seed, first, num_out, tok_out, V, K, stride_req, stride_pos,
-                            stream: tl.constexpr, BLOCK: tl.constexpr):
+def _accept_matching_kernel(logp, drafts, seed, first, inv_temp, num_out, tok_out, V, K, stride_req, stride_pos,
+                            stream: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
     """One request per program: draw the target's keyed sample t_i at each position, accept
     drafts while they match, write the accepted run then t at the first mismatch (or the
-    bonus t_K). Mirrors core.sampling._accept_matching."""
+    bonus t_K). Mirrors core.sampling._accept_matching. Rows are log-probabilities (LOGP) or
+    raw logits with a per-request inverse temperature (LOGITS)."""
     req = tl.program_id(0)
     s, p0 = tl.load(seed + req), tl.load(first + req)
+    temp = tl.load(inv_temp + req) if MODE == LOGITS else 1.0
     accepted = tl.full((), 0, tl.int64)
     matching = tl.full((), 1, tl.int1)
     for i in range(0, K + 1):
         if matching:
-            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, logp, _row_key(s, p0 + i, stream), V, BLOCK, LOGP)
+            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, logp, _row_key(s, p0 + i, stream), V, BLOCK,
+                               MODE, True, temp)
             d = tl.load(drafts + req * K + i, mask=i < K, other=-1)
             tl.store(tok_out + req * (K + 1) + i, t)
             if d == t:
@@ -151,24 +163,32 @@ def _accept_rejection_kernel(p, q, drafts, seed, first, num_out, tok_out, V, K, 
 SAMPLE_STREAM = 1  # core.sampling.Stream.SAMPLE
 
 
-def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_STREAM, block: int = 1024) -> Tensor:
-    """log-probabilities [N, V] (-inf where filtered) -> ids [N]; as core.sampling.sample on exp(logp)."""
+def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_STREAM, block: int = 1024,
+           inv_temp: Tensor | None = None) -> Tensor:
+    """log-probabilities [N, V] (-inf where filtered) -> ids [N]; as core.sampling.sample on exp(logp).
+    With ``inv_temp`` [N] the rows are raw logits instead, sampled at temperature 1 / inv_temp
+    (greedy where it is 0): no softmax pass over the vocabulary."""
     n, v = logp.shape
     out = torch.empty(n, dtype=torch.int64, device=logp.device)
-    _sample_kernel[(n,)](logp, seed, position, out, v, logp.stride(0), stream=stream, BLOCK=block)
+    mode = 0 if inv_temp is None else 3
+    _sample_kernel[(n,)](logp, seed, position, seed if inv_temp is None else inv_temp, out, v, logp.stride(0),
+                         stream=stream, BLOCK=block, MODE=mode)
     return out
 
 
-def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024
-                    ) -> tuple[Tensor, Tensor]:
+def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024,
+                    inv_temp: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """logp [N, K+1, V], drafts [N, K] -> (num_accepted [N], tokens [N, K+1]); positions past
-    the emitted token are left unwritten (callers read tokens[:num_accepted + 1])."""
+    the emitted token are left unwritten (callers read tokens[:num_accepted + 1]). With
+    ``inv_temp`` [N] the rows are raw logits, as in `sample`."""
     n, k1, v = logp.shape
     logp = logp.contiguous()
     num = torch.empty(n, dtype=torch.int64, device=logp.device)
     tokens = torch.full((n, k1), -1, dtype=torch.int64, device=logp.device)
-    _accept_matching_kernel[(n,)](logp, drafts.contiguous(), seed, first, num, tokens, v, k1 - 1,
-                                  logp.stride(0), logp.stride(1), stream=SAMPLE_STREAM, BLOCK=block)
+    mode = 0 if inv_temp is None else 3
+    _accept_matching_kernel[(n,)](logp, drafts.contiguous(), seed, first, seed if inv_temp is None else inv_temp, num,
+                                  tokens, v, k1 - 1, logp.stride(0), logp.stride(1), stream=SAMPLE_STREAM, BLOCK=block,
+                                  MODE=mode)
     return num, tokens
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import DraftRows, Proposal, Verification
+from backends.base import Capacity, DraftRows, Proposal, Verification
 from core.machine import Plan
 from core.methods.base import Drafter, Method
 from core.models.target import TargetModel
@@ -22,7 +22,8 @@ from .kv import ReferenceKV
 class ReferenceBackend:
     name = "reference"
 
-    def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype):
+    def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
+                 capacity: Capacity | None = None):  # contiguous per-request caches grow as needed
         self.target, self.plan, self.device = target, plan, device
         self.kv = ReferenceKV()
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)

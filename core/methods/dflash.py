@@ -143,7 +143,7 @@ class DFlashMethod(Method):
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
         d = self.cfg.draft
-        model = load_dflash(d.path) if d.path else random_dflash(d.random_init.preset, d.random_init.seed)
+        model = load_dflash(d.path) if d.path else random_dflash(d.random_init.preset, d.random_init.seed, device, dtype)
         mask = resolve(self.cfg, model.config).mask_token_id
         return DFlashDrafter(place(model, device, dtype), target, kv, plan, mask)
 

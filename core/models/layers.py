@@ -65,7 +65,13 @@ class Rotary(nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
+        self.rope, self.head_dim = rope, head_dim
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
+
+    def reset(self) -> None:
+        """Recompute the table in place (after a model built on the meta device is materialized)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(inverse_frequencies(self.rope, self.head_dim))
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
@@ -139,15 +145,16 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def init_random(module: nn.Module, seed: int, std: float) -> None:
-    """Deterministic init: normal(std) for matrices, 1 ± 0.1 for norm weights, zero biases."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+def init_random(module: nn.Module, seed: int, std: float, device: torch.device | str = "cpu") -> None:
+    """Deterministic init: normal(std) for matrices, 1 ± 0.1 for norm weights, zero biases,
+    drawn from a generator on ``device`` (the same seed gives other values on another kind)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(module.named_parameters()):
             if name.endswith("norm.weight"):
-                values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+                values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=device)
             elif name.endswith("bias"):
-                values = torch.zeros(p.shape)
+                values = torch.zeros(p.shape, device=device)
             else:
-                values = std * torch.randn(p.shape, generator=gen)
+                values = std * torch.randn(p.shape, generator=gen, device=device)
             p.copy_(values.to(p.dtype))

@@ -9,7 +9,7 @@ import torch
 from .checkpoint import load_weights
 from .config import dflash_config, model_config, read_config_json
 from .dflash import DFlashDraftModel
-from .layers import init_random
+from .layers import Rotary, init_random
 from .presets import dflash_preset, target_preset
 from .target import TargetModel
 
@@ -21,10 +21,29 @@ def load_target(folder: str | Path) -> TargetModel:
     return model.eval()
 
 
-def random_target(preset: str, seed: int) -> TargetModel:
+# Presets above this many parameters draw their random weights on the device they run on:
+# drawing billions of values on the CPU takes minutes. Smaller ones draw on the CPU, so the
+# same spec gives the same weights on a CPU and on a GPU.
+DEVICE_INIT_PARAMS = 200_000_000
+
+
+def random_target(preset: str, seed: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> TargetModel:
     cfg = target_preset(preset)
-    model = TargetModel(cfg)
-    init_random(model, seed, cfg.initializer_range)
+    return _materialize(lambda: TargetModel(cfg), seed, cfg.initializer_range, torch.device(device), dtype)
+
+
+def _materialize(build, seed: int, std: float, device: torch.device, dtype: torch.dtype):
+    """Build on the meta device (no default init), allocate on ``device`` in ``dtype``, fill."""
+    with torch.device("meta"):
+        model = build()
+    params = sum(p.numel() for p in model.parameters())
+    model = model.to_empty(device=device).to(dtype)
+    for m in model.modules():
+        if isinstance(m, Rotary):
+            m.inv_freq.data = m.inv_freq.data.float()
+            m.reset()
+    init_random(model, seed, std, device if params > DEVICE_INIT_PARAMS else "cpu")
     return model.eval()
 
 
@@ -34,11 +53,10 @@ def load_dflash(folder: str | Path) -> DFlashDraftModel:
     return model.eval()
 
 
-def random_dflash(preset: str, seed: int) -> DFlashDraftModel:
+def random_dflash(preset: str, seed: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
     cfg = dflash_preset(preset)
-    model = DFlashDraftModel(cfg)
-    init_random(model, seed, cfg.layers.initializer_range)
-    return model.eval()
+    return _materialize(lambda: DFlashDraftModel(cfg), seed, cfg.layers.initializer_range, torch.device(device), dtype)
 
 
 def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -1,0 +1,191 @@
+"""The cuda backend: static KV, persistent buffers, graph-captured draft and verify steps.
+
+A round for a bucket of rows: load the rows' facts into the buffers (one copy), replay the
+draft graph (graph-safe drafters drafting greedily), replay the verify graph (target forward
+over [last token, drafts], the drafter's context update for every verified position), then
+the acceptance kernel and one copy back. Prefill runs eagerly, one request at a time.
+Without a GPU the same code runs eagerly through the Triton interpreter (TRITON_INTERPRET=1),
+which is how CI holds it to the reference backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from backends.base import Capacity, DraftRows, Proposal, Verification
+from core.machine import Plan
+from core.methods.base import Drafter, Method
+from core.models.target import TargetModel
+from core.request import Request
+from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
+
+from . import sampling as kernels
+from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers
+from .graphs import Graphs
+from .kv import Rows, RowsAttention, StaticKV, StaticStore
+
+
+@triton.jit
+def _window_kernel(meta, drafts, ids, positions, stride_meta, K, W, BLOCK: tl.constexpr):
+    """Row n's verify window: ids [last token, drafts], positions start .. start + W - 1."""
+    n = tl.program_id(0)
+    t = tl.arange(0, BLOCK)
+    last = tl.load(meta + 0 * stride_meta + n)  # buffers.LAST
+    start = tl.load(meta + 1 * stride_meta + n)  # buffers.START
+    draft = tl.load(drafts + n * K + t - 1, mask=(t > 0) & (t < W), other=0)
+    tl.store(ids + n * W + t, tl.where(t == 0, last, draft), mask=t < W)
+    tl.store(positions + n * W + t, start + t, mask=t < W)
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
+                 capacity: Capacity):
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend cuda needs a CUDA device (model.device: cuda); on a CPU use backend: reference")
+        cfg, width = target.config, plan.num_speculative_tokens + 1
+        self.target, self.plan, self.device, self.width = target, plan, device, width
+        margin = max(width, plan.block_size or 0)  # draft and verify windows may run past max_model_len
+        self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
+                              cfg.head_dim, dtype, device)
+        self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
+        self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+        self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device)
+        self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
+        self.buckets = buckets_for(capacity.max_batch)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Request]) -> list[int | None]:
+        last = []
+        for req in reqs:
+            req.kv = self.cache.allocate()
+            ids = torch.tensor([req.prompt_ids], device=self.device)  # [1, P]
+            positions = torch.arange(ids.shape[1], device=self.device)[None]  # [1, P]
+            hidden, features = self.target(ids, positions, self.cache.prefill_attention(req.kv),
+                                           self.plan.target_layer_ids)
+            last.append(self.target.logits(hidden[0, -1]))
+            if self.drafter is not None:
+                self.drafter.extend(req, None if features is None else features[0], 0)
+        logits = torch.stack(last)  # [N, V]
+        finite = torch.isfinite(logits).all(dim=1)
+        at = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        tokens = self._sample(torch.nan_to_num(logits), reqs, at)
+        return [t if ok else None for t, ok in zip(tokens.tolist(), finite.tolist())]
+
+    def _sample(self, logits: Tensor, reqs: list[Request], at: Tensor) -> Tensor:
+        batch = SamplingBatch.of([r.params for r in reqs], self.device)
+        if _filtered(reqs):
+            logp = torch.log(probs_from_logits(logits, batch))
+            return kernels.sample(logp, batch.seed, at, Stream.SAMPLE)
+        return kernels.sample(logits, batch.seed, at, Stream.SAMPLE, inv_temp=_inverse(batch.temperature))
+
+    # ------------------------------------------------------------------ draft
+
+    def skip_draft(self, reqs: list[Request]) -> Proposal:
+        return Proposal(tokens=torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
+
+    def _rows(self, bucket: int) -> DraftRows:
+        b = self.bufs
+        return DraftRows(last_token=b.row(LAST, bucket), start=b.row(START, bucket), batch=b.sampling(bucket),
+                         caches=Rows(b.row(DRAFT_SLOT, bucket), b.row(START, bucket)))
+
+    @torch.inference_mode()
+    def draft(self, reqs: list[Request]) -> Proposal:
+        if self.drafter is None:
+            return self.skip_draft(reqs)
+        n, bucket = len(reqs), self.bucket(len(reqs))
+        self.bufs.load(reqs, bucket)
+        if self.drafter.graph_safe and self.plan.draft_sample_method == "greedy":
+            tokens = self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
+            return Proposal(tokens=tokens[:n])
+        proposal = self.drafter.propose(reqs, self._rows(bucket))
+        return proposal.rows(list(range(n)))
+
+    def _draft_step(self, bucket: int) -> Tensor:
+        tokens = self.drafter.propose([], self._rows(bucket)).tokens  # [bucket, K]
+        self.bufs.drafts[:bucket].copy_(tokens)
+        return self.bufs.drafts[:bucket]
+
+    # ------------------------------------------------------------------ verify
+
+    @torch.inference_mode()
+    def verify(self, reqs: list[Request], proposal: Proposal) -> Verification:
+        n, bucket, width = len(reqs), self.bucket(len(reqs)), proposal.tokens.shape[1] + 1
+        self.bufs.load(reqs, bucket)
+        if width > 1 and proposal.tokens.data_ptr() != self.bufs.drafts.data_ptr():
+            self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
+        logits, features = self.graphs.run(("verify", width, bucket), lambda: self._verify_step(bucket, width))
+        return Verification(logits=logits[:n], features=None if features is None else features[:n])
+
+    def _verify_step(self, bucket: int, width: int) -> tuple[Tensor, Tensor | None]:
+        b = self.bufs
+        ids = torch.empty(bucket, width, dtype=torch.int64, device=self.device)  # [bucket, W]
+        positions = torch.empty_like(ids)  # [bucket, W]
+        _window_kernel[(bucket,)](b.meta, b.drafts, ids, positions, b.meta.stride(0), b.drafts.shape[1], width,
+                                  BLOCK=triton.next_power_of_2(width))
+        attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True)
+        hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
+        if self.drafter is not None and self.drafter.graph_safe and features is not None:
+            self.drafter.extend_rows(self._rows(bucket), features)
+        return self.target.logits(hidden), features  # [bucket, W, V] float32
+
+    # ------------------------------------------------------------------ accept
+
+    @torch.inference_mode()
+    def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
+        n = len(reqs)
+        self.bufs.load(reqs, self.bucket(n))  # a no-op unless verify dropped rows
+        batch = self.bufs.sampling(n)
+        first = self.bufs.row(START, n) + 1  # position of the first draft
+        logits, drafts = verification.logits, proposal.tokens
+        if proposal.probs is not None:
+            p = probs_from_logits(logits, batch)
+            num, tokens = kernels.accept_rejection(p, proposal.probs, drafts, batch.seed, first)
+        elif _filtered(reqs):
+            num, tokens = kernels.accept_matching(torch.log(probs_from_logits(logits, batch)), drafts, batch.seed, first)
+        else:
+            num, tokens = kernels.accept_matching(logits, drafts, batch.seed, first,
+                                                  inv_temp=_inverse(batch.temperature))
+        out = torch.cat([num[:, None], tokens], dim=1).cpu()  # the round's one device-to-host copy
+        if self.drafter is not None and not self.drafter.graph_safe:
+            for i, req in enumerate(reqs):
+                feats = None if verification.features is None else verification.features[i, : int(out[i, 0]) + 1]
+                self.drafter.extend(req, feats, req.seq_len - 1)
+        return Verdict(num_accepted=out[:, 0], tokens=out[:, 1:])
+
+    def free(self, req: Request) -> None:
+        if req.kv is not None:
+            self.cache.release(req.kv)
+            req.kv = None
+        if self.drafter is not None:
+            if req.draft_state is not None and hasattr(req.draft_state, "index"):
+                self.kv.release(req.draft_state)
+            self.drafter.release(req)
+
+
+def _filtered(reqs: list[Request]) -> bool:
+    """Rows with top-k or top-p need the full probability pass; the rest sample from logits."""
+    return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
+
+
+def _inverse(temperature: Tensor) -> Tensor:
+    return torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))

@@ -1,0 +1,61 @@
+"""The one owner of the cuda backend's persistent per-row device buffers.
+
+Graphs read their inputs from these tensors, so a replay sees whatever was last loaded. The
+padding rows of a bucket point at the caches' scratch slot and at position 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from core.request import Request
+from core.sampling import SamplingBatch
+
+# rows of Buffers.meta (int64) and Buffers.fmeta (float32)
+LAST, START, SLOT, DRAFT_SLOT, SEED, TOP_K = range(6)
+TEMPERATURE, TOP_P = range(2)
+
+
+class Buffers:
+    def __init__(self, max_batch: int, num_drafts: int, scratch: int, device: torch.device):
+        self.max_batch, self.scratch, self.device = max_batch, scratch, device
+        self.meta = torch.zeros(6, max_batch, dtype=torch.int64, device=device)  # [field, max_batch]
+        self.fmeta = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
+        self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
+        self.pinned = device.type == "cuda"
+        self._key: list[tuple[int, int]] | None = None
+        self.load([], max_batch)
+
+    def load(self, reqs: list[Request], bucket: int) -> None:
+        """Copy the rows' facts in (two small asynchronous copies); rows past len(reqs) are
+        padding. A repeat load of the same rows at the same lengths is skipped."""
+        key = [(r.rid, r.seq_len) for r in reqs] + [(-1, bucket)]
+        if key == self._key:
+            return
+        pad = bucket - len(reqs)
+        ints = [[r.last_token for r in reqs] + [0] * pad,
+                [r.seq_len - 1 for r in reqs] + [0] * pad,
+                [r.kv for r in reqs] + [self.scratch] * pad,
+                [_slot(r.draft_state, self.scratch) for r in reqs] + [self.scratch] * pad,
+                [r.params.seed for r in reqs] + [0] * pad,
+                [r.params.top_k for r in reqs] + [-1] * pad]
+        floats = [[r.params.temperature for r in reqs] + [0.0] * pad, [r.params.top_p for r in reqs] + [1.0] * pad]
+        host_i, host_f = torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
+        if self.pinned:  # pinned blocks are recycled only once their copy has run
+            host_i, host_f = host_i.pin_memory(), host_f.pin_memory()
+        self.meta[:, :bucket].copy_(host_i, non_blocking=self.pinned)
+        self.fmeta[:, :bucket].copy_(host_f, non_blocking=self.pinned)
+        self._key = key
+
+    def row(self, field: int, bucket: int) -> Tensor:
+        return self.meta[field, :bucket]
+
+    def sampling(self, bucket: int) -> SamplingBatch:
+        return SamplingBatch(temperature=self.fmeta[TEMPERATURE, :bucket], top_k=self.meta[TOP_K, :bucket],
+                             top_p=self.fmeta[TOP_P, :bucket], seed=self.meta[SEED, :bucket])
+
+
+def _slot(state, scratch: int) -> int:
+    index = getattr(state, "index", -1)
+    return index if index >= 0 else scratch

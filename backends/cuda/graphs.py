@@ -1,0 +1,46 @@
+"""CUDA graphs keyed by (step, shape): captured on first use, replayed after.
+
+A step function reads its inputs from persistent buffers and returns its outputs; the graph
+keeps those output tensors, which every replay overwrites. All graphs share one memory pool:
+they never run concurrently and each keeps its outputs referenced, so none reuses another's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import torch
+
+
+class Graphs:
+    def __init__(self, enabled: bool, warmup: int = 2):
+        self.enabled, self.warmup = enabled, warmup
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._pool = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
+        """Replay the graph for ``key``, capturing ``step`` first if needed; eager when disabled.
+        Steps must be idempotent for the same buffers: warm-up runs execute them for real."""
+        if not self.enabled:
+            return step()
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(step)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile kernels and settle the allocator outside capture
+            for _ in range(self.warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        self._pool = graph.pool()
+        return graph, out

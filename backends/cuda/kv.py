@@ -1,0 +1,146 @@
+"""Static KV caches: one preallocated tensor pair per layer, a slot per running request.
+
+A request's keys live at their absolute positions in its slot, and what a query may see is
+decided by the row's length alone, so nothing is ever truncated: rejected drafts' keys sit
+past the length until the next round writes over them. The last slot is scratch for the
+padding rows of a graph bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention import CacheAttention, split_size, store_kv
+
+
+class CacheFull(RuntimeError):
+    pass
+
+
+class StaticKV:
+    """Per layer K and V [slots + 1, Hkv, max_len, D] and the free list of slots."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len, self.scratch = max_len, num_slots
+        self.split = split_size(max_len)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFull("every KV slot is in use; lower the batch or raise server.max_batch_size")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
+        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.split)
+
+    def prefill_attention(self, slot: int) -> "PrefillAttention":
+        return PrefillAttention(self, slot)
+
+
+@dataclass(frozen=True)
+class PrefillAttention:
+    """A whole prompt into an empty slot: causal attention among its own tokens, keys stored."""
+
+    cache: StaticKV
+    slot: int
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = k.shape[2]
+        self.cache.k[layer][self.slot, :, :n] = k[0]
+        self.cache.v[layer][self.slot, :, :n] = v[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@dataclass
+class Slot:
+    """A request's handle on a drafter cache: its slot and how many positions each layer holds."""
+
+    index: int
+    filled: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A batch's handle on drafter caches: device tensors, so graph replays read new values."""
+
+    slots: Tensor  # [N] int64
+    start: Tensor  # [N] int64, position of each row's first new token
+
+
+class RowsAttention:
+    """Attention for Rows: each row's W new tokens at positions start .. start + W - 1."""
+
+    def __init__(self, cache: StaticKV, rows: Rows, causal: bool):
+        self.cache, self.rows, self.causal = cache, rows, causal
+        self._lengths: dict[int, Tensor] = {}  # W -> kv_len, computed once per forward
+
+    def kv_len(self, width: int) -> Tensor:
+        if width not in self._lengths:
+            self._lengths[width] = self.rows.start + width
+        return self._lengths[width]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.cache.attention(self.rows.slots, self.kv_len(q.shape[2]), self.causal)(layer, q, k, v)
+
+
+class StaticStore:
+    """The KVStore the cuda backend lends to drafters that own a cache. Its caches are made on
+    the first write, when the drafter's geometry is known (before any graph is captured)."""
+
+    def __init__(self, num_slots: int, max_len: int, device: torch.device):
+        self.num_slots, self.max_len, self.device = num_slots, max_len, device
+        self.cache: StaticKV | None = None
+
+    def _ensure(self, num_layers: int, k: Tensor) -> StaticKV:
+        if self.cache is None:
+            hkv, d = k.shape[-3], k.shape[-1]
+            self.cache = StaticKV(num_layers, self.num_slots, hkv, self.max_len, d, k.dtype, self.device)
+        return self.cache
+
+    def new(self, num_layers: int) -> Slot:
+        return Slot(index=-1, filled=[0] * num_layers)
+
+    def append(self, cache: Slot, layer: int, k: Tensor, v: Tensor) -> None:
+        store = self._ensure(len(cache.filled), k)
+        if cache.index < 0:
+            cache.index = store.allocate()
+        a, b = cache.filled[layer], cache.filled[layer] + k.shape[1]
+        store.k[layer][cache.index, :, a:b] = k
+        store.v[layer][cache.index, :, a:b] = v
+        cache.filled[layer] = b
+
+    def length(self, cache: Slot) -> int:
+        return cache.filled[0]
+
+    def truncate(self, cache: Slot, length: int) -> None:
+        cache.filled = [min(f, length) for f in cache.filled]
+
+    def release(self, cache: Slot) -> None:
+        if self.cache is not None and cache.index >= 0:
+            self.cache.release(cache.index)
+            cache.index = -1
+
+    def write(self, rows: Rows, layer: int, k: Tensor, v: Tensor) -> None:
+        """k, v [N, Hkv, W, D] at positions start .. start + W - 1 of each row's slot."""
+        store = self.cache
+        store_kv(k, v, store.k[layer], store.v[layer], rows.slots, rows.start + k.shape[2])
+
+    def attention(self, caches: Rows, causal: bool, persist: bool) -> RowsAttention:
+        """New keys are always stored at their positions; ``persist`` needs nothing more here,
+        since a row's length, not the cache, decides what later queries see."""
+        return RowsAttention(self.cache, caches, causal)

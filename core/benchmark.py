@@ -1,0 +1,217 @@
+"""`draftline bench`: GPU time per round and per output token against the bandwidth floor.
+
+The floor of a round is the bytes it must read (every weight matrix it multiplies with, the
+embedding table counting one row per token, plus the KV it attends over) divided by a copy
+bandwidth measured in the same run. The DFlash round reads the target, the drafter and the
+LM head a second time (the drafter's logits). `--peer hf` times Hugging Face transformers'
+static-cache torch.compile decoding of the same weights in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .engine import Engine
+from .models.config import read_config_json
+from .models.presets import TARGET_PRESETS
+from .sampling import SamplingParams
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()  # random data, never zeros
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), repeats) / 1e3)
+
+
+def median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def matrix_bytes(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of the module's weights a forward multiplies with (embedding tables excluded)."""
+    seen, total = set(), 0
+    for name, p in module.named_parameters():
+        if id(p) in seen or "embed_tokens" in name or any(name.startswith(s) for s in skip):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What one round of a method reads, in bytes."""
+
+    weights: int  # every weight matrix the round multiplies with
+    embed_row: int  # one embedding row
+    kv_per_token: int  # KV bytes per cached token per request (target, plus drafter if it owns a cache)
+    tokens_in: int  # tokens embedded per request per round
+
+    def bytes(self, batch: int, context: int) -> int:
+        return self.weights + batch * (self.tokens_in * self.embed_row + context * self.kv_per_token)
+
+
+def geometry(engine: Engine) -> Geometry:
+    target, plan = engine.target, engine.plan
+    cfg = target.config
+    elem = next(target.parameters()).element_size()
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    weights = matrix_bytes(target)
+    if cfg.tie_word_embeddings:
+        weights += target.lm_head.weight.numel() * elem
+    tokens = plan.num_speculative_tokens + 1
+    drafter = getattr(engine.backend.drafter, "model", None)
+    if drafter is not None:
+        dc = drafter.config.layers
+        weights += matrix_bytes(drafter) + target.lm_head.weight.numel() * elem  # its logits: the LM head again
+        kv += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * elem
+        tokens += plan.block_size or 0
+    return Geometry(weights, cfg.hidden_size * elem, kv, tokens)
+
+
+@dataclass
+class Row:
+    method: str
+    batch: int
+    ms_round: float
+    tokens_round: float  # tokens emitted per request per round (τ)
+    ms_token: float  # per request
+    floor_ms: float
+    graph_ms: float  # the round's captured graphs replayed back to back: its GPU time
+    throughput: float  # output tokens per second, all requests
+
+    @property
+    def ratio(self) -> float:
+        return self.ms_round / self.floor_ms
+
+    @property
+    def host_ms(self) -> float:
+        return max(0.0, self.ms_round - self.graph_ms)
+
+
+def _prompts(engine: Engine, batch: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.target.config.vocab_size
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
+    """Prefill, then time every following step: (seconds, steps, tokens emitted in them)."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    engine.step()  # admits and prefills everything (the batch fits), runs the first round
+    torch.cuda.synchronize()
+    before, steps, start = sum(len(r.output_ids) for r in reqs), 0, time.perf_counter()
+    while engine.scheduler.has_work():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, steps, sum(len(r.output_ids) for r in reqs) - before
+
+
+def graph_ms(engine: Engine, batch: int) -> float:
+    """GPU time of one round's graphs at this batch, replayed back to back."""
+    backend = engine.backend
+    graphs = [g for key, (g, _) in getattr(backend.graphs, "_graphs", {}).items() if key[-1] == backend.bucket(batch)
+              and (key[0] == "draft" or key[1] == backend.width)]
+    if not graphs:
+        return 0.0
+    return median_ms(lambda: [g.replay() for g in graphs], repeats=20)
+
+
+def bench_method(engine: Engine, batches: list[int], prompt_len: int, new_tokens: int, bandwidth: float) -> list[Row]:
+    geo, rows = geometry(engine), []
+    for b in batches:
+        prompts = _prompts(engine, b, prompt_len, seed=b)
+        _decode(engine, prompts, min(new_tokens, 32))  # capture this bucket's graphs, warm the kernels
+        seconds, steps, tokens = _decode(engine, prompts, new_tokens)
+        ms_round = 1e3 * seconds / steps
+        floor = 1e3 * geo.bytes(b, prompt_len + new_tokens // 2) / bandwidth
+        tau = tokens / (steps * b)
+        rows.append(Row(engine.plan.method, b, ms_round, tau, ms_round / tau, floor, graph_ms(engine, b),
+                        tokens / seconds))
+    return rows
+
+
+def hf_peer(engine: Engine, prompt_len: int, new_tokens: int) -> float:
+    """ms per token of transformers' static-cache, torch.compile'd greedy decoding, batch 1."""
+    import transformers
+
+    m = engine.spec.model
+    raw = dict(TARGET_PRESETS[m.random_init.preset]) if m.random_init is not None else read_config_json(m.path)
+    config = transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=engine.dtype)
+    hf.to_empty(device=engine.device)
+    missing, unexpected = hf.load_state_dict(engine.target.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "rotary" not in m]:
+        raise RuntimeError(f"weights do not map onto transformers' model: missing {missing}, unexpected {unexpected}")
+    for m in hf.modules():  # rotary tables are buffers: rebuild them after the meta-device construction
+        if hasattr(m, "rope_init_fn") and hasattr(m, "inv_freq"):
+            inv, _ = m.rope_init_fn(m.config, engine.device)
+            m.inv_freq = inv
+            m.original_inv_freq = inv
+    hf.eval()
+    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor(_prompts(engine, 1, prompt_len, seed=0), device=engine.device)
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                    disable_compile=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(2):
+        run(new_tokens)  # compile and capture
+    short, full = min(run(8) for _ in range(3)), min(run(new_tokens) for _ in range(3))
+    return 1e3 * (full - short) / (new_tokens - 8)
+
+
+def format_rows(rows: list[Row], bandwidth: float) -> str:
+    lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)",
+             f"{'method':<8}{'batch':>6}{'ms/round':>10}{'tok/round':>10}{'ms/token':>10}{'floor ms':>10}"
+             f"{'x floor':>9}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}"]
+    for r in rows:
+        lines.append(f"{r.method:<8}{r.batch:>6}{r.ms_round:>10.3f}{r.tokens_round:>10.2f}{r.ms_token:>10.3f}"
+                     f"{r.floor_ms:>10.3f}{r.ratio:>9.2f}{r.graph_ms:>11.3f}{r.host_ms:>9.3f}{r.throughput:>9.0f}")
+    return "\n".join(lines)
+
+
+def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float]]:
+    """The verify attention kernel alone over the target's KV geometry: (context, µs, TB/s of
+    KV read) per context length, for `batch` rows of `width` queries each."""
+    from backends.cuda.attention import CacheAttention, split_size
+
+    cfg, dev, out = engine.target.config, engine.device, []
+    for ctx in contexts:
+        shape = (batch + 1, cfg.num_kv_heads, ctx + width, cfg.head_dim)
+        k = torch.randn(shape, dtype=engine.dtype, device=dev)
+        v = torch.randn(shape, dtype=engine.dtype, device=dev)
+        q = torch.randn(batch, cfg.num_heads, width, cfg.head_dim, dtype=engine.dtype, device=dev)
+        new = torch.randn(batch, cfg.num_kv_heads, width, cfg.head_dim, dtype=engine.dtype, device=dev)
+        slots = torch.arange(batch, device=dev)
+        lengths = torch.full((batch,), ctx + width, device=dev)
+        attn = CacheAttention([k], [v], slots, lengths, True, split_size(ctx + width))
+        ms = median_ms(lambda: attn(0, q, new, new), repeats=50)
+        read = 2 * batch * (ctx + width) * cfg.num_kv_heads * cfg.head_dim * k.element_size()
+        out.append((ctx, 1e3 * ms, read / (ms / 1e3) / 1e12))
+        del k, v
+    return out
