@@ -150,32 +150,25 @@ def bench_method(engine: Engine, batches: list[int], prompt_len: int, new_tokens
 
 
 def hf_peer(engine: Engine, prompt_len: int, new_tokens: int) -> float:
-    """ms per token of transformers' static-cache, torch.compile'd greedy decoding, batch 1."""
+    """ms per token of transformers' greedy decoding with a static cache, which its generate()
+    compiles with torch.compile (CUDA graphs for the decode step), batch 1, same weights."""
     import transformers
 
     m = engine.spec.model
     raw = dict(TARGET_PRESETS[m.random_init.preset]) if m.random_init is not None else read_config_json(m.path)
     config = transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=engine.dtype)
-    hf.to_empty(device=engine.device)
+    with torch.device(engine.device):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf = hf.to(engine.dtype).eval()
     missing, unexpected = hf.load_state_dict(engine.target.state_dict(), strict=False)
-    if unexpected or [m for m in missing if "rotary" not in m]:
+    if unexpected or missing:
         raise RuntimeError(f"weights do not map onto transformers' model: missing {missing}, unexpected {unexpected}")
-    for m in hf.modules():  # rotary tables are buffers: rebuild them after the meta-device construction
-        if hasattr(m, "rope_init_fn") and hasattr(m, "inv_freq"):
-            inv, _ = m.rope_init_fn(m.config, engine.device)
-            m.inv_freq = inv
-            m.original_inv_freq = inv
-    hf.eval()
-    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.tensor(_prompts(engine, 1, prompt_len, seed=0), device=engine.device)
 
     def run(n: int) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
-                    disable_compile=True)
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -195,6 +188,18 @@ def format_rows(rows: list[Row], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
+def _graphed(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float]]:
     """The verify attention kernel alone over the target's KV geometry: (context, µs, TB/s of
     KV read) per context length, for `batch` rows of `width` queries each."""
@@ -210,7 +215,7 @@ def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: 
         slots = torch.arange(batch, device=dev)
         lengths = torch.full((batch,), ctx + width, device=dev)
         attn = CacheAttention([k], [v], slots, lengths, True, split_size(ctx + width))
-        ms = median_ms(lambda: attn(0, q, new, new), repeats=50)
+        ms = median_ms(_graphed(lambda: attn(0, q, new, new)), repeats=50)  # replayed: no launch gaps
         read = 2 * batch * (ctx + width) * cfg.num_kv_heads * cfg.head_dim * k.element_size()
         out.append((ctx, 1e3 * ms, read / (ms / 1e3) / 1e12))
         del k, v

@@ -27,7 +27,7 @@ def full_forward(target, ids: torch.Tensor, taps=()):
     """Uncached causal forward over whole sequences ids [B, T] (the plainest oracle)."""
     kv = ReferenceKV()
     caches = [kv.new(target.config.num_layers) for _ in range(ids.shape[0])]
-    positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     return target(ids, positions, kv.attention(caches, causal=True, persist=False), taps)
 
 

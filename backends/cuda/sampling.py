@@ -29,13 +29,13 @@ def _hash32(x):
 
 
 @triton.jit
-def _row_key(seed, position, stream: tl.constexpr):
+def _row_key(seed, position, STREAM: tl.constexpr):
     """core.sampling.row_key for one row: seed int64, position int64 -> uint32 key."""
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     k = _hash32(_hash32(lo) ^ hi)
     k = _hash32(k ^ (position & 0xFFFFFFFF).to(tl.uint32))
-    return _hash32(k ^ stream)
+    return _hash32(k ^ STREAM)
 
 
 @triton.jit
@@ -85,17 +85,17 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
 
 
 @triton.jit
-def _sample_kernel(logp, seed, position, inv_temp, out, V, stride, stream: tl.constexpr, BLOCK: tl.constexpr,
+def _sample_kernel(logp, seed, position, inv_temp, out, V, stride, STREAM: tl.constexpr, BLOCK: tl.constexpr,
                    MODE: tl.constexpr):
     row = tl.program_id(0)
-    key = _row_key(tl.load(seed + row), tl.load(position + row), stream)
+    key = _row_key(tl.load(seed + row), tl.load(position + row), STREAM)
     t = tl.load(inv_temp + row) if MODE == LOGITS else 1.0
     tl.store(out + row, _gumbel_argmax(logp + row * stride, logp, key, V, BLOCK, MODE, True, t))
 
 
 @triton.jit
 def _accept_matching_kernel(logp, drafts, seed, first, inv_temp, num_out, tok_out, V, K, stride_req, stride_pos,
-                            stream: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
+                            STREAM: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
     """One request per program: draw the target's keyed sample t_i at each position, accept
     drafts while they match, write the accepted run then t at the first mismatch (or the
     bonus t_K). Mirrors core.sampling._accept_matching. Rows are log-probabilities (LOGP) or
@@ -107,7 +107,7 @@ def _accept_matching_kernel(logp, drafts, seed, first, inv_temp, num_out, tok_ou
     matching = tl.full((), 1, tl.int1)
     for i in range(0, K + 1):
         if matching:
-            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, logp, _row_key(s, p0 + i, stream), V, BLOCK,
+            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, logp, _row_key(s, p0 + i, STREAM), V, BLOCK,
                                MODE, True, temp)
             d = tl.load(drafts + req * K + i, mask=i < K, other=-1)
             tl.store(tok_out + req * (K + 1) + i, t)
@@ -172,7 +172,7 @@ def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_ST
     out = torch.empty(n, dtype=torch.int64, device=logp.device)
     mode = 0 if inv_temp is None else 3
     _sample_kernel[(n,)](logp, seed, position, seed if inv_temp is None else inv_temp, out, v, logp.stride(0),
-                         stream=stream, BLOCK=block, MODE=mode)
+                         STREAM=stream, BLOCK=block, MODE=mode)
     return out
 
 
@@ -187,7 +187,7 @@ def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, b
     tokens = torch.full((n, k1), -1, dtype=torch.int64, device=logp.device)
     mode = 0 if inv_temp is None else 3
     _accept_matching_kernel[(n,)](logp, drafts.contiguous(), seed, first, seed if inv_temp is None else inv_temp, num,
-                                  tokens, v, k1 - 1, logp.stride(0), logp.stride(1), stream=SAMPLE_STREAM, BLOCK=block,
+                                  tokens, v, k1 - 1, logp.stride(0), logp.stride(1), STREAM=SAMPLE_STREAM, BLOCK=block,
                                   MODE=mode)
     return num, tokens
 
