@@ -36,9 +36,11 @@ class Proposal:
 class Verification:
     logits: Tensor  # [N, K+1, V] float32 target logits at the last token and each draft
     features: Tensor | None  # [N, K+1, n*H] tapped target hidden states, if the plan taps any
+    finite: Tensor | None = None  # [N] bool on the host: all of the row's logits finite (None: not yet known)
 
     def rows(self, keep: list[int]) -> "Verification":
-        return Verification(self.logits[keep], None if self.features is None else self.features[keep])
+        return Verification(self.logits[keep], None if self.features is None else self.features[keep],
+                            None if self.finite is None else self.finite[keep])
 
 
 @dataclass(frozen=True)

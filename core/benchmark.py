@@ -126,13 +126,12 @@ def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[
 
 
 def graph_ms(engine: Engine, batch: int) -> float:
-    """GPU time of one round's graphs at this batch, replayed back to back."""
-    backend = engine.backend
-    graphs = [g for key, (g, _) in getattr(backend.graphs, "_graphs", {}).items() if key[-1] == backend.bucket(batch)
-              and (key[0] == "draft" or key[1] == backend.width)]
-    if not graphs:
-        return 0.0
-    return median_ms(lambda: [g.replay() for g in graphs], repeats=20)
+    """GPU time of one round's graphs at this batch (draft, then verify deciding the round),
+    replayed back to back."""
+    backend, bucket = engine.backend, engine.backend.bucket(batch)
+    wanted = {("draft", bucket), ("verify", backend.width, bucket, True)}
+    graphs = [g for key, (g, _) in getattr(backend.graphs, "_graphs", {}).items() if key in wanted]
+    return median_ms(lambda: [g.replay() for g in graphs], repeats=20) if graphs else 0.0
 
 
 def bench_method(engine: Engine, batches: list[int], prompt_len: int, new_tokens: int, bandwidth: float) -> list[Row]:

@@ -130,7 +130,9 @@ class Machine:
         for req in reqs:
             advance(req, Phase.VERIFY)
         verification = self.backend.verify(reqs, proposal)
-        finite = torch.isfinite(verification.logits).flatten(1).all(dim=1).tolist()
+        finite = verification.finite if verification.finite is not None else \
+            torch.isfinite(verification.logits).flatten(1).all(dim=1)
+        finite = finite.tolist()
         if not all(finite):  # one request's failure ends that request, never the batch
             for req, ok in zip(reqs, finite):
                 if not ok:

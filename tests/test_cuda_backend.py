@@ -19,7 +19,9 @@ from core.sampling import SamplingParams  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["def f(x):", "import os\nclass A:\n    def run(self, n):", "x = [", "for i in range(10):\n    print(i)"]
 METHODS = {"none": {"method": "none"},
-           "dflash": {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}}}}
+           # block 5: the interpreter runs every kernel program in Python, so keep windows short
+           "dflash": {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}},
+                      "block_size": 5}}
 
 
 def _engine(method: str, backend: str, **model) -> Engine:
@@ -45,7 +47,7 @@ def test_greedy_tokens_equal_reference(method, batch):
 def test_trained_pair_accepts_the_same_drafts():
     """With the shipped trained pair (drafts are often accepted) both backends take the same
     rounds: the drafter's static context, its graph-safe update and the block attention agree."""
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     specs = []
     for backend in ("reference", "cuda"):
         from core.spec import load_spec
@@ -53,9 +55,9 @@ def test_trained_pair_accepts_the_same_drafts():
         data = spec.model_dump(mode="python")
         data.update(backend=backend)
         data["model"].update(device=DEV, dtype="float32", max_model_len=128)
-        data["server"]["max_batch_size"] = 2
+        data["server"]["max_batch_size"] = 1
         specs.append(type(spec).model_validate(data))
-    ref, got = (Engine(s, draft_policy="always").generate(PROMPTS[:2], params, trace=True) for s in specs)
+    ref, got = (Engine(s, draft_policy="always").generate(PROMPTS[1:2], params, trace=True) for s in specs)
     for r, g in zip(ref, got):
         assert g.output_ids == r.output_ids
         assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]

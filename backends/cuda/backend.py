@@ -69,6 +69,7 @@ class CudaBackend:
         self.fused = FusedTarget(target)
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
         self.buckets = buckets_for(capacity.max_batch)
+        self._decided: tuple[tuple, Tensor] | None = None  # the round verify() already decided
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -131,14 +132,23 @@ class CudaBackend:
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], proposal: Proposal) -> Verification:
+        """With argmax drafts and no top-k/top-p the graph also decides the round (acceptance
+        kernel, finiteness): the host then copies one small tensor back and accept() is free."""
         n, bucket, width = len(reqs), self.bucket(len(reqs)), proposal.tokens.shape[1] + 1
         self.bufs.load(reqs, bucket)
         if width > 1 and proposal.tokens.data_ptr() != self.bufs.drafts.data_ptr():
             self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
-        logits, features = self.graphs.run(("verify", width, bucket), lambda: self._verify_step(bucket, width))
-        return Verification(logits=logits[:n], features=None if features is None else features[:n])
+        decide = proposal.probs is None and not _filtered(reqs)
+        logits, features, packed = self.graphs.run(("verify", width, bucket, decide),
+                                                   lambda: self._verify_step(bucket, width, decide))
+        finite = None
+        if packed is not None:
+            host = packed[:n].cpu()  # [n, 2 + W]: finite, accepted, tokens; the round's one copy back
+            self._decided = (_key(reqs), host[:, 1:])
+            finite = host[:, 0].bool()
+        return Verification(logits=logits[:n], features=None if features is None else features[:n], finite=finite)
 
-    def _verify_step(self, bucket: int, width: int) -> tuple[Tensor, Tensor | None]:
+    def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         b = self.bufs
         ids = torch.empty(bucket, width, dtype=torch.int64, device=self.device)  # [bucket, W]
         positions = torch.empty_like(ids)  # [bucket, W]
@@ -148,12 +158,30 @@ class CudaBackend:
         hidden, features = self.fused(ids, positions, attn, self.plan.target_layer_ids)
         if self.drafter is not None and self.drafter.graph_safe and features is not None:
             self.drafter.extend_rows(self._rows(bucket), features)
-        return self.target.logits(hidden), features  # [bucket, W, V] float32
+        logits = self.target.logits(hidden)  # [bucket, W, V] float32
+        if not decide:
+            return logits, features, None
+        batch = b.sampling(bucket)
+        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], batch.seed,
+                                              b.row(START, bucket) + 1, inv_temp=_inverse(batch.temperature))
+        finite = torch.isfinite(logits).flatten(1).all(dim=1)
+        return logits, features, torch.cat([finite[:, None].long(), num[:, None], tokens], dim=1)
 
     # ------------------------------------------------------------------ accept
 
     @torch.inference_mode()
     def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
+        decided, self._decided = self._decided, None
+        out = decided[1] if decided is not None and decided[0] == _key(reqs) else self._accept(reqs, proposal,
+                                                                                             verification)
+        if self.drafter is not None and not self.drafter.graph_safe:
+            for i, req in enumerate(reqs):
+                feats = None if verification.features is None else verification.features[i, : int(out[i, 0]) + 1]
+                self.drafter.extend(req, feats, req.seq_len - 1)
+        return Verdict(num_accepted=out[:, 0], tokens=out[:, 1:])
+
+    def _accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Tensor:
+        """Eager acceptance (drafts from q, top-k/top-p, or rows dropped after verify)."""
         n = len(reqs)
         self.bufs.load(reqs, self.bucket(n))  # a no-op unless verify dropped rows
         batch = self.bufs.sampling(n)
@@ -167,12 +195,7 @@ class CudaBackend:
         else:
             num, tokens = kernels.accept_matching(logits, drafts, batch.seed, first,
                                                   inv_temp=_inverse(batch.temperature))
-        out = torch.cat([num[:, None], tokens], dim=1).cpu()  # the round's one device-to-host copy
-        if self.drafter is not None and not self.drafter.graph_safe:
-            for i, req in enumerate(reqs):
-                feats = None if verification.features is None else verification.features[i, : int(out[i, 0]) + 1]
-                self.drafter.extend(req, feats, req.seq_len - 1)
-        return Verdict(num_accepted=out[:, 0], tokens=out[:, 1:])
+        return torch.cat([num[:, None], tokens], dim=1).cpu()  # [n, 1 + W]
 
     def free(self, req: Request) -> None:
         if req.kv is not None:
@@ -182,6 +205,10 @@ class CudaBackend:
             if req.draft_state is not None and hasattr(req.draft_state, "index"):
                 self.kv.release(req.draft_state)
             self.drafter.release(req)
+
+
+def _key(reqs: list[Request]) -> tuple[tuple[int, int], ...]:
+    return tuple((r.rid, r.seq_len) for r in reqs)
 
 
 def _filtered(reqs: list[Request]) -> bool:
