@@ -49,35 +49,60 @@ def test_cache_attention_matches_reference(causal, split):
 
 
 def test_split_size_spreads_long_rows():
-    assert split_size(256) == 64 and split_size(4096) == 256 and split_size(40960) == 4096
+    assert split_size(256) == 64 and split_size(4112) == 128 and split_size(40960) == 1024
+
+
+def _twin_caches(cfg, gen):
+    """Two static caches holding the same random prefix."""
+    from backends.cuda.kv import StaticKV
+
+    caches = [StaticKV(cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, torch.device(DEV))
+              for _ in range(2)]
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        a.copy_(torch.randn(a.shape, generator=gen))
+        b.copy_(a)
+    return caches
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
-def test_fused_target_matches_module_forward(preset):
-    """The fused verify forward (add+norm, one QKV matmul, q/k-norm + RoPE + store, SiLU·up)
-    against the modules' own forward over the same static cache: hidden, taps and the cache."""
-    from backends.cuda.fused import FusedTarget
-    from backends.cuda.kv import Rows, RowsAttention, StaticKV
+def test_fused_stack_matches_module_forward(preset):
+    """The fused decoder stack (add+norm, one QKV matmul, q/k-norm + RoPE + store, SiLU·up),
+    reached through the cuda attention's decoder_stack, against the modules layer by layer
+    over the same static cache: hidden, taps and the stored K/V."""
+    from backends.cuda.kv import Rows, RowsAttention
     from core.models.loader import random_target
 
     target = random_target(preset, 0, DEV)
-    cfg = target.config
-    caches = [StaticKV(cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, torch.device(DEV))
-              for _ in range(2)]
     gen = torch.Generator().manual_seed(1)
-    for c in caches[1:]:
-        for t in c.k + c.v:
-            t.copy_(torch.randn(t.shape, generator=gen))
-    for t_src, t_dst in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
-        t_dst.copy_(t_src)  # both start from the same cached prefix
-    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=gen).to(DEV)
+    caches = _twin_caches(target.config, gen)
+    ids = torch.randint(0, target.config.vocab_size, (2, 5), generator=gen).to(DEV)
     start = torch.tensor([3, 20], device=DEV)
     positions = start[:, None] + torch.arange(5, device=DEV)
-    rows = Rows(torch.tensor([2, 0], device=DEV), start)
+    slots = torch.tensor([2, 0], device=DEV)
+    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 5, True, caches[0].split)  # no decoder_stack
     with torch.no_grad():
-        want, want_taps = target(ids, positions, RowsAttention(caches[0], rows, True), (0, 2))
-        got, got_taps = FusedTarget(target)(ids, positions, RowsAttention(caches[1], rows, True), (0, 2))
+        want, want_taps = target(ids, positions, plain, (0, 2))
+        got, got_taps = target(ids, positions, RowsAttention(caches[1], Rows(slots, start), True), (0, 2))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_taps, want_taps, rtol=1e-4, atol=1e-4)
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_stack_runs_the_dflash_block():
+    """The DFlash drafter's non-causal block forward takes the same fused path."""
+    from backends.cuda.kv import Rows, RowsAttention
+    from core.models.loader import random_dflash
+
+    drafter = random_dflash("tiny-dflash", 1, DEV)
+    gen = torch.Generator().manual_seed(2)
+    caches = _twin_caches(drafter.config.layers, gen)
+    embeds = torch.randn(2, 6, drafter.config.layers.hidden_size, generator=gen).to(DEV)
+    start = torch.tensor([7, 30], device=DEV)
+    positions = start[:, None] + torch.arange(6, device=DEV)
+    slots = torch.tensor([1, 2], device=DEV)
+    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 6, False, caches[0].split)
+    with torch.no_grad():
+        want = drafter(embeds, positions, plain)
+        got = drafter(embeds, positions, RowsAttention(caches[1], Rows(slots, start), False))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

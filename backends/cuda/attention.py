@@ -77,16 +77,18 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     part = (pid * SPLITS + s) * BLOCK_M
-    tl.store(o_part + (part + m[:, None]) * D + d[None, :], out)
-    tl.store(lse_part + part + m, lse)
+    live = (lo + 0 * m) < length  # [BLOCK_M]; splits past the row's keys write nothing: never read
+    tl.store(o_part + (part + m[:, None]) * D + d[None, :], out, mask=live[:, None])
+    tl.store(lse_part + part + m, lse, mask=live)
 
 
 @triton.jit
-def _combine_kernel(o_part, lse_part, out, HQ, HKV, W, G, NUM_SPLITS,
+def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, SPLIT,
                     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """Program (row, kv head): merge the splits' partial outputs by their log-sum-exps."""
+    """Program (row, kv head): merge the row's live splits by their log-sum-exps."""
     pid = tl.program_id(0)
     n, h = pid // HKV, pid % HKV
+    NUM_SPLITS = tl.cdiv(tl.load(kv_len + n), SPLIT)
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -114,8 +116,9 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tens
                                 k_cache.stride(2), D=d)
 
 
-def split_size(max_len: int, target_splits: int = 16) -> int:
-    """Keys per split: enough splits to spread one long row over the chip, never under 64."""
+def split_size(max_len: int, target_splits: int = 64) -> int:
+    """Keys per split: enough splits to spread one row over the chip (a 500-token row still
+    gets several programs per head), never under 64; splits past a row's length are idle."""
     return max(64, triton.next_power_of_2(triton.cdiv(max_len, target_splits)))
 
 
@@ -138,7 +141,8 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8)
     out = torch.empty_like(q)
-    _combine_kernel[(n * hkv,)](o_part, lse_part, out, hq, hkv, w, g, splits, SPLITS=padded, BLOCK_M=block_m, D=d)
+    _combine_kernel[(n * hkv,)](o_part, lse_part, kv_len, out, hq, hkv, w, g, split, SPLITS=padded, BLOCK_M=block_m,
+                                D=d)
     return out
 
 

@@ -26,7 +26,6 @@ from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 
 from . import sampling as kernels
 from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers
-from .fused import FusedTarget
 from .graphs import Graphs
 from .kv import Rows, RowsAttention, StaticKV, StaticStore
 
@@ -66,7 +65,6 @@ class CudaBackend:
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device)
-        self.fused = FusedTarget(target)
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
         self.buckets = buckets_for(capacity.max_batch)
         self._decided: tuple[tuple, Tensor] | None = None  # the round verify() already decided
@@ -155,7 +153,7 @@ class CudaBackend:
         _window_kernel[(bucket,)](b.meta, b.drafts, ids, positions, b.meta.stride(0), b.drafts.shape[1], width,
                                   BLOCK=triton.next_power_of_2(width))
         attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True)
-        hidden, features = self.fused(ids, positions, attn, self.plan.target_layer_ids)
+        hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
         if self.drafter is not None and self.drafter.graph_safe and features is not None:
             self.drafter.extend_rows(self._rows(bucket), features)
         logits = self.target.logits(hidden)  # [bucket, W, V] float32

@@ -1,5 +1,6 @@
-"""The target's verify forward with fused kernels: the same weights and math as
-core.models.target, in ten launches per layer instead of about sixty.
+"""Decoder stacks with fused kernels: the same weights and math as core.models.layers, in ten
+launches per layer instead of about sixty. The cuda backend's attention metadata offers this
+as ``decoder_stack``, and the target and drafters built from DecoderLayers use it when given.
 
 Per layer: add+RMSNorm, one QKV matmul, q/k-norm + RoPE + KV store, attention (split, combine),
 the output matmul, add+RMSNorm, one gate-up matmul, SiLU·up, the down matmul. The residual
@@ -11,16 +12,20 @@ eager modules (prefill) and this path share one copy.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from core.models.target import TargetModel
+from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from .attention import attend
-from .kv import RowsAttention
+
+if TYPE_CHECKING:
+    from .kv import StaticKV
 
 
 @triton.jit
@@ -125,52 +130,49 @@ def _fuse(linears: list[torch.nn.Linear]) -> Tensor:
     return fused
 
 
-class FusedTarget:
-    """Verify-window forwards of a TargetModel over a static cache (see module docstring)."""
+def fused_weights(layer: DecoderLayer) -> tuple[Tensor, Tensor]:
+    """The layer's [q; k; v] and [gate; up] weights, concatenated once and kept on the layer
+    (every engine over these weights shares them; the projections become views)."""
+    if getattr(layer, "fused_qkv", None) is None:
+        a, m = layer.self_attn, layer.mlp
+        layer.fused_qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+        layer.fused_gate_up = _fuse([m.gate_proj, m.up_proj])
+    return layer.fused_qkv, layer.fused_gate_up
 
-    def __init__(self, target: TargetModel):
-        self.target, self.cfg = target, target.config
-        fused = getattr(target, "fused_weights", None)  # another engine over these weights fused them
-        if fused is None:
-            fused = [(_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
-                      _fuse([l.mlp.gate_proj, l.mlp.up_proj])) for l in target.model.layers]
-            target.fused_weights = fused
-        self.qkv, self.gate_up = [q for q, _ in fused], [g for _, g in fused]
 
-    def __call__(self, ids: Tensor, positions: Tensor, attn: RowsAttention, taps: tuple[int, ...] = ()
-                 ) -> tuple[Tensor, Tensor | None]:
-        """ids/positions [N, W] -> (final-normed hidden [N, W, H], taps [N, W, len(taps)*H] or None)."""
-        cfg, model = self.cfg, self.target.model
-        n, w = ids.shape
-        cache, slots, kv_len = attn.cache, attn.rows.slots, attn.kv_len(w)
-        h = model.embed_tokens(ids).view(n * w, -1)  # [N*W, H]
-        pending, tapped = None, {}
-        for i, layer in enumerate(model.layers):
-            h, x = add_norm(pending, h, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            if i - 1 in taps:
-                tapped[i - 1] = h
-            q = self._qkv(i, layer, x, positions, cache, slots, kv_len, n, w)
-            out = attend(q, cache.k[i], cache.v[i], slots, kv_len, True, cache.split)  # [N, Hq, W, D]
-            a = layer.self_attn.o_proj(out.transpose(1, 2).reshape(n * w, -1))
-            h, x = add_norm(a, h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            pending = layer.mlp.down_proj(silu_mul(F.linear(x, self.gate_up[i])))
-        h, x = add_norm(pending, h, model.norm.weight, cfg.rms_norm_eps)
-        last = len(model.layers) - 1
-        if last in taps:
-            tapped[last] = h
-        features = torch.cat([tapped[t] for t in taps], dim=-1).view(n, w, -1) if taps else None
-        return x.view(n, w, -1), features
+def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor, cache: StaticKV,
+              slots: Tensor, kv_len: Tensor, causal: bool, taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
+    """Decoder layers over a static cache: h [N, W, H] at positions [N, W] -> (final-normed
+    hidden [N, W, H], the tapped layers' outputs [N, W, len(taps)*H] or None)."""
+    n, w = positions.shape
+    h = h.reshape(n * w, -1)
+    pending, tapped = None, {}
+    for i, layer in enumerate(layers):
+        qkv_w, gate_up_w = fused_weights(layer)
+        h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        if i - 1 in taps:
+            tapped[i - 1] = h
+        q = _qkv(layer, F.linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)
+        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.split)  # [N, Hq, W, D]
+        a = layer.self_attn.o_proj(out.transpose(1, 2).reshape(n * w, -1))
+        h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        pending = layer.mlp.down_proj(silu_mul(F.linear(x, gate_up_w)))
+    h, x = add_norm(pending, h, final_norm.weight, final_norm.eps)
+    tapped[len(layers) - 1] = h
+    features = torch.cat([tapped[t] for t in taps], dim=-1).view(n, w, -1) if taps else None
+    return x.view(n, w, -1), features
 
-    def _qkv(self, i: int, layer, x: Tensor, positions: Tensor, cache, slots: Tensor, kv_len: Tensor, n: int, w: int
-             ) -> Tensor:
-        cfg, a = self.cfg, layer.self_attn
-        qkv = F.linear(x, self.qkv[i])  # [N*W, (Hq + 2 Hkv) D]
-        q = torch.empty(n, cfg.num_heads, w, cfg.head_dim, dtype=x.dtype, device=x.device)
-        norm_q = a.q_norm.weight if cfg.qk_norm else qkv
-        norm_k = a.k_norm.weight if cfg.qk_norm else qkv
-        k_cache = cache.k[i]
-        _qkv_kernel[(n * w, cfg.num_heads + 2 * cfg.num_kv_heads)](
-            qkv, norm_q, norm_k, self.target.rotary.inv_freq, positions, q, k_cache, cache.v[i], slots, kv_len,
-            cfg.num_heads, cfg.num_kv_heads, w, cfg.rms_norm_eps, k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), QK_NORM=cfg.qk_norm, D=cfg.head_dim)
-        return q
+
+def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, i: int,
+         slots: Tensor, kv_len: Tensor, n: int, w: int) -> Tensor:
+    """q/k-norm, RoPE and the K/V store for one layer's fused projection [N*W, (Hq+2Hkv)*D]."""
+    a = layer.self_attn
+    qk_norm = hasattr(a, "q_norm")
+    q = torch.empty(n, a.num_heads, w, a.head_dim, dtype=qkv.dtype, device=qkv.device)
+    k_cache = cache.k[i]
+    _qkv_kernel[(n * w, a.num_heads + 2 * a.num_kv_heads)](
+        qkv, a.q_norm.weight if qk_norm else qkv, a.k_norm.weight if qk_norm else qkv, rotary.inv_freq, positions,
+        q, k_cache, cache.v[i], slots, kv_len, a.num_heads, a.num_kv_heads, w,
+        a.q_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        QK_NORM=qk_norm, D=a.head_dim)
+    return q

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import CacheAttention, split_size, store_kv
+from .fused import run_stack
 
 
 class CacheFull(RuntimeError):
@@ -96,6 +97,12 @@ class RowsAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return self.cache.attention(self.rows.slots, self.kv_len(q.shape[2]), self.causal)(layer, q, k, v)
+
+    def decoder_stack(self, layers, final_norm, rotary, h: Tensor, positions: Tensor, taps: tuple[int, ...] = ()
+                      ) -> tuple[Tensor, Tensor | None]:
+        """Run whole decoder stacks with fused kernels (see fused.py) instead of layer by layer."""
+        return run_stack(layers, final_norm, rotary, h, positions, self.cache, self.rows.slots,
+                         self.kv_len(positions.shape[1]), self.causal, taps)
 
 
 class StaticStore:

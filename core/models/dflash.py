@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .config import DFlashConfig
-from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary
+from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary, run_layers
 
 
 class DFlashDraftModel(nn.Module):
@@ -38,8 +38,4 @@ class DFlashDraftModel(nn.Module):
         ``attn`` must attend each block query over the cached context K/V followed by the
         block's own K/V, without a causal mask, and must not keep the block's K/V.
         """
-        h = block_embeds
-        cos, sin = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, i, attn)
-        return self.norm(h)
+        return run_layers(self.layers, self.norm, self.rotary, block_embeds, positions, attn)[0]

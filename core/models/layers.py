@@ -18,6 +18,11 @@ from .config import ModelConfig, RopeConfig
 
 
 class AttentionFn(Protocol):
+    """A backend's attention for one forward. It may also offer ``decoder_stack(layers,
+    final_norm, rotary, h, positions, taps) -> (normed hidden, taps or None)`` to run a whole
+    stack of DecoderLayers its own way (fused kernels); models built from DecoderLayers use it
+    when present (see run_layers)."""
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> out [B, Hq, T, D]"""
         ...
@@ -143,6 +148,23 @@ class DecoderLayer(nn.Module):
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: AttentionFn) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def run_layers(layers: nn.ModuleList, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor,
+               attn: AttentionFn, taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
+    """h [B, T, H] through the layers and the final norm -> (normed [B, T, H], the tapped
+    layers' outputs concatenated [B, T, len(taps)*H] or None)."""
+    stack = getattr(attn, "decoder_stack", None)
+    if stack is not None:
+        return stack(layers, final_norm, rotary, h, positions, taps)
+    cos, sin = rotary(positions, h.dtype)
+    tapped: dict[int, Tensor] = {}
+    for i, layer in enumerate(layers):
+        h = layer(h, cos, sin, i, attn)
+        if i in taps:
+            tapped[i] = h
+    features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+    return final_norm(h), features
 
 
 def init_random(module: nn.Module, seed: int, std: float, device: torch.device | str = "cpu") -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary
+from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary, run_layers
 
 
 class Backbone(nn.Module):
@@ -38,15 +38,7 @@ class TargetModel(nn.Module):
 
         ``taps`` are layer indices whose *output* hidden states are returned, concatenated.
         """
-        h = self.embed(ids)
-        cos, sin = self.rotary(positions, h.dtype)
-        tapped: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, i, attn)
-            if i in taps:
-                tapped[i] = h
-        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return self.model.norm(h), features
+        return run_layers(self.model.layers, self.model.norm, self.rotary, self.embed(ids), positions, attn, taps)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
