@@ -66,14 +66,14 @@ def test_bf16_verify_logits_close_to_reference():
     from conftest import full_forward
 
     cuda = _cuda_engine(None, dtype="bfloat16")  # dflash, block 16: windows of 1 + 15 tokens
-    ref = Engine(tiny_spec({"method": "none"}, device="cuda", dtype="bfloat16")).target
+    reference = Engine(tiny_spec({"method": "none"}, device="cuda", dtype="bfloat16")).target
     gen = torch.Generator().manual_seed(0)
     k, errors, agree, total = 15, [], 0, 0
     for n in (20, 100, 300):
         ids = torch.randint(0, 256, (n,), generator=gen).tolist()
         with torch.no_grad():
-            hidden, _ = full_forward(ref, torch.tensor([ids], device="cuda"))
-            want = ref.logits(hidden[0]).cpu()  # [n, V]: row i predicts token i + 1
+            hidden, _ = full_forward(reference, torch.tensor([ids], device="cuda"))
+            want = reference.logits(hidden[0]).cpu()  # [n, V]: row i predicts token i + 1
         req = cuda.make_request(ids[:2], SamplingParams(max_new_tokens=n, ignore_eos=True))
         cuda.backend.prefill([req])
         got, expect, start = [], [], 1
