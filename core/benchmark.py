@@ -199,9 +199,11 @@ def _graphed(fn):
     return graph.replay
 
 
-def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float]]:
+def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: int
+                        ) -> list[tuple[int, float, float, float]]:
     """The verify attention kernel alone over the target's KV geometry: (context, µs, TB/s of
-    KV read) per context length, for `batch` rows of `width` queries each."""
+    KV read, µs of PyTorch's scaled_dot_product_attention over the same keys as a contiguous
+    tensor with an explicit mask) per context length, for `batch` rows of `width` queries."""
     from backends.cuda.attention import CacheAttention, split_size
 
     cfg, dev, out = engine.target.config, engine.device, []
@@ -216,6 +218,11 @@ def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: 
         attn = CacheAttention([k], [v], slots, lengths, True, split_size(ctx + width))
         ms = median_ms(_graphed(lambda: attn(0, q, new, new)), repeats=50)  # replayed: no launch gaps
         read = 2 * batch * (ctx + width) * cfg.num_kv_heads * cfg.head_dim * k.element_size()
-        out.append((ctx, 1e3 * ms, read / (ms / 1e3) / 1e12))
+        keys, values = k[:batch], v[:batch]
+        own = torch.arange(ctx, ctx + width, device=dev)[:, None]
+        mask = torch.arange(ctx + width, device=dev)[None, :] <= own  # [W, S]
+        sdpa = median_ms(_graphed(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=True)), repeats=50)
+        out.append((ctx, 1e3 * ms, read / (ms / 1e3) / 1e12, 1e3 * sdpa))
         del k, v
     return out

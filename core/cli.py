@@ -199,9 +199,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"{args.spec}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.cuda.get_device_name()}")
     print(benchmark.format_rows(rows, bandwidth))
     if args.attention:
-        print("verify attention kernel alone (batch 1, 16 queries):  context  µs  KV-read TB/s")
-        for ctx, us, tbs in benchmark.attention_bandwidth(engine, [4096, 32768, 131072], 1, 16):
-            print(f"  {ctx:>8} {us:>8.1f} {tbs:>6.2f}")
+        print("verify attention alone (batch 1, 16 queries):  context  kernel µs  KV-read TB/s  torch SDPA µs")
+        for ctx, us, tbs, sdpa in benchmark.attention_bandwidth(engine, [512, 4096, 32768, 131072], 1, 16):
+            print(f"  {ctx:>8} {us:>10.1f} {tbs:>13.2f} {sdpa:>14.1f}")
     if args.peer == "hf":
         ms = benchmark.hf_peer(engine, args.prompt_len, args.new_tokens)
         ours = next(r.ms_token for r in rows if r.method == "none" and r.batch == 1) if 1 in batches else float("nan")
