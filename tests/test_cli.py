@@ -65,3 +65,21 @@ def test_bad_inputs_give_clear_errors(capsys, tmp_path):
 def test_console_script():
     res = subprocess.run(["draftline", "validate", str(ROOT / "specs")], capture_output=True, text=True)
     assert res.returncode == 0 and "invalid" in res.stdout
+
+
+def test_knobs_that_do_not_apply_are_refused(capsys, tmp_path):
+    """`--warm-tokens` belongs to drafter training: the target command names it and exits 1."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    import torch
+
+    torch.save({"train": torch.zeros(10), "heldout": torch.zeros(10), "vocab_size": 8, "eos_id": 0},
+               corpus / "corpus.pt")
+    assert main(["train", "target", "--data", str(corpus), "--out", str(tmp_path / "t"), "--warm-tokens", "4"]) == 1
+    assert "--warm-tokens does not apply" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown without a GPU")
+def test_bench_without_a_gpu_says_so(capsys):
+    assert main(["bench", "--spec", str(ROOT / "specs" / "qwen3-8b-random-none.yaml")]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err
