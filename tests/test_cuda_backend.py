@@ -17,6 +17,7 @@ from core.engine import Engine  # noqa: E402
 from core.sampling import SamplingParams  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # log(0) = -inf, by design
 PROMPTS = ["def f(x):", "import os\nclass A:\n    def run(self, n):", "x = [", "for i in range(10):\n    print(i)"]
 METHODS = {"none": {"method": "none"},
            # block 5: the interpreter runs every kernel program in Python, so keep windows short
@@ -83,3 +84,21 @@ def test_slots_are_reused_after_requests_finish():
     assert len(first) == 8 and all(len(c.output_ids) == 4 for c in first)
     assert sorted(eng.backend.cache._free) == [0, 1, 2, 3]
     assert eng.generate(PROMPTS[:1], params)[0].output_ids == first[0].output_ids
+
+
+def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
+    """Drafts sampled from the drafter's q take the eager draft path and the rejection kernel;
+    greedy requests still get the reference's tokens, sampled ones repeat under their seed."""
+    spec = {**METHODS["dflash"], "draft_sample_method": "probabilistic"}
+    engines = []
+    for backend in ("reference", "cuda"):
+        data = tiny_spec(spec, max_batch_size=2, device=DEV, dtype="float32", max_model_len=128).model_dump(
+            mode="python")
+        data["backend"] = backend
+        engines.append(Engine(type(tiny_spec()).model_validate(data)))
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    ref, got = (e.generate(PROMPTS[:2], greedy) for e in engines)
+    assert [c.output_ids for c in got] == [c.output_ids for c in ref]
+    sampled = [SamplingParams(temperature=1.0, seed=9, max_new_tokens=8, ignore_eos=True)] * 2
+    first = [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)]
+    assert [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)] == first
