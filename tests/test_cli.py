@@ -83,3 +83,13 @@ def test_knobs_that_do_not_apply_are_refused(capsys, tmp_path):
 def test_bench_without_a_gpu_says_so(capsys):
     assert main(["bench", "--spec", str(ROOT / "specs" / "qwen3-8b-random-none.yaml")]) == 1
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_cuda_backend_on_a_cpu_says_what_to_use(capsys, tmp_path, monkeypatch):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("checks the message shown without a GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter is what lets tests run it on a CPU
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: {random_init: {preset: tiny-qwen3}, device: cpu}\nbackend: cuda\n")
+    assert main(["generate", "--spec", str(spec), "x"]) == 1
+    assert "on a CPU use backend: reference" in capsys.readouterr().err
