@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from backends.base import Capacity
 
 from .machine import Machine, Phase, Plan, abort, advance
 from .policy import DraftPolicy
+from .models.config import ConfigError
 from .models.loader import load_target, place, random_target
 from .models.target import TargetModel
 from .models.tokenizer import byte_tokenizer, load_tokenizer
@@ -52,9 +54,12 @@ def resolve_device(spec: Spec) -> torch.device:
 
 
 def resolve_backend(spec: Spec, device: torch.device) -> str:
-    if spec.backend != "auto":
-        return spec.backend
-    return "cuda" if device.type == "cuda" and "cuda" in BACKENDS.names() else "reference"
+    if spec.backend == "auto":
+        return "cuda" if device.type == "cuda" and "cuda" in BACKENDS.names() else "reference"
+    if spec.backend == "cuda" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("backend: cuda needs a CUDA device (model.device: cuda or auto on a GPU machine); "
+                          "on a CPU use backend: reference")
+    return spec.backend
 
 
 def build_target(spec: Spec, device: torch.device | str = "cpu",

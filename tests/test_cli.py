@@ -89,6 +89,7 @@ def test_cuda_backend_on_a_cpu_says_what_to_use(capsys, tmp_path, monkeypatch):
     if __import__("torch").cuda.is_available():
         pytest.skip("checks the message shown without a GPU")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter is what lets tests run it on a CPU
+    # (the check runs before anything imports Triton, so no kernel is defined outside the interpreter)
     spec = tmp_path / "s.yaml"
     spec.write_text("model: {random_init: {preset: tiny-qwen3}, device: cpu}\nbackend: cuda\n")
     assert main(["generate", "--spec", str(spec), "x"]) == 1

@@ -10,8 +10,6 @@ which is how CI holds it to the reference backend.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +18,6 @@ from torch import Tensor
 from backends.base import Capacity, DraftRows, Proposal, Verification
 from core.machine import Plan
 from core.methods.base import Drafter, Method
-from core.models.config import ConfigError
 from core.models.target import TargetModel
 from core.request import Request
 from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
@@ -56,9 +53,6 @@ class CudaBackend:
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity):
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("backend: cuda needs a CUDA device (model.device: cuda or auto on a GPU machine); "
-                              "on a CPU use backend: reference")
         cfg, width = target.config, plan.num_speculative_tokens + 1
         self.target, self.plan, self.device, self.width = target, plan, device, width
         margin = max(width, plan.block_size or 0)  # draft and verify windows may run past max_model_len
