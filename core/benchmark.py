@@ -18,7 +18,7 @@ from torch import nn
 
 from .engine import Engine
 from .models.config import read_config_json
-from .models.presets import TARGET_PRESETS
+from .models.presets import target_preset_raw
 from .sampling import SamplingParams
 
 
@@ -43,11 +43,11 @@ def median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def matrix_bytes(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+def matrix_bytes(module: nn.Module) -> int:
     """Bytes of the module's weights a forward multiplies with (embedding tables excluded)."""
     seen, total = set(), 0
     for name, p in module.named_parameters():
-        if id(p) in seen or "embed_tokens" in name or any(name.startswith(s) for s in skip):
+        if id(p) in seen or "embed_tokens" in name:
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
@@ -154,7 +154,7 @@ def hf_peer(engine: Engine, prompt_len: int, new_tokens: int) -> float:
     import transformers
 
     m = engine.spec.model
-    raw = dict(TARGET_PRESETS[m.random_init.preset]) if m.random_init is not None else read_config_json(m.path)
+    raw = target_preset_raw(m.random_init.preset) if m.random_init is not None else read_config_json(m.path)
     config = transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
     with torch.device(engine.device):
         hf = transformers.AutoModelForCausalLM.from_config(config)

@@ -23,18 +23,19 @@ from core.request import Request
 from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 
 from . import sampling as kernels
-from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers
+from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers, rows_key
 from .graphs import Graphs
 from .kv import Rows, RowsAttention, StaticKV, StaticStore
 
 
 @triton.jit
-def _window_kernel(meta, drafts, ids, positions, stride_meta, K, W, BLOCK: tl.constexpr):
+def _window_kernel(meta, drafts, ids, positions, stride_meta, K, W, LAST_ROW: tl.constexpr,
+                   START_ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Row n's verify window: ids [last token, drafts], positions start .. start + W - 1."""
     n = tl.program_id(0)
     t = tl.arange(0, BLOCK)
-    last = tl.load(meta + 0 * stride_meta + n)  # buffers.LAST
-    start = tl.load(meta + 1 * stride_meta + n)  # buffers.START
+    last = tl.load(meta + LAST_ROW * stride_meta + n)
+    start = tl.load(meta + START_ROW * stride_meta + n)
     draft = tl.load(drafts + n * K + t - 1, mask=(t > 0) & (t < W), other=0)
     tl.store(ids + n * W + t, tl.where(t == 0, last, draft), mask=t < W)
     tl.store(positions + n * W + t, start + t, mask=t < W)
@@ -90,10 +91,8 @@ class CudaBackend:
 
     def _sample(self, logits: Tensor, reqs: list[Request], at: Tensor) -> Tensor:
         batch = SamplingBatch.of([r.params for r in reqs], self.device)
-        if _filtered(reqs):
-            logp = torch.log(probs_from_logits(logits, batch))
-            return kernels.sample(logp, batch.seed, at, Stream.SAMPLE)
-        return kernels.sample(logits, batch.seed, at, Stream.SAMPLE, inv_temp=_inverse(batch.temperature))
+        scores, inv_temp = _scores(logits, reqs, batch)
+        return kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
 
     # ------------------------------------------------------------------ draft
 
@@ -138,7 +137,7 @@ class CudaBackend:
         finite = None
         if packed is not None:
             host = packed[:n].cpu()  # [n, 2 + W]: finite, accepted, tokens; the round's one copy back
-            self._decided = (_key(reqs), host[:, 1:])
+            self._decided = (rows_key(reqs), host[:, 1:])
             finite = host[:, 0].bool()
         return Verification(logits=logits[:n], features=None if features is None else features[:n], finite=finite)
 
@@ -147,7 +146,7 @@ class CudaBackend:
         ids = torch.empty(bucket, width, dtype=torch.int64, device=self.device)  # [bucket, W]
         positions = torch.empty_like(ids)  # [bucket, W]
         _window_kernel[(bucket,)](b.meta, b.drafts, ids, positions, b.meta.stride(0), b.drafts.shape[1], width,
-                                  BLOCK=triton.next_power_of_2(width))
+                                  LAST_ROW=LAST, START_ROW=START, BLOCK=triton.next_power_of_2(width))
         attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
         if self.drafter is not None and self.drafter.graph_safe and features is not None:
@@ -166,7 +165,7 @@ class CudaBackend:
     @torch.inference_mode()
     def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
         decided, self._decided = self._decided, None
-        out = decided[1] if decided is not None and decided[0] == _key(reqs) else self._accept(reqs, proposal,
+        out = decided[1] if decided is not None and decided[0] == rows_key(reqs) else self._accept(reqs, proposal,
                                                                                              verification)
         if self.drafter is not None and not self.drafter.graph_safe:
             for i, req in enumerate(reqs):
@@ -184,11 +183,9 @@ class CudaBackend:
         if proposal.probs is not None:
             p = probs_from_logits(logits, batch)
             num, tokens = kernels.accept_rejection(p, proposal.probs, drafts, batch.seed, first)
-        elif _filtered(reqs):
-            num, tokens = kernels.accept_matching(torch.log(probs_from_logits(logits, batch)), drafts, batch.seed, first)
         else:
-            num, tokens = kernels.accept_matching(logits, drafts, batch.seed, first,
-                                                  inv_temp=_inverse(batch.temperature))
+            scores, inv_temp = _scores(logits, reqs, batch)
+            num, tokens = kernels.accept_matching(scores, drafts, batch.seed, first, inv_temp=inv_temp)
         return torch.cat([num[:, None], tokens], dim=1).cpu()  # [n, 1 + W]
 
     def free(self, req: Request) -> None:
@@ -201,13 +198,17 @@ class CudaBackend:
             self.drafter.release(req)
 
 
-def _key(reqs: list[Request]) -> tuple[tuple[int, int], ...]:
-    return tuple((r.rid, r.seq_len) for r in reqs)
-
-
 def _filtered(reqs: list[Request]) -> bool:
     """Rows with top-k or top-p need the full probability pass; the rest sample from logits."""
     return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
+
+
+def _scores(logits: Tensor, reqs: list[Request], batch: SamplingBatch) -> tuple[Tensor, Tensor | None]:
+    """What the sampling kernels draw from: log-probabilities after top-k/top-p when any row
+    filters (inv_temp None), else the raw logits and each row's inverse temperature."""
+    if _filtered(reqs):
+        return torch.log(probs_from_logits(logits, batch)), None
+    return logits, _inverse(batch.temperature)
 
 
 def _inverse(temperature: Tensor) -> Tensor:

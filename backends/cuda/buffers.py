@@ -24,13 +24,13 @@ class Buffers:
         self.fmeta = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
         self.pinned = device.type == "cuda"
-        self._key: list[tuple[int, int]] | None = None
+        self._key: tuple | None = None
         self.load([], max_batch)
 
     def load(self, reqs: list[Request], bucket: int) -> None:
         """Copy the rows' facts in (two small asynchronous copies); rows past len(reqs) are
         padding. A repeat load of the same rows at the same lengths is skipped."""
-        key = [(r.rid, r.seq_len) for r in reqs] + [(-1, bucket)]
+        key = (rows_key(reqs), bucket)
         if key == self._key:
             return
         pad = bucket - len(reqs)
@@ -54,6 +54,11 @@ class Buffers:
     def sampling(self, bucket: int) -> SamplingBatch:
         return SamplingBatch(temperature=self.fmeta[TEMPERATURE, :bucket], top_k=self.meta[TOP_K, :bucket],
                              top_p=self.fmeta[TOP_P, :bucket], seed=self.meta[SEED, :bucket])
+
+
+def rows_key(reqs: list[Request]) -> tuple[tuple[int, int], ...]:
+    """Which requests at which lengths: equal keys mean the same rows in the same round."""
+    return tuple((r.rid, r.seq_len) for r in reqs)
 
 
 def _slot(state, scratch: int) -> int:

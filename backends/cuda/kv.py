@@ -34,10 +34,6 @@ class StaticKV:
         self.split = split_size(max_len)
         self._free = list(range(num_slots - 1, -1, -1))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def allocate(self) -> int:
         if not self._free:
             raise CacheFull("every KV slot is in use; lower the batch or raise server.max_batch_size")

@@ -137,8 +137,12 @@ def _lookup(table: dict[str, dict[str, Any]], name: str, what: str) -> dict[str,
     return table[name]
 
 
+def target_preset_raw(name: str) -> dict[str, Any]:
+    return _lookup(TARGET_PRESETS, name, "target")
+
+
 def target_preset(name: str) -> ModelConfig:
-    return model_config(_lookup(TARGET_PRESETS, name, "target"))
+    return model_config(target_preset_raw(name))
 
 
 def draft_preset_raw(name: str) -> dict[str, Any]:
