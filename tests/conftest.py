@@ -15,12 +15,22 @@ SPECS = {
 }
 
 
-def tiny_spec(method: dict | None = None, max_batch_size: int = 8, **model_overrides):
-    data = {**SPECS["dflash"], "server": {"max_batch_size": max_batch_size}}
+def tiny_spec(method: dict | None = None, max_batch_size: int = 8, backend: str = "reference", **model_overrides):
+    data = {**SPECS["dflash"], "server": {"max_batch_size": max_batch_size}, "backend": backend}
     data["model"] = {**data["model"], **model_overrides}
     if method is not None:
         data["speculative"] = {"max_draft_batch": "always", **method}
     return parse_spec(data)
+
+
+def respec(spec, backend: str, max_batch_size: int | None = None, **model_overrides):
+    """The same spec on another backend, with model fields (device, dtype, ...) overridden."""
+    data = spec.model_dump(mode="python")
+    data["backend"] = backend
+    data["model"].update(model_overrides)
+    if max_batch_size is not None:
+        data["server"]["max_batch_size"] = max_batch_size
+    return type(spec).model_validate(data)
 
 
 def full_forward(target, ids: torch.Tensor, taps=()):

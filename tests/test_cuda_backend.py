@@ -12,9 +12,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from conftest import tiny_spec  # noqa: E402
+from conftest import respec, tiny_spec  # noqa: E402
 from core.engine import Engine  # noqa: E402
 from core.sampling import SamplingParams  # noqa: E402
+from core.spec import load_spec  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # log(0) = -inf, by design
@@ -27,10 +28,7 @@ METHODS = {"none": {"method": "none"},
 
 def _engine(method: str, backend: str, **model) -> Engine:
     model = {"max_model_len": 128, **model}  # short caches: fewer attention splits to interpret on a CPU
-    spec = tiny_spec(METHODS[method], max_batch_size=4, device=DEV, dtype="float32", **model)
-    data = spec.model_dump(mode="python")
-    data["backend"] = backend
-    return Engine(type(spec).model_validate(data))
+    return Engine(tiny_spec(METHODS[method], max_batch_size=4, backend=backend, device=DEV, dtype="float32", **model))
 
 
 @pytest.mark.parametrize("method", ["none", "dflash"])
@@ -49,15 +47,9 @@ def test_trained_pair_accepts_the_same_drafts():
     """With the shipped trained pair (drafts are often accepted) both backends take the same
     rounds: the drafter's static context, its graph-safe update and the block attention agree."""
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    specs = []
-    for backend in ("reference", "cuda"):
-        from core.spec import load_spec
-        spec = load_spec("specs/tiny-dflash.yaml")
-        data = spec.model_dump(mode="python")
-        data.update(backend=backend)
-        data["model"].update(device=DEV, dtype="float32", max_model_len=128)
-        data["server"]["max_batch_size"] = 1
-        specs.append(type(spec).model_validate(data))
+    shipped = load_spec("specs/tiny-dflash.yaml")
+    specs = [respec(shipped, backend, max_batch_size=1, device=DEV, dtype="float32", max_model_len=128)
+             for backend in ("reference", "cuda")]
     ref, got = (Engine(s, draft_policy="always").generate(PROMPTS[1:2], params, trace=True) for s in specs)
     for r, g in zip(ref, got):
         assert g.output_ids == r.output_ids
@@ -90,12 +82,8 @@ def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
     """Drafts sampled from the drafter's q take the eager draft path and the rejection kernel;
     greedy requests still get the reference's tokens, sampled ones repeat under their seed."""
     spec = {**METHODS["dflash"], "draft_sample_method": "probabilistic"}
-    engines = []
-    for backend in ("reference", "cuda"):
-        data = tiny_spec(spec, max_batch_size=2, device=DEV, dtype="float32", max_model_len=128).model_dump(
-            mode="python")
-        data["backend"] = backend
-        engines.append(Engine(type(tiny_spec()).model_validate(data)))
+    engines = [Engine(tiny_spec(spec, max_batch_size=2, backend=backend, device=DEV, dtype="float32", max_model_len=128))
+               for backend in ("reference", "cuda")]
     greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
     ref, got = (e.generate(PROMPTS[:2], greedy) for e in engines)
     assert [c.output_ids for c in got] == [c.output_ids for c in ref]

@@ -4,9 +4,10 @@ device-agnostic), and training runs its bf16 autocast path."""
 import pytest
 import torch
 
-from conftest import tiny_spec
+from conftest import respec, tiny_spec
 from core.engine import Engine
 from core.sampling import SamplingParams
+from core.spec import load_spec
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["def fibonacci(n):", "x", "import os\nimport sys\n\nclass Config:\n", "hello world"]
@@ -39,10 +40,7 @@ def test_training_step_on_cuda(tmp_path):
 
 
 def _cuda_engine(method, **model):
-    spec = tiny_spec(method, max_batch_size=16, device="cuda", **model)
-    data = spec.model_dump(mode="python")
-    data["backend"] = "cuda"
-    return Engine(type(spec).model_validate(data))
+    return Engine(tiny_spec(method, max_batch_size=16, backend="cuda", device="cuda", **model))
 
 
 @pytest.mark.parametrize("method", [{"method": "none"}, None], ids=["none", "dflash"])
@@ -58,13 +56,7 @@ def test_graph_replay_equals_eager(method):
 
 
 def _tiny_pair(backend: str, dtype: str) -> Engine:
-    from core.spec import load_spec
-
-    spec = load_spec("specs/tiny-dflash.yaml")
-    data = spec.model_dump(mode="python")
-    data["backend"] = backend
-    data["model"].update(device="cuda", dtype=dtype)
-    return Engine(type(spec).model_validate(data))
+    return Engine(respec(load_spec("specs/tiny-dflash.yaml"), backend, device="cuda", dtype=dtype))
 
 
 def test_bf16_verify_logits_close_to_reference():
