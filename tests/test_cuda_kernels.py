@@ -22,15 +22,27 @@ def _logp(probs):
     return torch.log(probs).to(DEV)
 
 
-def test_sampling_kernel_matches_the_oracle_draw_for_draw():
+@pytest.mark.parametrize("chunk", [4096, 256])  # 256: five vocabulary chunks, the last one ragged
+def test_sampling_kernel_matches_the_oracle_draw_for_draw(chunk):
     torch.manual_seed(0)
     n, v = 32, 1100  # v not a multiple of the block: the tail is masked
     probs = probs_from_logits(torch.randn(n, v) * 2, SamplingBatch.of([SamplingParams(temperature=1.0, top_k=200)] * n))
     seed, pos = torch.arange(n) * 7919 + 2**40, torch.arange(n) + 100
     want = sample(probs, seed, pos, Stream.SAMPLE)
-    got = kernels.sample(_logp(probs), seed.to(DEV), pos.to(DEV), block=512).cpu()
+    got = kernels.sample(_logp(probs), seed.to(DEV), pos.to(DEV), block=128, chunk=chunk).cpu()
     assert (got == want).float().mean() >= 0.99  # float32 log may differ by an ulp at a near-tie
-    assert torch.equal(got, kernels.sample(_logp(probs), seed.to(DEV), pos.to(DEV), block=512).cpu())
+    assert torch.equal(got, kernels.sample(_logp(probs), seed.to(DEV), pos.to(DEV), block=128, chunk=chunk).cpu())
+
+
+def test_greedy_draw_breaks_ties_to_the_lower_index_across_chunks():
+    n, v = 6, 300
+    logits = torch.zeros(n, v)
+    tied = [(3, 250), (70, 71), (64, 128), (0, 299), (200, 100), (129, 5)]
+    for r, (a, b) in enumerate(tied):
+        logits[r, [a, b]] = 5.0
+    zeros = torch.zeros(n, dtype=torch.long).to(DEV)
+    got = kernels.sample(logits.to(DEV), zeros, zeros, inv_temp=torch.zeros(n).to(DEV), chunk=64).cpu()
+    assert got.tolist() == [min(a, b) for a, b in tied]
 
 
 def test_sampling_kernel_greedy_is_exact_and_distribution_is_right():
@@ -45,8 +57,8 @@ def test_sampling_kernel_greedy_is_exact_and_distribution_is_right():
     assert chi_square_p(torch.bincount(draws.cpu(), minlength=4), p) > 1e-3
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_acceptance_kernel_matches_the_oracle(temperature):
+@pytest.mark.parametrize("temperature,chunk", [(0.0, 4096), (0.9, 4096), (0.0, 64), (0.9, 64)])
+def test_acceptance_kernel_matches_the_oracle(temperature, chunk):
     torch.manual_seed(2)
     n, k, v = 16, 5, 300
     logits = torch.randn(n, k + 1, v) * 3
@@ -61,7 +73,8 @@ def test_acceptance_kernel_matches_the_oracle(temperature):
             drafts[r, cut[r]] = (drafts[r, cut[r]] + 1) % v
     first = torch.full((n,), 50)
     want = accept_drafts(probs, drafts, None, batch.seed, first, batch.temperature == 0)
-    num, tokens = kernels.accept_matching(_logp(probs), drafts.to(DEV), batch.seed.to(DEV), first.to(DEV), block=128)
+    num, tokens = kernels.accept_matching(_logp(probs), drafts.to(DEV), batch.seed.to(DEV), first.to(DEV), block=32,
+                                          chunk=chunk)
     num, tokens = num.cpu(), tokens.cpu()
     agree = [int(num[r]) == int(want.num_accepted[r]) == int(cut[r])
              and torch.equal(tokens[r, : num[r] + 1], want.tokens[r, : num[r] + 1]) for r in range(n)]

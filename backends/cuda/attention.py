@@ -35,7 +35,7 @@ def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, W,
 
 @triton.jit
 def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
-                   HQ, HKV, W, G, sc_slot, sc_head, sc_pos,
+                   HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t,
                    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
     """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
@@ -46,7 +46,8 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
     m = tl.arange(0, BLOCK_M)  # query row = g * W + t
     d = tl.arange(0, D)
     rows = G * W
-    q_tile = tl.load(q + ((n * HQ + h * G) * W) * D + m[:, None] * D + d[None, :], mask=m[:, None] < rows, other=0.0)
+    q_row = n * sq_n + (h * G + m // W) * sq_h + (m % W) * sq_t  # [BLOCK_M]
+    q_tile = tl.load(q + q_row[:, None] + d[None, :], mask=m[:, None] < rows, other=0.0)
     length = tl.load(kv_len + n)
     own = length - W + m % W  # each query's own position
     slot = tl.load(slots + n).to(tl.int64)
@@ -83,7 +84,7 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
 
 
 @triton.jit
-def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, SPLIT,
+def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, SPLIT, so_n, so_h, so_t,
                     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
     """Program (row, kv head, query row m): merge the row's live splits by their log-sum-exps,
     all splits in one vectorized pass."""
@@ -100,7 +101,7 @@ def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, SPLIT,
     d = tl.arange(0, D)
     o = tl.load(o_part + part[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     res = tl.sum(weight[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out + ((n * HQ + h * G) * W + m) * D + d, res.to(out.dtype.element_ty))
+    tl.store(out + n * so_n + (h * G + m // W) * so_h + (m % W) * so_t + d, res.to(out.dtype.element_ty))
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor) -> None:
@@ -118,25 +119,30 @@ def split_size(max_len: int, target_splits: int = 64) -> int:
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor, causal: bool,
-           split: int) -> Tensor:
-    """q [N, Hq, W, D] over each row's cached keys -> [N, Hq, W, D] in q's dtype."""
+           split: int, out: Tensor | None = None) -> Tensor:
+    """q [N, Hq, W, D] over each row's cached keys -> out [N, Hq, W, D] in q's dtype. q and out
+    may have any strides with unit stride along D: the fused stack passes [N, W, Hq, D] buffers
+    viewed transposed, so the output projection reads them without a copy."""
     n, hq, w, d = q.shape
     hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     block_m = max(16, triton.next_power_of_2(g * w))
     splits = triton.cdiv(max_len, split)
     padded = triton.next_power_of_2(splits)
-    q = q.contiguous()
+    if q.stride(3) != 1:
+        q = q.contiguous()
     o_part = torch.empty(n * hkv * padded * block_m * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(n * hkv * padded * block_m, dtype=torch.float32, device=q.device)
     _attend_kernel[(n * hkv, splits)](
         q, k_cache, v_cache, slots, kv_len, o_part, lse_part, d**-0.5, hq, hkv, w, g,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
         CAUSAL=causal, SPLIT=split, SPLITS=padded, BLOCK_M=block_m, BLOCK_N=min(64, split), D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8)
-    out = torch.empty_like(q)
-    _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, split, SPLITS=padded,
+    if out is None:
+        out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, split, out.stride(0),
+                                      out.stride(1), out.stride(2), SPLITS=padded,
                                       BLOCK_M=block_m, D=d, num_warps=4 if padded * d <= 8192 else 8)
     return out
 

@@ -24,6 +24,7 @@ from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 
 from . import sampling as kernels
 from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers, rows_key
+from .fused import lm_logits
 from .graphs import Graphs
 from .kv import Rows, RowsAttention, StaticKV, StaticStore
 
@@ -151,7 +152,7 @@ class CudaBackend:
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
         if self.drafter is not None and self.drafter.graph_safe and features is not None:
             self.drafter.extend_rows(self._rows(bucket), features)
-        logits = self.target.logits(hidden)  # [bucket, W, V] float32
+        logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
         if not decide:
             return logits, features, None
         batch = b.sampling(bucket)

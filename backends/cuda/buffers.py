@@ -23,7 +23,10 @@ class Buffers:
         self.meta = torch.zeros(6, max_batch, dtype=torch.int64, device=device)  # [field, max_batch]
         self.fmeta = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
-        self.pinned = device.type == "cuda"
+        pinned = device.type == "cuda"
+        self._host_i = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned)  # staging, reused
+        self._host_f = torch.zeros(2, max_batch, dtype=torch.float32, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None  # the staging may be rewritten once set
         self._key: tuple | None = None
         self.load([], max_batch)
 
@@ -41,11 +44,15 @@ class Buffers:
                 [r.params.seed for r in reqs] + [0] * pad,
                 [r.params.top_k for r in reqs] + [-1] * pad]
         floats = [[r.params.temperature for r in reqs] + [0.0] * pad, [r.params.top_p for r in reqs] + [1.0] * pad]
-        host_i, host_f = torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
-        if self.pinned:  # pinned blocks are recycled only once their copy has run
-            host_i, host_f = host_i.pin_memory(), host_f.pin_memory()
-        self.meta[:, :bucket].copy_(host_i, non_blocking=self.pinned)
-        self.fmeta[:, :bucket].copy_(host_f, non_blocking=self.pinned)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous load's copies have read the staging
+        self._host_i.numpy()[:, :bucket] = ints
+        self._host_f.numpy()[:, :bucket] = floats
+        pinned = self._copied is not None
+        self.meta[:, :bucket].copy_(self._host_i[:, :bucket], non_blocking=pinned)
+        self.fmeta[:, :bucket].copy_(self._host_f[:, :bucket], non_blocking=pinned)
+        if pinned:
+            self._copied.record()
         self._key = key
 
     def row(self, field: int, bucket: int) -> Tensor:

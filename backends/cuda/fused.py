@@ -23,20 +23,32 @@ from torch import Tensor
 from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from .attention import attend
+from .matvec import choose_tiling, matvec
 
 if TYPE_CHECKING:
     from .kv import StaticKV
 
 
 @triton.jit
-def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
+    """A matmul's output at ``offsets``: one tensor (PARTS 1) or the sum of PARTS float32 partial
+    sums ``stride`` apart, rounded to the model dtype as a whole product would be."""
+    x = tl.load(a + offsets, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, PARTS):
+        x += tl.load(a + p * stride + offsets, mask=mask, other=0.0)
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, HAS_ADD: tl.constexpr, PARTS: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
     s = tl.load(h + r * H + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_ADD:
-        s = s + tl.load(a + r * H + cols, mask=inside, other=0.0).to(tl.float32)
+        s = s + _summed(a, r * H + cols, inside, rows * H, h_out.dtype.element_ty, PARTS)
         s = s.to(h_out.dtype.element_ty)
         tl.store(h_out + r * H + cols, s, mask=inside)
         s = s.to(tl.float32)
@@ -48,22 +60,23 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, HAS_ADD: tl.constexpr, BLOCK
 
 @triton.jit
 def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cache, slots, kv_len,
-                HQ, HKV, W, eps, sc_slot, sc_head, sc_pos,
-                QK_NORM: tl.constexpr, D: tl.constexpr):
-    """Program (token, head) of the fused QKV output: q heads are normed, rotated and written
-    as [N, Hq, W, D]; k heads normed, rotated and stored in the cache; v heads stored."""
+                HQ, HKV, W, eps, sc_slot, sc_head, sc_pos, part_stride,
+                QK_NORM: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr):
+    """Program (token, head) of the fused QKV output (PARTS partial sums of it): q heads are
+    normed, rotated and written as [N, W, Hq, D]; k heads normed, rotated and stored in the
+    cache; v heads stored."""
     tok, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     n, t = tok // W, tok % W
     half = tl.arange(0, D // 2)
-    row = qkv + tok * (HQ + 2 * HKV) * D + head * D
-    x1 = tl.load(row + half).to(tl.float32)
-    x2 = tl.load(row + D // 2 + half).to(tl.float32)
+    at = tok * (HQ + 2 * HKV) * D + head * D
+    dt = q_out.dtype.element_ty
+    x1 = _summed(qkv, at + half, half < D, part_stride, dt, PARTS)
+    x2 = _summed(qkv, at + D // 2 + half, half < D, part_stride, dt, PARTS)
     pos = tl.load(positions + tok)
     slot = tl.load(slots + n).to(tl.int64)
     cache_pos = (tl.load(kv_len + n) - W + t).to(tl.int64)
     if head < HQ + HKV:  # q or k: optional per-head RMSNorm, then RoPE (rotate-half)
         if QK_NORM:
-            dt = q_out.dtype.element_ty
             if head < HQ:
                 w = q_norm
             else:
@@ -76,7 +89,7 @@ def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cach
         sin = tl.sin(freq).to(q_out.dtype.element_ty).to(tl.float32)
         o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if head < HQ:
-            dst = q_out + ((n * HQ + head) * W + t) * D
+            dst = q_out + (tok * HQ + head) * D
         else:
             dst = k_cache + slot * sc_slot + (head - HQ) * sc_head + cache_pos * sc_pos
         tl.store(dst + half, o1.to(q_out.dtype.element_ty))
@@ -99,14 +112,41 @@ def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr):
 
 
 def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h))."""
+    """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h)).
+    ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read."""
     flat = h.reshape(-1, h.shape[-1])
     rows, width = flat.shape
+    parts = 1 if a is None else a.numel() // flat.numel()
     total = torch.empty_like(flat) if a is not None else flat
     normed = torch.empty_like(flat)
-    _add_norm_kernel[(rows,)](flat if a is None else a.reshape(rows, width), flat, weight, total, normed, width, eps,
-                              HAS_ADD=a is not None, BLOCK=triton.next_power_of_2(width))
+    _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows,
+                              HAS_ADD=a is not None, PARTS=parts, BLOCK=triton.next_power_of_2(width))
     return total.view(h.shape), normed.view(h.shape)
+
+
+def linear(x: Tensor, weight: Tensor, gated: bool = False) -> Tensor:
+    """x [M, K] @ weight.T through the decode matvec when it applies (the result may then be
+    float32 partial sums [parts, M, N]: add_norm and the q/k/v kernel take those), else the
+    matrix library. ``gated``: weight is [gate; up] and the result silu(gate) * up."""
+    tiling = choose_tiling(x.shape[0], weight.shape[0] // (2 if gated else 1), weight.shape[1], gated)
+    if tiling is not None:
+        return matvec(x, weight, tiling, gated)
+    y = F.linear(x, weight)
+    if gated:
+        return silu_mul(y)
+    return y
+
+
+def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor) -> Tensor:
+    """hidden [..., H] -> float32 logits [..., V], rounded through the model dtype as the
+    target's own logits() are (core.models.target)."""
+    if lm_head.bias is not None:
+        return lm_head(hidden).float()
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = linear(flat, lm_head.weight)
+    if out.dim() == 3:  # partial sums
+        out = out.sum(0).to(hidden.dtype)
+    return out.float().view(*hidden.shape[:-1], -1)
 
 
 def silu_mul(gu: Tensor) -> Tensor:
@@ -152,11 +192,11 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
         h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps)
         if i - 1 in taps:
             tapped[i - 1] = h
-        q = _qkv(layer, F.linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)
-        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.split)  # [N, Hq, W, D]
-        a = layer.self_attn.o_proj(out.transpose(1, 2).reshape(n * w, -1))
+        q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
+        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.split)  # [N, Hq, W, D] view
+        a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)  # [N, W, Hq, D] memory
         h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        pending = layer.mlp.down_proj(silu_mul(F.linear(x, gate_up_w)))
+        pending = linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
     h, x = add_norm(pending, h, final_norm.weight, final_norm.eps)
     tapped[len(layers) - 1] = h
     features = torch.cat([tapped[t] for t in taps], dim=-1).view(n, w, -1) if taps else None
@@ -165,14 +205,16 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
 
 def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, i: int,
          slots: Tensor, kv_len: Tensor, n: int, w: int) -> Tensor:
-    """q/k-norm, RoPE and the K/V store for one layer's fused projection [N*W, (Hq+2Hkv)*D]."""
+    """q/k-norm, RoPE and the K/V store for one layer's fused projection [N*W, (Hq+2Hkv)*D]
+    (or its partial sums [parts, N*W, ...]) -> q [N, Hq, W, D], a view of [N, W, Hq, D]."""
     a = layer.self_attn
     qk_norm = hasattr(a, "q_norm")
-    q = torch.empty(n, a.num_heads, w, a.head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(n, w, a.num_heads, a.head_dim, dtype=cache.k[i].dtype, device=qkv.device)
+    parts = qkv.numel() // (n * w * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim)
     k_cache = cache.k[i]
     _qkv_kernel[(n * w, a.num_heads + 2 * a.num_kv_heads)](
         qkv, a.q_norm.weight if qk_norm else qkv, a.k_norm.weight if qk_norm else qkv, rotary.inv_freq, positions,
         q, k_cache, cache.v[i], slots, kv_len, a.num_heads, a.num_kv_heads, w,
         a.q_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        QK_NORM=qk_norm, D=a.head_dim)
-    return q
+        qkv.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim)
+    return q.transpose(1, 2)

@@ -49,17 +49,17 @@ LOGP, PROBS, RESIDUAL, LOGITS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2
 
 
 @triton.jit
-def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, use_q=True, inv_temp=1.0):
-    """argmax over the vocabulary of log w + Gumbel(key, column), ties to the lower index, where
-    w is ``row`` as log-probabilities (LOGP) or probabilities (PROBS), or max(0, row - q_row)
-    (RESIDUAL; just ``row`` when not use_q), or softmax(row * inv_temp) from raw logits
-    (LOGITS; inv_temp 0 is greedy: the plain argmax, no noise). Unnormalized w is fine: a
-    constant shift of every log cannot move the argmax."""
+def _best(row, q_row, key, lo, hi, BLOCK: tl.constexpr, MODE: tl.constexpr, use_q=True, inv_temp=1.0):
+    """(max, argmax) over columns [lo, hi) of log w + Gumbel(key, column), ties to the lower
+    index, where w is ``row`` as log-probabilities (LOGP) or probabilities (PROBS), or
+    max(0, row - q_row) (RESIDUAL; just ``row`` when not use_q), or softmax(row * inv_temp)
+    from raw logits (LOGITS; inv_temp 0 is greedy: the plain argmax, no noise). Unnormalized w
+    is fine: a constant shift of every log cannot move the argmax."""
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        inside = cols < V
+        inside = cols < hi
         if MODE == LOGP:
             lp = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
         elif MODE == LOGITS:
@@ -81,34 +81,57 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
         better = blk_val > best_val
         best_idx = tl.where(better, blk_idx, best_idx)
         best_val = tl.where(better, blk_val, best_val)
-    return best_idx
+    return best_val, best_idx
 
 
 @triton.jit
-def _sample_kernel(logp, seed, position, inv_temp, out, V, stride, STREAM: tl.constexpr, BLOCK: tl.constexpr,
-                   MODE: tl.constexpr):
-    row = tl.program_id(0)
-    key = _row_key(tl.load(seed + row), tl.load(position + row), STREAM)
-    t = tl.load(inv_temp + row) if MODE == LOGITS else 1.0
-    tl.store(out + row, _gumbel_argmax(logp + row * stride, logp, key, V, BLOCK, MODE, True, t))
+def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, use_q=True, inv_temp=1.0):
+    """The whole vocabulary's draw (see _best), in one program."""
+    return _best(row, q_row, key, 0, V, BLOCK, MODE, use_q, inv_temp)[1]
 
 
 @triton.jit
-def _accept_matching_kernel(logp, drafts, seed, first, inv_temp, num_out, tok_out, V, K, stride_req, stride_pos,
-                            STREAM: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
-    """One request per program: draw the target's keyed sample t_i at each position, accept
-    drafts while they match, write the accepted run then t at the first mismatch (or the
-    bonus t_K). Mirrors core.sampling._accept_matching. Rows are log-probabilities (LOGP) or
-    raw logits with a per-request inverse temperature (LOGITS)."""
-    req = tl.program_id(0)
-    s, p0 = tl.load(seed + req), tl.load(first + req)
+def _draw_chunks_kernel(scores, seed, first, inv_temp, vals, idxs, V, W, stride_req, stride_pos, CHUNK,
+                        STREAM: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
+    """Program (row r = request * W + t, vocabulary chunk c): the best column of the chunk for
+    the draw keyed by (seed, first + t). A draw depends only on its own row and key, so every
+    position's draw and every chunk of the vocabulary run in parallel."""
+    r, c = tl.program_id(0), tl.program_id(1)
+    req, t = r // W, r % W
+    key = _row_key(tl.load(seed + req), tl.load(first + req) + t, STREAM)
     temp = tl.load(inv_temp + req) if MODE == LOGITS else 1.0
+    lo = c * CHUNK
+    val, idx = _best(scores + req * stride_req + t * stride_pos, scores, key, lo, tl.minimum(lo + CHUNK, V), BLOCK,
+                     MODE, True, temp)
+    tl.store(vals + r * CHUNKS + c, val)
+    tl.store(idxs + r * CHUNKS + c, idx)
+
+
+@triton.jit
+def _pick(vals, idxs, r, CHUNKS: tl.constexpr):
+    """Row r's draw from its chunks' bests: the first chunk holding the maximum (lower index)."""
+    c = tl.arange(0, CHUNKS)
+    best = tl.argmax(tl.load(vals + r * CHUNKS + c), axis=0)
+    return tl.load(idxs + r * CHUNKS + best)
+
+
+@triton.jit
+def _pick_kernel(vals, idxs, out, CHUNKS: tl.constexpr):
+    r = tl.program_id(0)
+    tl.store(out + r, _pick(vals, idxs, r, CHUNKS))
+
+
+@triton.jit
+def _accept_matching_kernel(vals, idxs, drafts, num_out, tok_out, K, CHUNKS: tl.constexpr):
+    """One request per program, over the K+1 draws t_i already made (_draw_chunks_kernel):
+    accept drafts while they match, write the accepted run then t at the first mismatch (or
+    the bonus t_K). Mirrors core.sampling._accept_matching."""
+    req = tl.program_id(0)
     accepted = tl.full((), 0, tl.int64)
     matching = tl.full((), 1, tl.int1)
     for i in range(0, K + 1):
         if matching:
-            t = _gumbel_argmax(logp + req * stride_req + i * stride_pos, logp, _row_key(s, p0 + i, STREAM), V, BLOCK,
-                               MODE, True, temp)
+            t = _pick(vals, idxs, req * (K + 1) + i, CHUNKS)
             d = tl.load(drafts + req * K + i, mask=i < K, other=-1)
             tl.store(tok_out + req * (K + 1) + i, t)
             if d == t:
@@ -161,34 +184,50 @@ def _accept_rejection_kernel(p, q, drafts, seed, first, num_out, tok_out, V, K, 
 
 
 SAMPLE_STREAM = 1  # core.sampling.Stream.SAMPLE
+CHUNK = 4096  # vocabulary columns per program of a draw
+
+
+def _draws(scores: Tensor, seed: Tensor, first: Tensor, stream: int, block: int, inv_temp: Tensor | None,
+           chunk: int = CHUNK) -> tuple[Tensor, Tensor, int]:
+    """Every row's draw over scores [N, W, V] (row (n, t) keyed by first[n] + t), per chunk of
+    the vocabulary: (best values, best columns) [N * W, chunks], and the padded chunk count."""
+    n, w, v = scores.shape
+    chunk = min(chunk, triton.next_power_of_2(v))
+    chunks = triton.next_power_of_2(triton.cdiv(v, chunk))
+    vals = torch.full((n * w, chunks), float("-inf"), dtype=torch.float32, device=scores.device)
+    idxs = torch.zeros(n * w, chunks, dtype=torch.int64, device=scores.device)
+    _draw_chunks_kernel[(n * w, triton.cdiv(v, chunk))](
+        scores, seed, first, seed if inv_temp is None else inv_temp, vals, idxs, v, w, scores.stride(0),
+        scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks, BLOCK=min(block, chunk),
+        MODE=0 if inv_temp is None else 3)  # LOGP or LOGITS
+    return vals, idxs, chunks
 
 
 def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_STREAM, block: int = 1024,
-           inv_temp: Tensor | None = None) -> Tensor:
+           inv_temp: Tensor | None = None, chunk: int = CHUNK) -> Tensor:
     """log-probabilities [N, V] (-inf where filtered) -> ids [N]; as core.sampling.sample on exp(logp).
     With ``inv_temp`` [N] the rows are raw logits instead, sampled at temperature 1 / inv_temp
     (greedy where it is 0): no softmax pass over the vocabulary."""
-    n, v = logp.shape
-    out = torch.empty(n, dtype=torch.int64, device=logp.device)
-    mode = 0 if inv_temp is None else 3
-    _sample_kernel[(n,)](logp, seed, position, seed if inv_temp is None else inv_temp, out, v, logp.stride(0),
-                         STREAM=stream, BLOCK=block, MODE=mode)
+    if logp.stride(1) != 1:
+        logp = logp.contiguous()
+    vals, idxs, chunks = _draws(logp[:, None], seed, position, stream, block, inv_temp, chunk)
+    out = torch.empty(logp.shape[0], dtype=torch.int64, device=logp.device)
+    _pick_kernel[(logp.shape[0],)](vals, idxs, out, CHUNKS=chunks)
     return out
 
 
 def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024,
-                    inv_temp: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    inv_temp: Tensor | None = None, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
     """logp [N, K+1, V], drafts [N, K] -> (num_accepted [N], tokens [N, K+1]); positions past
     the emitted token are left unwritten (callers read tokens[:num_accepted + 1]). With
     ``inv_temp`` [N] the rows are raw logits, as in `sample`."""
     n, k1, v = logp.shape
-    logp = logp.contiguous()
+    if logp.stride(2) != 1:
+        logp = logp.contiguous()
+    vals, idxs, chunks = _draws(logp, seed, first, SAMPLE_STREAM, block, inv_temp, chunk)
     num = torch.empty(n, dtype=torch.int64, device=logp.device)
     tokens = torch.full((n, k1), -1, dtype=torch.int64, device=logp.device)
-    mode = 0 if inv_temp is None else 3
-    _accept_matching_kernel[(n,)](logp, drafts.contiguous(), seed, first, seed if inv_temp is None else inv_temp, num,
-                                  tokens, v, k1 - 1, logp.stride(0), logp.stride(1), STREAM=SAMPLE_STREAM, BLOCK=block,
-                                  MODE=mode)
+    _accept_matching_kernel[(n,)](vals, idxs, drafts.contiguous(), num, tokens, k1 - 1, CHUNKS=chunks)
     return num, tokens
 
 

@@ -1,0 +1,115 @@
+"""Matrix-vector products for decode: y = x @ W.T with few rows in x (one per verified token).
+
+At a handful of rows a linear layer is a stream over its weight, so the whole game is keeping
+enough loads in flight on every multiprocessor. The rows of x go as one [BLOCK_M, BLOCK_K] tile
+(rows past M masked) against [BLOCK_N, BLOCK_K] weight tiles through the matrix units, whose
+pipelined loads stream the weight; the padding rows cost arithmetic, which is idle anyway.
+Measured on an H200 this beat both the matrix library and an elementwise one-row form (products
+summed once at the end) at every decode shape of an 8B model, one row or sixteen.
+
+The K range may be split over SPLIT programs per output block: each writes a float32 partial sum
+[SPLIT, M, N] and the consumer (the next norm, the q/k/v kernel) adds them as it loads, so a
+small matrix still spreads over the whole chip without a reduction launch of its own. With
+``GATED`` the weight is [gate; up] stacked and each program computes both halves of its
+columns, writing silu(gate) * up: the MLP's activation costs no launch either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Tiling:
+    block_n: int
+    block_k: int
+    split: int
+    warps: int
+    stages: int
+
+
+MAX_ROWS = 64  # past this many rows a linear layer turns arithmetic-bound: the matrix library's turn
+PROGRAMS = 256  # about two per multiprocessor of an H200 (132): enough loads in flight to stream
+
+
+def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
+    """The tiling for x [m, k] @ w.T with n outputs, or None where the matrix library serves
+    better. From a sweep on an H200 (bench/matvec_sweep.py): 128-wide K steps, three stages;
+    64 output columns per program (32 for the gated form, which streams two rows per column);
+    K split in two or four until about PROGRAMS programs stream the weight."""
+    block_k = min(128, k)
+    if m > MAX_ROWS or k % block_k or block_k < 16 or block_k & (block_k - 1):
+        return None
+    if gated:
+        return Tiling(32, block_k, 1, 4, 3)
+    split = 1
+    while triton.cdiv(n, 64) * split < PROGRAMS and split < 4 and k % (2 * split * block_k) == 0:
+        split *= 2
+    return Tiling(64, block_k, split, 4, 3)
+
+
+@triton.jit
+def _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, GATED: tl.constexpr, SPLIT: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] (rows x output columns) -> out: partial sums or final values."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if GATED:
+        acc_g = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if SPLIT == 1:
+        tl.store(out + rm[:, None] * N + rn[None, :], acc_g.to(out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out + (pk * M + rm[:, None]) * N + rn[None, :], acc_g, mask=mask)
+
+
+@triton.jit
+def _mv_rows(x, w, out, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (column block, K chunk): BLOCK_N outputs of rows [0, M) over K [pk*CHUNK, +CHUNK)."""
+    pn, pk = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pk * CHUNK + tl.arange(0, BLOCK_K)
+    xp = x + rm[:, None] * K + rk[None, :]
+    wp = w + rn[:, None].to(tl.int64) * K + rk[None, :]
+    up = wp + N.to(tl.int64) * K  # GATED: the up rows sit N rows below the gate rows
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, CHUNK, BLOCK_K):
+        xt = tl.load(xp, mask=rm[:, None] < M, other=0.0)
+        acc_g = tl.dot(xt, tl.trans(tl.load(wp, mask=rn[:, None] < N, other=0.0)), acc_g, input_precision=PRECISION)
+        if GATED:
+            acc_u = tl.dot(xt, tl.trans(tl.load(up, mask=rn[:, None] < N, other=0.0)), acc_u,
+                           input_precision=PRECISION)
+        xp += BLOCK_K
+        wp += BLOCK_K
+        up += BLOCK_K
+    _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, GATED, SPLIT)
+
+
+def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False) -> Tensor:
+    """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype, or float32
+    partial sums [split, M, N] when tiling.split > 1 (the consumer adds them)."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"matvec: x has {k} columns but the weight has {w.shape[1]}")
+    if gated and tiling.split > 1:
+        raise ValueError("matvec: the gated form needs whole sums (split 1)")
+    chunk = k // tiling.split
+    if chunk * tiling.split != k or chunk % tiling.block_k:
+        raise ValueError(f"matvec: K={k} does not divide into {tiling.split} chunks of {tiling.block_k}-wide steps")
+    x = x.contiguous()
+    if tiling.split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, tiling.block_n), tiling.split)
+    _mv_rows[grid](x, w, out, m, n, k, chunk, GATED=gated, SPLIT=tiling.split,
+                   BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                   num_warps=tiling.warps, num_stages=tiling.stages)
+    return out

@@ -1,0 +1,112 @@
+"""Decode matvec tilings against cuBLAS on a CUDA machine, each shape of a Qwen3-8B layer over
+36 distinct weights (as a forward streams them) replayed from one graph; and a kernel-by-kernel
+profile of a round. `python bench/matvec_sweep.py` sweeps; `--chosen` times only the tilings
+backends.cuda.matvec.choose_tiling picks; `--profile SPEC BATCH` profiles that round's graphs."""
+import itertools
+import sys
+import torch
+import torch.nn.functional as F
+from backends.cuda.matvec import matvec, Tiling
+from core.benchmark import median_ms
+
+dev = torch.device("cuda")
+H, Q, KV, I, V = 4096, 4096, 1024, 12288, 151936
+SHAPES = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
+
+
+def profile_round(spec, batch):
+    """Kernel time by kernel over ten replays of one round's graphs (draft, verify) at a batch."""
+    from torch.profiler import profile, ProfilerActivity
+    from core.engine import Engine
+    from core.benchmark import _decode, _prompts
+    eng = Engine.from_spec(spec, draft_policy="always")
+    _decode(eng, _prompts(eng, batch, 512, 1), 32)
+    graphs = [g for k, (g, _) in eng.backend.graphs._graphs.items() if k[-1 if k[0] == "draft" else 2] == batch]
+    ms = median_ms(lambda: [g.replay() for g in graphs], 20)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            for g in graphs:
+                g.replay()
+        torch.cuda.synchronize()
+    print(f"{spec} batch {batch}: graphs {ms:.3f} ms per round")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
+def graph_ms(fn):
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return median_ms(g.replay, 10)
+
+
+def sweep(name, weights, m, configs, gated):
+    n, k = weights[0].shape
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+    nbytes = sum(w.numel() * 2 for w in weights)
+    if gated:
+        base = graph_ms(lambda: [F.silu((y := F.linear(x, w)).narrow(1, 0, n // 2)) * y.narrow(1, n // 2, n // 2) for w in weights])
+    else:
+        base = graph_ms(lambda: [F.linear(x, w) for w in weights])
+    # correctness of one config against cuBLAS
+    res = []
+    for one, t in configs:
+        try:
+            out = matvec(x, weights[0], t, gated=gated)
+            out = out.sum(0) if t.split > 1 else out.float()
+            ref = F.linear(x.float(), weights[0].float())
+            if gated:
+                ref = F.silu(ref[:, : n // 2]) * ref[:, n // 2:]
+            err = ((out - ref).norm() / ref.norm()).item()
+            ms = graph_ms(lambda: [matvec(x, w, t, gated=gated) for w in weights])
+            res.append((ms, one, t, err))
+        except Exception as e:  # a tiling that does not fit
+            print("  skip", one, t, type(e).__name__, str(e)[:80])
+    res.sort(key=lambda r: r[0])
+    print(f"{name} M={m}: cuBLAS {1e3*base/len(weights):.1f} us/mat {nbytes/base/1e9:.2f} TB/s")
+    for ms, one, t, err in res[:4]:
+        print(f"   {t} {1e3*ms/len(weights):.1f} us {nbytes/ms/1e9:.2f} TB/s err {err:.1e}")
+    sys.stdout.flush()
+
+
+def chosen():
+    """Each shape's chosen tiling (backends.cuda.matvec.choose_tiling) against cuBLAS."""
+    from backends.cuda.matvec import choose_tiling
+    for name, (n, k) in SHAPES.items():
+        gated = name == "gate_up"
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(1 if name == "lm_head" else 36)]
+        weights = weights * 4 if name == "lm_head" else weights
+        for m in (1, 16):
+            sweep(name, weights, m, [(None, choose_tiling(m, n // 2 if gated else n, k, gated))], gated)
+        del weights
+        torch.cuda.empty_cache()
+
+
+def main():
+    if "--chosen" in sys.argv:
+        return chosen()
+    if "--profile" in sys.argv:
+        at = sys.argv.index("--profile")
+        return profile_round(sys.argv[at + 1], int(sys.argv[at + 2]))
+    rows = [Tiling(bn, bk, sp, 4, st) for bn, bk, sp, st in itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (3, 5))]
+    rows += [Tiling(128, 64, 1, 4, 4), Tiling(128, 128, 1, 8, 4)]
+    for name, (n, k) in SHAPES.items():
+        count = 4 if name == "lm_head" else 36
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(1 if name == "lm_head" else count)]
+        if name == "lm_head":
+            weights = weights * count
+        gated = name == "gate_up"
+        for m in (1, 16):
+            cands = [(False, t) for t in rows]
+            if gated:
+                cands = [(o, t) for o, t in cands if t.split == 1]
+            sweep(name, weights, m, cands, gated)
+        del weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
