@@ -143,8 +143,8 @@ class Machine:
                 return
         for req in reqs:
             advance(req, Phase.ACCEPT)
-        verdict = self.backend.accept(reqs, proposal, verification)
-        drafted = proposal.tokens.tolist()  # one copy for the batch, not one per row
+        drafted = proposal.tokens.tolist()  # one copy for the batch, not one per row; before accept(), which
+        verdict = self.backend.accept(reqs, proposal, verification)  # may launch the next round into these buffers
         for i, req in enumerate(reqs):
             self._finish_round(req, drafted[i], int(verdict.num_accepted[i]), verdict.tokens[i])
 

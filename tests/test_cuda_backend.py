@@ -37,10 +37,25 @@ def test_greedy_tokens_equal_reference(method, batch):
     """float32: identical greedy tokens and identical accepted counts, mixed prompt lengths."""
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     ref = _engine(method, "reference").generate(PROMPTS[:batch], params, trace=True)
-    got = _engine(method, "cuda").generate(PROMPTS[:batch], params, trace=True)
+    eng = _engine(method, "cuda")
+    got = eng.generate(PROMPTS[:batch], params, trace=True)
     for r, g in zip(ref, got):
         assert g.output_ids == r.output_ids
         assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
+    assert eng.backend.rounds_ahead >= len(got[0].rounds) - 2  # all but the first round and the last were run ahead
+
+
+@pytest.mark.parametrize("method", ["none", "dflash"])
+def test_run_ahead_rounds_are_dropped_when_rows_change(method):
+    """Requests ending at different rounds (length limits, EOS) and a queue admitting new ones:
+    a round launched ahead for rows that then change is ignored, and tokens still equal the
+    reference's."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=n != 7) for n in (3, 9, 5, 7, 2, 6)]
+    ref = _engine(method, "reference").generate(PROMPTS + PROMPTS[:2], params)
+    eng = _engine(method, "cuda")
+    got = eng.generate(PROMPTS + PROMPTS[:2], params)  # six requests through four slots
+    assert [g.output_ids for g in got] == [r.output_ids for r in ref]
+    assert eng.backend.rounds_ahead > 0
 
 
 def test_trained_pair_accepts_the_same_drafts():

@@ -10,6 +10,8 @@ which is how CI holds it to the reference backend.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +44,17 @@ def _window_kernel(meta, drafts, ids, positions, stride_meta, K, W, LAST_ROW: tl
     tl.store(positions + n * W + t, start + t, mask=t < W)
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """A round in flight: the rows it was launched for and where its results land."""
+
+    key: tuple  # (((rid, length), ...), bucket, width)
+    logits: Tensor  # [bucket, W, V] graph output
+    features: Tensor | None
+    host: Tensor  # [bucket, 2 + W] pinned: finite, accepted, tokens
+    copied: torch.cuda.Event | None  # set once host holds them (None: the copy was synchronous)
+
+
 def buckets_for(max_batch: int) -> list[int]:
     out, b = [], 1
     while b < max_batch:
@@ -66,6 +79,9 @@ class CudaBackend:
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
         self.buckets = buckets_for(capacity.max_batch)
         self._decided: tuple[tuple, Tensor] | None = None  # the round verify() already decided
+        self._ahead: Ahead | None = None  # the next round, launched before this one was booked
+        self._host_copy: dict[torch.Size, Tensor] = {}  # pinned landing buffers for its verdict
+        self.rounds_ahead = 0  # rounds served by a run-ahead launch
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -110,6 +126,9 @@ class CudaBackend:
         if self.drafter is None:
             return self.skip_draft(reqs)
         n, bucket = len(reqs), self.bucket(len(reqs))
+        if self._ahead is not None and self._ahead.key == (rows_key(reqs), bucket, self.width):
+            return Proposal(tokens=self.bufs.drafts[:n])  # the round in flight drafted these rows
+        self._ahead = None
         self.bufs.load(reqs, bucket)
         if self.drafter.graph_safe and self.plan.draft_sample_method == "greedy":
             tokens = self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
@@ -129,18 +148,29 @@ class CudaBackend:
         """With argmax drafts and no top-k/top-p the graph also decides the round (acceptance
         kernel, finiteness): the host then copies one small tensor back and accept() is free."""
         n, bucket, width = len(reqs), self.bucket(len(reqs)), proposal.tokens.shape[1] + 1
+        decide = proposal.probs is None and not _filtered(reqs)
+        ahead, self._ahead = self._ahead, None
+        if decide and ahead is not None and ahead.key == (rows_key(reqs), bucket, width) and \
+                (width == 1 or proposal.tokens.data_ptr() == self.bufs.drafts.data_ptr()):
+            if ahead.copied is not None:
+                ahead.copied.synchronize()
+            self.rounds_ahead += 1
+            return self._verdict(reqs, ahead.host[:n].clone(), ahead.logits, ahead.features)  # host is reused
         self.bufs.load(reqs, bucket)
         if width > 1 and proposal.tokens.data_ptr() != self.bufs.drafts.data_ptr():
             self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
-        decide = proposal.probs is None and not _filtered(reqs)
         logits, features, packed = self.graphs.run(("verify", width, bucket, decide),
                                                    lambda: self._verify_step(bucket, width, decide))
-        finite = None
-        if packed is not None:
-            host = packed[:n].cpu()  # [n, 2 + W]: finite, accepted, tokens; the round's one copy back
-            self._decided = (rows_key(reqs), host[:, 1:])
-            finite = host[:, 0].bool()
-        return Verification(logits=logits[:n], features=None if features is None else features[:n], finite=finite)
+        if packed is None:
+            return Verification(logits=logits[:n], features=None if features is None else features[:n])
+        return self._verdict(reqs, packed[:n].cpu(), logits, features)  # the round's one copy back
+
+    def _verdict(self, reqs: list[Request], host: Tensor, logits: Tensor, features: Tensor | None) -> Verification:
+        """host [n, 2 + W] from a deciding verify graph: finite, accepted, tokens."""
+        n = len(reqs)
+        self._decided = (rows_key(reqs), host[:, 1:])
+        return Verification(logits=logits[:n], features=None if features is None else features[:n],
+                            finite=host[:, 0].bool())
 
     def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         b = self.bufs
@@ -166,13 +196,47 @@ class CudaBackend:
     @torch.inference_mode()
     def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
         decided, self._decided = self._decided, None
-        out = decided[1] if decided is not None and decided[0] == rows_key(reqs) else self._accept(reqs, proposal,
-                                                                                             verification)
+        used = decided is not None and decided[0] == rows_key(reqs)
+        out = decided[1] if used else self._accept(reqs, proposal, verification)
         if self.drafter is not None and not self.drafter.graph_safe:
             for i, req in enumerate(reqs):
                 feats = None if verification.features is None else verification.features[i, : int(out[i, 0]) + 1]
                 self.drafter.extend(req, feats, req.seq_len - 1)
+        elif used:
+            self._run_ahead(reqs, out, proposal.tokens.shape[1] + 1)
         return Verdict(num_accepted=out[:, 0], tokens=out[:, 1:])
+
+    def _run_ahead(self, reqs: list[Request], out: Tensor, width: int) -> None:
+        """Launch the next round for the same rows before the host books this one, so the
+        GPU does not idle through the engine's bookkeeping. Its inputs are known now: each
+        row's last emitted token and new length. It is used only if the next round asks for
+        exactly these rows at these lengths and this width; otherwise its results are
+        ignored (what it wrote to the caches lies past each row's length, or in slots that
+        later work overwrites in stream order). Rows that this round finishes stop it."""
+        last, lens = [], []
+        for req, row in zip(reqs, out.tolist()):
+            emitted = row[1 : row[0] + 2]
+            if (req.cancelled or req.stop_ids.intersection(emitted) or req.seq_len + len(emitted) >= req.max_model_len
+                    or len(req.output_ids) + len(emitted) >= req.params.max_new_tokens):
+                return
+            last.append(emitted[-1])
+            lens.append(req.seq_len + len(emitted))
+        bucket = self.bucket(len(reqs))
+        self.bufs.load(reqs, bucket, (last, lens))
+        if width > 1:
+            self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
+        logits, features, packed = self.graphs.run(("verify", width, bucket, True),
+                                                   lambda: self._verify_step(bucket, width, True))
+        copied, pinned = None, self.device.type == "cuda"
+        host = self._host_copy.get(packed.shape)
+        if host is None:
+            host = self._host_copy[packed.shape] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=pinned)
+        host.copy_(packed, non_blocking=pinned)
+        if pinned:
+            copied = torch.cuda.Event()
+            copied.record()
+        key = (tuple((r.rid, n) for r, n in zip(reqs, lens)), bucket, width)
+        self._ahead = Ahead(key, logits, features, host, copied)
 
     def _accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Tensor:
         """Eager acceptance (drafts from q, top-k/top-p, or rows dropped after verify)."""

@@ -30,15 +30,17 @@ class Buffers:
         self._key: tuple | None = None
         self.load([], max_batch)
 
-    def load(self, reqs: list[Request], bucket: int) -> None:
+    def load(self, reqs: list[Request], bucket: int, ahead: tuple[list[int], list[int]] | None = None) -> None:
         """Copy the rows' facts in (two small asynchronous copies); rows past len(reqs) are
-        padding. A repeat load of the same rows at the same lengths is skipped."""
-        key = (rows_key(reqs), bucket)
+        padding. A repeat load of the same rows at the same lengths is skipped. ``ahead``
+        (last tokens, lengths) loads the rows as they will stand after the round in flight."""
+        last, lens = ahead if ahead is not None else ([r.last_token for r in reqs], [r.seq_len for r in reqs])
+        key = (tuple((r.rid, n) for r, n in zip(reqs, lens)), bucket)
         if key == self._key:
             return
         pad = bucket - len(reqs)
-        ints = [[r.last_token for r in reqs] + [0] * pad,
-                [r.seq_len - 1 for r in reqs] + [0] * pad,
+        ints = [last + [0] * pad,
+                [n - 1 for n in lens] + [0] * pad,
                 [r.kv for r in reqs] + [self.scratch] * pad,
                 [_slot(r.draft_state, self.scratch) for r in reqs] + [self.scratch] * pad,
                 [r.params.seed for r in reqs] + [0] * pad,
