@@ -36,13 +36,15 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
     raise CheckpointError(f"{folder}: neither {SINGLE} nor {INDEX} found; is this an HF-format checkpoint folder?")
 
 
-def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...] = ()) -> list[str]:
+def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...] = (),
+                 names: dict[str, str] | None = None) -> list[str]:
     """Copy every parameter of ``module`` from the folder's tensors; return the unused names.
 
-    ``optional`` names may be absent (e.g. a tied ``lm_head.weight``).
+    ``optional`` names may be absent (e.g. a tied ``lm_head.weight``). ``names`` maps a
+    parameter's name to its tensor's name where a checkpoint dialect spells it otherwise.
     """
     files = tensor_files(folder)
-    params = dict(module.named_parameters())
+    params = {(names or {}).get(n, n): p for n, p in module.named_parameters()}
     missing = [n for n in params if n not in files and n not in optional]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
