@@ -1,0 +1,196 @@
+"""`eagle3`: chain drafting with a one-layer head fed with fused target features.
+
+Round by round: the target's features of the newly verified positions wait in the request's
+state until the next draft. Drafting then runs the head over those positions (each position t
+reads embed(x_{t+1}) and fc(features_t), and its K/V joins the head's own cache for good);
+the output at the last one gives draft 1, and each further step feeds the head's output back
+with the embedding of the draft it just made, one position on. Those chained positions' K/V
+are dropped at the next draft, which starts where the verified context ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from backends.base import DraftRows, KVStore, Proposal
+
+from ..machine import Plan
+from ..models.config import ConfigError, ModelConfig, read_config_json
+from ..models.eagle3 import PRESETS, Eagle3Config, Eagle3DraftModel, default_aux_layer_ids, eagle3_config, \
+    load_eagle3, preset_config, random_eagle3
+from ..models.loader import place
+from ..models.target import TargetModel
+from ..registry import METHODS
+from ..request import Request
+from ..sampling import Stream, probs_from_logits, sample
+from ..spec import DraftModelSpec, SpeculativeSpec
+from .base import Drafter, Method
+
+
+class Eagle3Spec(SpeculativeSpec):
+    method: Literal["eagle3"] = "eagle3"
+    draft: DraftModelSpec
+    num_speculative_tokens: int = Field(3, ge=1, le=32)  # K chained draft steps per round
+    # target layers whose *input* hidden states are tapped; defaults to the checkpoint's, else (2, N/2, N-3)
+    target_layer_ids: list[int] | None = None
+
+    def drafter_config(self, read_files: bool) -> Eagle3Config | None:
+        if self.draft.random_init is not None:
+            return preset_config(self.draft.random_init.preset)
+        return eagle3_config(read_config_json(self.draft.path)) if read_files else None
+
+    def check(self, target: ModelConfig | None, read_files: bool) -> list[str]:
+        if self.draft.random_init is not None and self.draft.random_init.preset not in PRESETS:
+            known = ", ".join(sorted(PRESETS))
+            return [f"speculative.draft.random_init.preset: unknown eagle3 preset {self.draft.random_init.preset!r}; "
+                    f"known: {known}"]
+        try:
+            drafter = self.drafter_config(read_files)
+        except ConfigError as exc:
+            return [f"speculative.draft.path: {exc}"]
+        return _problems(self, target, drafter)
+
+
+def aux_layer_ids(cfg: Eagle3Spec, drafter: Eagle3Config, num_target_layers: int) -> tuple[int, ...]:
+    if cfg.target_layer_ids is not None:
+        return tuple(cfg.target_layer_ids)
+    return drafter.aux_layer_ids or default_aux_layer_ids(num_target_layers)
+
+
+def _problems(cfg: Eagle3Spec, target: ModelConfig | None, drafter: Eagle3Config | None) -> list[str]:
+    out = []
+    if drafter is None:
+        return out
+    if drafter.layer.vocab_size < drafter.draft_vocab_size:
+        out.append(f"speculative.draft: draft_vocab_size {drafter.draft_vocab_size} exceeds vocab_size "
+                   f"{drafter.layer.vocab_size}; d2t maps draft ids into the target vocabulary, so it cannot be larger")
+    if cfg.target_layer_ids is not None and len(cfg.target_layer_ids) != drafter.num_aux:
+        out.append(f"speculative.target_layer_ids: {len(cfg.target_layer_ids)} ids given, the drafter's fc takes "
+                   f"{drafter.num_aux} layers' features; give {drafter.num_aux} ids")
+    if target is None:
+        return out
+    ids = aux_layer_ids(cfg, drafter, target.num_layers)
+    bad = [i for i in ids if not 1 <= i < target.num_layers]
+    if bad:
+        out.append(f"speculative.target_layer_ids: {bad} outside 1..{target.num_layers - 1} (each id names a target "
+                   "layer whose input is tapped; layer 0's input is the embedding, which EAGLE-3 does not use)")
+    if drafter.target_hidden_size != target.hidden_size:
+        out.append(f"speculative.draft: the drafter's fc expects features of width {drafter.target_hidden_size}, "
+                   f"this target's hidden_size is {target.hidden_size}; use the drafter made for this target")
+    if drafter.layer.vocab_size != target.vocab_size:
+        out.append(f"speculative.draft: drafter vocab_size {drafter.layer.vocab_size} != target vocab_size "
+                   f"{target.vocab_size}; d2t/t2d must map onto this target's vocabulary")
+    if drafter.layer.hidden_size != target.hidden_size:
+        out.append(f"speculative.draft: drafter hidden_size {drafter.layer.hidden_size} != target hidden_size "
+                   f"{target.hidden_size}; the head reads the target's embeddings")
+    return out
+
+
+@METHODS.register("eagle3")
+class Eagle3Method(Method):
+    config_model = Eagle3Spec
+    cfg: Eagle3Spec
+
+    def plan(self, target: ModelConfig) -> Plan:
+        drafter = self.cfg.drafter_config(read_files=True)
+        problems = _problems(self.cfg, target, drafter)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        ids = aux_layer_ids(self.cfg, drafter, target.num_layers)
+        src = self.cfg.draft.path or f"random_init {self.cfg.draft.random_init.preset}"
+        return Plan(
+            method="eagle3",
+            drafting="chain",
+            num_speculative_tokens=self.cfg.num_speculative_tokens,
+            target_layer_ids=tuple(i - 1 for i in ids),  # the input of layer i is the output of layer i-1
+            drafter_kv="own",
+            draft_sample_method=self.cfg.draft_sample_method,
+            drafter=f"1 layer, hidden {drafter.layer.hidden_size}, draft vocab {drafter.draft_vocab_size} "
+                    f"({drafter.dialect} dialect, {src})",
+        )
+
+    def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
+        d = self.cfg.draft
+        model = load_eagle3(d.path) if d.path else random_eagle3(d.random_init.preset, d.random_init.seed, device, dtype)
+        return Eagle3Drafter(place(model, device, dtype), target, kv, plan)
+
+
+@dataclass
+class Eagle3State:
+    """A request's head cache, and the verified positions' features not yet run through it."""
+
+    cache: Any  # the lent store's handle, one layer
+    start: int  # position of the first pending feature row (= the cache's verified length)
+    pending: Tensor | None = None  # [m, taps*H]
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
+        self.model, self.target, self.kv, self.plan = model, target, kv, plan
+
+    def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
+        st = req.draft_state
+        if st is None:
+            st = req.draft_state = Eagle3State(cache=self.kv.new(1), start=first_position)
+        if st.pending is None:
+            st.start, st.pending = first_position, features
+        else:
+            st.pending = torch.cat([st.pending, features])
+
+    def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
+        """One request at a time (its pending context, then K-1 chained steps)."""
+        logits = torch.stack([self._chain(req) for req in reqs])  # [N, K, V]
+        if self.plan.draft_sample_method == "greedy":
+            return Proposal(tokens=logits.argmax(-1))
+        return self._sampled(logits, rows)
+
+    def _chain(self, req: Request) -> Tensor:
+        """-> float32 logits [K, V] of the K draft steps (each step's token is its argmax, or a
+        draw keyed by (seed, position) when drafting probabilistically)."""
+        st, k = req.draft_state, self.plan.num_speculative_tokens
+        self.kv.truncate(st.cache, st.start)  # drop last round's chained positions
+        m = st.pending.shape[0]
+        ids = torch.tensor([req.token_ids[st.start + 1 : st.start + 1 + m]], device=st.pending.device)  # [1, m]
+        positions = st.start + torch.arange(m, device=ids.device)[None]  # [1, m]
+        attn = self.kv.attention([st.cache], causal=True, persist=True)
+        out = self.model.step(self.target.embed(ids), self.model.fc(st.pending[None]), positions, attn)[:, -1:]
+        st.start, st.pending = st.start + m, None
+        steps = []
+        for j in range(k):
+            logits = self.model.logits(out[0, -1])  # [V]
+            steps.append(logits)
+            if j == k - 1:
+                break
+            token = self._pick(logits, req, st.start + j)
+            pos = torch.tensor([[st.start + j]], device=ids.device)  # the drafted token's own position - 1
+            out = self.model.step(self.target.embed(token.view(1, 1)), out, pos, attn)
+        return torch.stack(steps)
+
+    def _pick(self, logits: Tensor, req: Request, position: int) -> Tensor:
+        """The token a chain step feeds forward: as propose() will choose it."""
+        if self.plan.draft_sample_method == "greedy":
+            return logits.argmax()
+        from ..sampling import SamplingBatch
+
+        batch = SamplingBatch.of([req.params], logits.device)
+        q = probs_from_logits(logits[None], batch)
+        return sample(q, batch.seed, torch.tensor([position + 1], device=logits.device), Stream.DRAFT)[0]
+
+    def _sampled(self, logits: Tensor, rows: DraftRows) -> Proposal:
+        q = probs_from_logits(logits, rows.batch)  # [N, K, V]
+        n, k, v = q.shape
+        seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
+        positions = rows.start[:, None] + 1 + torch.arange(k, device=q.device)  # each draft's position
+        tokens = sample(q.reshape(-1, v), seeds, positions.reshape(-1), Stream.DRAFT)
+        return Proposal(tokens=tokens.view(n, k), probs=q)
+
+    def release(self, req: Request) -> None:
+        st, req.draft_state = req.draft_state, None
+        release = getattr(self.kv, "release", None)
+        if st is not None and release is not None:
+            release(st.cache)
