@@ -23,7 +23,9 @@ PROMPTS = ["def f(x):", "import os\nclass A:\n    def run(self, n):", "x = [", "
 METHODS = {"none": {"method": "none"},
            # block 5: the interpreter runs every kernel program in Python, so keep windows short
            "dflash": {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}},
-                      "block_size": 5}}
+                      "block_size": 5},
+           "eagle3": {"method": "eagle3", "draft": {"random_init": {"preset": "tiny-eagle3", "seed": 1}},
+                      "num_speculative_tokens": 3}}
 
 
 def _engine(method: str, backend: str, **model) -> Engine:
@@ -43,6 +45,22 @@ def test_greedy_tokens_equal_reference(method, batch):
         assert g.output_ids == r.output_ids
         assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
     assert eng.backend.rounds_ahead >= len(got[0].rounds) - 2  # all but the first round and the last were run ahead
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("draft", ["greedy", "probabilistic"])
+def test_eagle3_equals_reference(batch, draft):
+    """EAGLE-3 drafts eagerly (its head cache through the static store's per-request handles):
+    identical tokens and accepted counts, greedy and with sampled drafts (seeded)."""
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0 if draft == "greedy" else 1.0,
+                             seed=7 + i) for i in range(batch)]
+    method = {**METHODS["eagle3"], "draft_sample_method": draft}
+    specs = [tiny_spec(method, max_batch_size=4, backend=b, device=DEV, dtype="float32", max_model_len=128)
+             for b in ("reference", "cuda")]
+    ref, got = (Engine(s).generate(PROMPTS[:batch], params, trace=True) for s in specs)
+    for r, g in zip(ref, got):
+        assert g.output_ids == r.output_ids
+        assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
 
 
 @pytest.mark.parametrize("method", ["none", "dflash"])

@@ -143,7 +143,35 @@ class StaticStore:
         store = self.cache
         store_kv(k, v, store.k[layer], store.v[layer], rows.slots, rows.start + k.shape[2])
 
-    def attention(self, caches: Rows, causal: bool, persist: bool) -> RowsAttention:
+    def attention(self, caches: Rows | list[Slot], causal: bool, persist: bool) -> RowsAttention | SlotAttention:
         """New keys are always stored at their positions; ``persist`` needs nothing more here,
-        since a row's length, not the cache, decides what later queries see."""
+        since a row's length, not the cache, decides what later queries see. ``caches`` as a
+        list of ``new()`` handles (an eager drafter's): each row's new keys go at its handle's
+        end, which ``persist`` then moves past them."""
+        if isinstance(caches, list):
+            return SlotAttention(self, caches, causal, persist)
         return RowsAttention(self.cache, caches, causal)
+
+
+@dataclass(frozen=True)
+class SlotAttention:
+    """Eager attention over per-request handles: append semantics on the static caches."""
+
+    store: StaticStore
+    caches: list[Slot]
+    causal: bool
+    persist: bool
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        cache = self.store._ensure(len(self.caches[0].filled), k)
+        for slot in self.caches:
+            if slot.index < 0:
+                slot.index = cache.allocate()
+        dev = k.device
+        slots = torch.tensor([s.index for s in self.caches], device=dev)
+        start = torch.tensor([s.filled[layer] for s in self.caches], device=dev)
+        out = cache.attention(slots, start + k.shape[2], self.causal)(layer, q, k, v)
+        if self.persist:
+            for s in self.caches:
+                s.filled[layer] += k.shape[2]
+        return out

@@ -27,7 +27,7 @@ from ..models.loader import place
 from ..models.target import TargetModel
 from ..registry import METHODS
 from ..request import Request
-from ..sampling import Stream, probs_from_logits, sample
+from ..sampling import SamplingBatch, Stream, probs_from_logits, sample
 from ..spec import DraftModelSpec, SpeculativeSpec
 from .base import Drafter, Method
 
@@ -175,17 +175,17 @@ class Eagle3Drafter(Drafter):
         """The token a chain step feeds forward: as propose() will choose it."""
         if self.plan.draft_sample_method == "greedy":
             return logits.argmax()
-        from ..sampling import SamplingBatch
-
         batch = SamplingBatch.of([req.params], logits.device)
         q = probs_from_logits(logits[None], batch)
         return sample(q, batch.seed, torch.tensor([position + 1], device=logits.device), Stream.DRAFT)[0]
 
     def _sampled(self, logits: Tensor, rows: DraftRows) -> Proposal:
-        q = probs_from_logits(logits, rows.batch)  # [N, K, V]
-        n, k, v = q.shape
-        seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
-        positions = rows.start[:, None] + 1 + torch.arange(k, device=q.device)  # each draft's position
+        n, k, v = logits.shape
+        b = rows.batch  # a backend may pass a padded bucket of rows: keep the first n
+        batch = SamplingBatch(temperature=b.temperature[:n], top_k=b.top_k[:n], top_p=b.top_p[:n], seed=b.seed[:n])
+        q = probs_from_logits(logits, batch)  # [N, K, V]
+        seeds = batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
+        positions = rows.start[:n, None] + 1 + torch.arange(k, device=q.device)  # each draft's position
         tokens = sample(q.reshape(-1, v), seeds, positions.reshape(-1), Stream.DRAFT)
         return Proposal(tokens=tokens.view(n, k), probs=q)
 
