@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
@@ -23,6 +24,7 @@ from ..machine import Plan
 from ..models.config import ConfigError, ModelConfig, read_config_json
 from ..models.eagle3 import PRESETS, Eagle3Config, Eagle3DraftModel, default_aux_layer_ids, eagle3_config, \
     load_eagle3, preset_config, random_eagle3
+from ..models.layers import causal_attention
 from ..models.loader import place
 from ..models.target import TargetModel
 from ..registry import METHODS
@@ -194,3 +196,65 @@ class Eagle3Drafter(Drafter):
         release = getattr(self.kv, "release", None)
         if st is not None and release is not None:
             release(st.cache)
+
+
+# ---------------------------------------------------------------- training objective
+
+
+def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps: int) -> list[Tensor]:
+    """Training-time test: the head's outputs for ``steps`` chained steps over whole sequences
+    at once. embeds [b, L, H] are embed(x_{t+1}) at positions t, hidden [b, L, H] is fc of the
+    target features. Step j at position t stands where inference stands j steps into a chain
+    started at t - j: its hidden is step j-1's output at t-1, and it sees step 0's keys up to
+    t - j and step i's key at t - j + i (i = 1..j). Rows t < j have no such chain (masked out
+    of the loss by the caller). -> per step, outputs [b, L, H]."""
+    b, length, _ = embeds.shape
+    dev = embeds.device
+    positions = torch.arange(length, device=dev)[None].expand(b, -1)
+    keys: list[tuple[Tensor, Tensor]] = []
+    outs = []
+    t = torch.arange(length, device=dev)
+    for j in range(steps):
+        if j:
+            hidden = torch.cat([hidden[:, :1], outs[-1][:, :-1]], dim=1)  # shift: step j-1's output at t-1
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, j=j) -> Tensor:
+            keys.append((k, v))
+            ks = torch.cat([kk for kk, _ in keys], dim=2)  # [b, Hkv, (j+1)*L, D]
+            vs = torch.cat([vv for _, vv in keys], dim=2)
+            s = t[None, :]  # key position within each step's block
+            blocks = [s <= t[:, None] - j] + [s == t[:, None] - j + i for i in range(1, j + 1)]
+            mask = torch.cat(blocks, dim=1)  # [L, (j+1)*L]
+            mask = mask | ~mask.any(dim=1, keepdim=True)  # rows t < j see nothing: give them all (ignored)
+            return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True)
+
+        outs.append(model.step(embeds, hidden, positions, attend))
+    return outs
+
+
+def training_loss(model: Eagle3DraftModel, target: TargetModel, tokens: Tensor, steps: int = 7,
+                  decay: float = 0.8) -> tuple[Tensor, Tensor]:
+    """Unrolled training-time test over target-generated tokens [b, L]: at every step j, soft
+    cross-entropy of the head's draft-vocabulary distribution against the target's own
+    (restricted to the draft vocabulary, renormalized) for the token two places on, weighted
+    decay^j. Returns (loss, correct [steps, b, L-1] bool: argmax agreement, where defined)."""
+    b, length = tokens.shape
+    dev = tokens.device
+    ids = model.draft_ids()
+    taps = tuple(i - 1 for i in (model.config.aux_layer_ids or default_aux_layer_ids(target.config.num_layers)))
+    positions = torch.arange(length, device=dev)[None].expand(b, -1)
+    with torch.no_grad():
+        hidden, features = target(tokens, positions, causal_attention, taps)
+        p = F.softmax(target.logits(hidden)[..., ids], dim=-1)  # [b, L, Vd]: target at t predicts x_{t+1}
+    embeds = target.embed(tokens[:, 1:])  # position t reads x_{t+1}, t = 0 .. L-2
+    outs = chain_outputs(model, embeds, model.fc(features[:, :-1]), steps)
+    want = p[:, 1:]  # position t's head output predicts x_{t+2}: the target's distribution at t+1
+    total, weights, correct = 0.0, 0.0, []
+    for j, out in enumerate(outs):
+        logp = F.log_softmax(model.lm_head(model.norm(out)).float(), dim=-1)  # [b, L-1, Vd]
+        valid = torch.arange(length - 1, device=dev) >= j  # a chain of j steps needs t >= j
+        ce = -(want * logp).sum(-1)[:, valid]
+        total = total + decay**j * ce.mean()
+        weights += decay**j
+        correct.append((logp.argmax(-1) == want.argmax(-1)) & valid)
+    return total / weights, torch.stack(correct)
