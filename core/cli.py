@@ -159,13 +159,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         shutil.copy(Path(args.data) / "tokenizer.json", out / "tokenizer.json")
     else:
         from .models.loader import load_target
-        from .training.distill import DistillConfig, train_dflash
 
         if not args.target:
-            raise FileNotFoundError("train dflash needs --target FOLDER (a trained target checkpoint)")
-        cfg = _train_config(DistillConfig, args, "tiny-code-dflash")
+            raise FileNotFoundError(f"train {args.what} needs --target FOLDER (a trained target checkpoint)")
         init = Path(args.init) if args.init else None
-        summary = train_dflash(load_target(args.target), data, out, cfg, device, init)
+        if args.what == "eagle3":
+            from .training.eagle3 import Eagle3TrainConfig, train_eagle3
+
+            cfg = _train_config(Eagle3TrainConfig, args, "tiny-code-eagle3")
+            summary = train_eagle3(load_target(args.target), data, out, cfg, device, init)
+        else:
+            from .training.distill import DistillConfig, train_dflash
+
+            cfg = _train_config(DistillConfig, args, "tiny-code-dflash")
+            summary = train_dflash(load_target(args.target), data, out, cfg, device, init)
     print(summary.report())
     return 0
 
@@ -173,7 +180,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 TRAIN_KNOBS = {"preset": str, "steps": int, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
                "num_sequences": int, "gen_len": int, "gen_batch": int, "anchors": int, "eval_every": int,
                "max_seconds": float, "mix": str, "warm_tokens": int,
-               "weight_decay": float}
+               "weight_decay": float, "ttt_steps": int, "crop": int}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -326,12 +333,12 @@ def _training_commands(sub) -> None:
     c.add_argument("--vocab-size", type=int, default=4096)
     c.add_argument("--prompts", type=int, default=120, help="held-out evaluation prompts to write")
     c.set_defaults(func=cmd_corpus)
-    t = sub.add_parser("train", help="train the tiny target, or a DFlash drafter for it")
-    t.add_argument("what", choices=["target", "dflash"])
+    t = sub.add_parser("train", help="train the tiny target, or a DFlash drafter or EAGLE-3 head for it")
+    t.add_argument("what", choices=["target", "dflash", "eagle3"])
     t.add_argument("--data", default="data/corpus", help="folder written by `draftline corpus`")
     t.add_argument("--out", required=True, help="checkpoint folder to write")
-    t.add_argument("--target", help="(dflash) the trained target's folder")
-    t.add_argument("--init", help="(dflash) continue training from this drafter checkpoint")
+    t.add_argument("--target", help="(dflash, eagle3) the trained target's folder")
+    t.add_argument("--init", help="(dflash, eagle3) continue training from this drafter checkpoint")
     t.add_argument("--device", default="auto")
     for knob, kind in TRAIN_KNOBS.items():
         t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind)

@@ -14,6 +14,7 @@ from core.spec import parse_spec
 from core.training.bpe import train_bpe
 from core.training.corpus import function_prompts, is_held_out, split_stdlib
 from core.training.distill import DistillConfig, Distilled, generate, round_tau, train_dflash
+from core.training.eagle3 import Eagle3TrainConfig, chain_tau, train_eagle3
 from core.training.pretrain import PretrainConfig, pretrain
 
 
@@ -82,6 +83,24 @@ def test_micro_training_round_trip(tmp_path):
     out = engine.generate([[5, 6, 7]], params)[0]
     base = engine.with_method({"method": "none"}).generate([[5, 6, 7]], params)[0]
     assert out.output_ids == base.output_ids and len(out.output_ids) == 6
+
+    cfg = Eagle3TrainConfig(preset="micro-eagle3", num_sequences=8, prompt_len=8, gen_len=12, gen_batch=4, steps=4,
+                            batch_size=2, crop=16, ttt_steps=3, eval_every=2)
+    summary = train_eagle3(target, corpus, tmp_path / "e", cfg, torch.device("cpu"))
+    assert summary.steps == 4 and {"heldout_loss", "heldout_tau_est"} <= set(summary.heldout)
+    spec = parse_spec({"model": {"path": str(tmp_path / "t")},
+                       "speculative": {"method": "eagle3", "draft": {"path": str(tmp_path / "e")},
+                                       "num_speculative_tokens": 3}})
+    eagle = Engine(spec).generate([[5, 6, 7]], params)[0]
+    assert eagle.output_ids == base.output_ids
+
+
+def test_chain_tau_counts_leading_runs_along_each_chain():
+    correct = torch.zeros(3, 1, 5, dtype=torch.bool)  # [steps, b, T]
+    correct[0, 0, 0] = correct[1, 0, 1] = correct[2, 0, 2] = True  # the chain started at 0: all 3 right
+    correct[0, 0, 1] = True  # started at 1: first right, second (step 1 at t=2) wrong
+    correct[1, 0, 3] = correct[2, 0, 4] = True  # started at 2: first wrong, so nothing counts
+    assert chain_tau(correct) == pytest.approx(1.0 + (3 + 1 + 0) / 3)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

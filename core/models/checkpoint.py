@@ -70,8 +70,10 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> N
     param.copy_(tensor.to(param.dtype))
 
 
-def save_checkpoint(folder: str | Path, config: dict[str, Any], module: nn.Module) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (tied weights stored once)."""
+def save_checkpoint(folder: str | Path, config: dict[str, Any], module: nn.Module,
+                    extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (tied weights stored once), with
+    ``extra`` tensors (buffers a format keeps beside the weights) under their own names."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -81,5 +83,6 @@ def save_checkpoint(folder: str | Path, config: dict[str, Any], module: nn.Modul
         if id(p) not in seen:
             seen.add(id(p))
             tensors[name] = p.detach().cpu().contiguous()
+    tensors.update({name: t.detach().cpu().contiguous() for name, t in (extra or {}).items()})
     save_file(tensors, str(folder / SINGLE))
     return folder

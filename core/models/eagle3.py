@@ -173,6 +173,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.1,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]},  # outputs: the inputs of 1, 3, 4
     },
+    # for CI's micro target (2 layers, width 32): every tap is layer 1's input
+    "micro-eagle3": {
+        "architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 4096, "hidden_size": 32,
+        "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]},
+    },
     # for the shipped tiny-code target (8 layers, width 256, 4096-token BPE vocabulary)
     "tiny-code-eagle3": {
         "architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 4096, "draft_vocab_size": 4096,
