@@ -222,20 +222,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation import evaluate, format_table, plot
     from .training.corpus import read_prompts
 
-    engine = Engine.from_spec(args.spec, draft_policy="always")
     prompts = read_prompts(args.prompts)[: args.num_prompts]
     temps = [float(t) for t in args.temperatures.split(",")]
-    results = [evaluate(engine, prompts, t, args.max_new_tokens, args.seed) for t in temps]
+    results, lossy = [], []
+    for path in args.spec:  # every method over the same prompts, each against its own interleaved `none`
+        engine = Engine.from_spec(path, draft_policy="always")
+        ran = [evaluate(engine, prompts, t, args.max_new_tokens, args.seed) for t in temps]
+        results += ran
+        lossy += [r for r in ran if r["temperature"] == 0 and not r["lossless_check"].startswith(f"{len(prompts)}/")]
+        if not args.json:
+            print(f"{path}: {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, batch 1, "
+                  f"{engine.backend_name} backend on {engine.device}")
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "round_lengths"} for r in results]))
     else:
-        print(f"{args.spec}: {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, batch 1, "
-              f"{engine.backend_name} backend on {engine.device}")
         print(format_table(results))
     if args.plot:
         plot(results, args.plot)
         print(f"wrote {args.plot}")
-    lossy = [r for r in results if r["temperature"] == 0 and not r["lossless_check"].startswith(f"{len(prompts)}/")]
     return 1 if lossy else 0
 
 
@@ -291,7 +295,7 @@ def _generation_commands(sub) -> None:
     g.add_argument("--trace", action="store_true", help="add every round's drafts and acceptance")
     g.set_defaults(func=cmd_generate)
     ev = sub.add_parser("eval", help="tau, acceptance and speedup against `none` on held-out prompts")
-    ev.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
+    ev.add_argument("spec", nargs="*", default=[str(DEFAULT_SPEC)], help="one or more specs, run over the same prompts")
     ev.add_argument("--prompts", default=str(PROJECT_ROOT / "specs" / "tiny" / "eval_prompts.jsonl"))
     ev.add_argument("--num-prompts", type=int, default=120)
     ev.add_argument("--max-new-tokens", type=int, default=128)

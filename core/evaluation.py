@@ -104,14 +104,15 @@ def plot(results: list[dict], path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
-        k = len(r["accept_per_pos"])
-        left.plot(range(1, k + 1), r["accept_per_pos"], marker="o", label=f"T={r['temperature']} (τ={r['tau']:.2f})")
-        right.hist(r["round_lengths"], bins=range(1, k + 3), alpha=0.5, align="left", label=f"T={r['temperature']}")
+        k, name = len(r["accept_per_pos"]), f"{r['method']} T={r['temperature']}"
+        left.plot(range(1, k + 1), r["accept_per_pos"], marker="o", label=f"{name} (τ={r['tau']:.2f})")
+        right.hist(r["round_lengths"], bins=range(1, k + 3), alpha=0.5, align="left", label=name)
     left.set(xlabel="draft position", ylabel="fraction of rounds accepted", title="Per-position acceptance", ylim=(0, 1))
     right.set(xlabel="tokens emitted per round", ylabel="rounds", title="τ distribution")
     for ax in (left, right):
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{results[0]['method']} vs none, {results[0]['prompts']} held-out prompts")
+    methods = " / ".join(dict.fromkeys(r["method"] for r in results))
+    fig.suptitle(f"{methods} vs none, {results[0]['prompts']} held-out prompts")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
