@@ -51,6 +51,15 @@ class DraftRows:
     start: Tensor  # [N] int64, its position (seq_len - 1)
     batch: SamplingBatch  # per-row sampling parameters
     caches: Any  # the KVStore's handle on these rows' drafter caches
+    target_kv: "TargetKV | None" = None  # the target's own cache, read-only (drafters that share it)
+
+
+class TargetKV(Protocol):
+    """Read-only access to the target's KV cache for the rows of a draft step."""
+
+    def read(self, layer: int, q: Tensor) -> Tensor:
+        """q [N, Hq, T, D] (rotated) over each row's verified keys of target layer ``layer``
+        (positions 0 .. start - 1), with no mask among them; nothing is stored -> [N, Hq, T, D]."""
 
 
 class KVStore(Protocol):

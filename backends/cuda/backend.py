@@ -28,7 +28,7 @@ from . import sampling as kernels
 from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers, rows_key
 from .fused import lm_logits
 from .graphs import Graphs
-from .kv import Rows, RowsAttention, StaticKV, StaticStore
+from .kv import FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 
 
 @triton.jit
@@ -119,7 +119,8 @@ class CudaBackend:
     def _rows(self, bucket: int) -> DraftRows:
         b = self.bufs
         return DraftRows(last_token=b.row(LAST, bucket), start=b.row(START, bucket), batch=b.sampling(bucket),
-                         caches=Rows(b.row(DRAFT_SLOT, bucket), b.row(START, bucket)))
+                         caches=Rows(b.row(DRAFT_SLOT, bucket), b.row(START, bucket)),
+                         target_kv=FrozenTargetKV(self.cache, b.row(SLOT, bucket), b.row(START, bucket)))
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import CacheAttention, split_size, store_kv
+from .attention import CacheAttention, attend, split_size, store_kv
 from .fused import run_stack
 
 
@@ -175,3 +175,16 @@ class SlotAttention:
             for s in self.caches:
                 s.filled[layer] += k.shape[2]
         return out
+
+
+@dataclass(frozen=True)
+class FrozenTargetKV:
+    """TargetKV over the target's static cache: a row's verified keys are the first ``start``
+    positions of its slot (what lies past them is a previous round's leftovers)."""
+
+    cache: StaticKV
+    slots: Tensor  # [N]
+    start: Tensor  # [N] int64, each row's verified length
+
+    def read(self, layer: int, q: Tensor) -> Tensor:
+        return attend(q, self.cache.k[layer], self.cache.v[layer], self.slots, self.start, False, self.cache.split)

@@ -16,7 +16,7 @@ from core.models.target import TargetModel
 from core.request import Request
 from core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
 
-from .kv import ReferenceKV
+from .kv import FrozenTargetKV, ReferenceKV
 
 
 class ReferenceBackend:
@@ -62,6 +62,7 @@ class ReferenceBackend:
             start=torch.tensor([r.seq_len - 1 for r in reqs], device=self.device),
             batch=self._batch(reqs),
             caches=[r.draft_state for r in reqs],
+            target_kv=FrozenTargetKV([r.kv for r in reqs]),
         )
 
     def skip_draft(self, reqs: list[Request]) -> Proposal:

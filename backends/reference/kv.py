@@ -79,3 +79,14 @@ class ReferenceKV:
 
     def attention(self, caches: list[KVCache], causal: bool, persist: bool) -> CachedAttention:
         return CachedAttention(caches, causal, persist)
+
+
+@dataclass(frozen=True)
+class FrozenTargetKV:
+    """TargetKV over the reference backend's per-request target caches (after accept() they
+    hold exactly the verified positions)."""
+
+    caches: list[KVCache]
+
+    def read(self, layer: int, q: Tensor) -> Tensor:
+        return torch.stack([attend(q[b], c.k[layer], c.v[layer], causal=False) for b, c in enumerate(self.caches)])
