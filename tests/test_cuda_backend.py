@@ -25,7 +25,9 @@ METHODS = {"none": {"method": "none"},
            "dflash": {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}},
                       "block_size": 5},
            "eagle3": {"method": "eagle3", "draft": {"random_init": {"preset": "tiny-eagle3", "seed": 1}},
-                      "num_speculative_tokens": 3}}
+                      "num_speculative_tokens": 3},
+           "gemma4_mtp": {"method": "gemma4_mtp", "draft": {"random_init": {"preset": "tiny-mtp", "seed": 1}},
+                          "num_speculative_tokens": 3}}
 
 
 def _engine(method: str, backend: str, **model) -> Engine:
@@ -47,14 +49,16 @@ def test_greedy_tokens_equal_reference(method, batch):
     assert eng.backend.rounds_ahead >= len(got[0].rounds) - 2  # all but the first round and the last were run ahead
 
 
+@pytest.mark.parametrize("method_name", ["eagle3", "gemma4_mtp"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("draft", ["greedy", "probabilistic"])
-def test_eagle3_equals_reference(batch, draft):
-    """EAGLE-3 drafts eagerly (its head cache through the static store's per-request handles):
-    identical tokens and accepted counts, greedy and with sampled drafts (seeded)."""
+def test_chain_methods_equal_reference(method_name, batch, draft):
+    """EAGLE-3 (its head cache through the static store's per-request handles) and the
+    frozen-KV MTP drafter (reading the target's static cache) draft eagerly: identical tokens
+    and accepted counts, greedy and with sampled drafts (seeded)."""
     params = [SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0 if draft == "greedy" else 1.0,
                              seed=7 + i) for i in range(batch)]
-    method = {**METHODS["eagle3"], "draft_sample_method": draft}
+    method = {**METHODS[method_name], "draft_sample_method": draft}
     specs = [tiny_spec(method, max_batch_size=4, backend=b, device=DEV, dtype="float32", max_model_len=128)
              for b in ("reference", "cuda")]
     ref, got = (Engine(s).generate(PROMPTS[:batch], params, trace=True) for s in specs)

@@ -16,6 +16,7 @@ PROMPTS = ["def fibonacci(n):", "x", "import os\nimport sys\n\nclass Config:\n",
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 DFLASH = {"method": "dflash", "draft": {"random_init": {"preset": "tiny-dflash", "seed": 1}}}
 EAGLE3 = {"method": "eagle3", "draft": {"random_init": {"preset": "tiny-eagle3", "seed": 1}}, "num_speculative_tokens": 3}
+MTP = {"method": "gemma4_mtp", "draft": {"random_init": {"preset": "tiny-mtp", "seed": 1}}, "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,10 @@ def _ids(engine, prompts, params=GREEDY):
     {"method": "test_oracle", "num_speculative_tokens": 3, "corrupt_at": [1]},
     EAGLE3,
     {**EAGLE3, "draft_sample_method": "probabilistic"},
+    MTP,
+    {**MTP, "draft_sample_method": "probabilistic"},
 ], ids=["dflash-b16", "dflash-b5", "dflash-probabilistic", "oracle", "oracle-corrupt", "eagle3",
-        "eagle3-probabilistic"])
+        "eagle3-probabilistic", "gemma4_mtp", "gemma4_mtp-probabilistic"])
 def test_greedy_output_equals_target_greedy(baseline, method, batch):
     engine = baseline.with_method(method)
     prompts = PROMPTS[:batch]
@@ -88,8 +91,10 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_new_tokens=2
 
 @pytest.mark.parametrize("method", [{"method": "none"}, DFLASH, {**DFLASH, "draft_sample_method": "probabilistic"},
                                     {"method": "test_oracle", "draft_sample_method": "probabilistic"},
-                                    {**EAGLE3, "draft_sample_method": "probabilistic"}],
-                         ids=["none", "dflash", "dflash-probabilistic", "oracle-probabilistic", "eagle3-probabilistic"])
+                                    {**EAGLE3, "draft_sample_method": "probabilistic"},
+                                    {**MTP, "draft_sample_method": "probabilistic"}],
+                         ids=["none", "dflash", "dflash-probabilistic", "oracle-probabilistic", "eagle3-probabilistic",
+                              "gemma4_mtp-probabilistic"])
 def test_seeded_sampling_repeats_alone_or_batched(baseline, method):
     engine = baseline.with_method(method)
     params = [SamplingParams(**{**SAMPLED.__dict__, "seed": 1234 + i}) for i in range(4)]
@@ -101,8 +106,9 @@ def test_seeded_sampling_repeats_alone_or_batched(baseline, method):
 
 
 @pytest.mark.parametrize("method", [DFLASH, {"method": "test_oracle", "num_speculative_tokens": 4},
-                                    {"method": "test_oracle", "num_speculative_tokens": 3, "corrupt_at": [1]}, EAGLE3],
-                         ids=["dflash", "oracle", "oracle-corrupt", "eagle3"])
+                                    {"method": "test_oracle", "num_speculative_tokens": 3, "corrupt_at": [1]}, EAGLE3,
+                                    MTP],
+                         ids=["dflash", "oracle", "oracle-corrupt", "eagle3", "gemma4_mtp"])
 def test_sampled_output_with_argmax_drafts_equals_plain_decoding(baseline, method):
     """Argmax drafts are verified against the target's own keyed sample, so a seeded sampled
     request emits exactly what plain decoding emits with that seed, drafted for or not."""
@@ -128,7 +134,8 @@ def _second_token_law(engine, prompt_ids, params):
     {"method": "test_oracle", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
     {"method": "test_oracle", "num_speculative_tokens": 2},  # argmax drafts: q one-hot
     {**EAGLE3, "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
-], ids=["non-degenerate-q", "one-hot-q", "eagle3-probabilistic"])
+    {**MTP, "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
+], ids=["non-degenerate-q", "one-hot-q", "eagle3-probabilistic", "gemma4_mtp-probabilistic"])
 def test_sampled_tokens_follow_target_distribution(baseline, method):
     """Chi-square: the 2nd token (decided by the first accept/reject round) follows the target."""
     engine = Engine(tiny_spec(method, max_batch_size=512), baseline.target, baseline.tokenizer)

@@ -1,3 +1,3 @@
 """Built-in drafting methods; each module registers itself in ``core.registry.METHODS``."""
 
-from . import dflash, eagle3, none  # noqa: F401
+from . import dflash, eagle3, gemma4_mtp, none  # noqa: F401
