@@ -168,6 +168,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             cfg = _train_config(Eagle3TrainConfig, args, "tiny-code-eagle3")
             summary = train_eagle3(load_target(args.target), data, out, cfg, device, init)
+        elif args.what == "gemma4_mtp":
+            from .training.mtp import MTPTrainConfig, train_mtp
+
+            cfg = _train_config(MTPTrainConfig, args, "tiny-code-mtp")
+            summary = train_mtp(load_target(args.target), data, out, cfg, device, init)
         else:
             from .training.distill import DistillConfig, train_dflash
 
@@ -180,7 +185,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 TRAIN_KNOBS = {"preset": str, "steps": int, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
                "num_sequences": int, "gen_len": int, "gen_batch": int, "anchors": int, "eval_every": int,
                "max_seconds": float, "mix": str, "warm_tokens": int,
-               "weight_decay": float, "ttt_steps": int, "crop": int}
+               "weight_decay": float, "ttt_steps": int, "crop": int, "chain_steps": int}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -337,12 +342,12 @@ def _training_commands(sub) -> None:
     c.add_argument("--vocab-size", type=int, default=4096)
     c.add_argument("--prompts", type=int, default=120, help="held-out evaluation prompts to write")
     c.set_defaults(func=cmd_corpus)
-    t = sub.add_parser("train", help="train the tiny target, or a DFlash drafter or EAGLE-3 head for it")
-    t.add_argument("what", choices=["target", "dflash", "eagle3"])
+    t = sub.add_parser("train", help="train the tiny target, or a drafter for it (DFlash, EAGLE-3, frozen-KV MTP)")
+    t.add_argument("what", choices=["target", "dflash", "eagle3", "gemma4_mtp"])
     t.add_argument("--data", default="data/corpus", help="folder written by `draftline corpus`")
     t.add_argument("--out", required=True, help="checkpoint folder to write")
-    t.add_argument("--target", help="(dflash, eagle3) the trained target's folder")
-    t.add_argument("--init", help="(dflash, eagle3) continue training from this drafter checkpoint")
+    t.add_argument("--target", help="(drafters) the trained target's folder")
+    t.add_argument("--init", help="(drafters) continue training from this drafter checkpoint")
     t.add_argument("--device", default="auto")
     for knob, kind in TRAIN_KNOBS.items():
         t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind)

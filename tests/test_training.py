@@ -15,6 +15,7 @@ from core.training.bpe import train_bpe
 from core.training.corpus import function_prompts, is_held_out, split_stdlib
 from core.training.distill import DistillConfig, Distilled, generate, round_tau, train_dflash
 from core.training.eagle3 import Eagle3TrainConfig, chain_tau, train_eagle3
+from core.training.mtp import MTPTrainConfig, fixed_chain_tau, train_mtp
 from core.training.pretrain import PretrainConfig, pretrain
 
 
@@ -93,6 +94,22 @@ def test_micro_training_round_trip(tmp_path):
                                        "num_speculative_tokens": 3}})
     eagle = Engine(spec).generate([[5, 6, 7]], params)[0]
     assert eagle.output_ids == base.output_ids
+
+    cfg = MTPTrainConfig(preset="micro-mtp", num_sequences=8, prompt_len=8, gen_len=12, gen_batch=4, steps=4,
+                         batch_size=2, crop=16, chain_steps=3, eval_every=2)
+    summary = train_mtp(target, corpus, tmp_path / "m", cfg, torch.device("cpu"))
+    assert summary.steps == 4 and {"heldout_loss", "heldout_tau_est"} <= set(summary.heldout)
+    spec = parse_spec({"model": {"path": str(tmp_path / "t")},
+                       "speculative": {"method": "gemma4_mtp", "draft": {"path": str(tmp_path / "m")}}})
+    assert Engine(spec).generate([[5, 6, 7]], params)[0].output_ids == base.output_ids
+
+
+def test_fixed_chain_tau_counts_leading_runs_at_each_start():
+    correct = torch.zeros(2, 1, 4, dtype=torch.bool)  # [steps, b, T]: starts 0..2 have both steps
+    correct[:, 0, 0] = True  # start 0: both right
+    correct[0, 0, 1] = True  # start 1: first right only
+    correct[1, 0, 2] = True  # start 2: first wrong
+    assert fixed_chain_tau(correct) == pytest.approx(1.0 + (2 + 1 + 0) / 3)
 
 
 def test_chain_tau_counts_leading_runs_along_each_chain():
