@@ -1,7 +1,6 @@
 """gemma4_mtp: the drafter's chain over the target's frozen KV against the training-time
 recomputation, its objective, and the spec's method-specific checks."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch

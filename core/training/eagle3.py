@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -45,15 +46,21 @@ def chain_tau(correct: Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: Eagle3DraftModel, target: TargetModel, held: Distilled, cfg: Eagle3TrainConfig) -> dict[str, float]:
+def heldout(objective: Callable[[Tensor], tuple[Tensor, Tensor]], tau: Callable[[Tensor], float], held: Distilled,
+            cfg: DistillConfig) -> dict[str, float]:
+    """A chain drafter's held-out loss and τ estimate over 8 fixed batches of windows."""
     gen = torch.Generator().manual_seed(1234)
     losses, taus = [], []
     for _ in range(8):
         with autocast(held.tokens.device):
-            loss, correct = training_loss(model, target, crop_batch(held, cfg, gen), cfg.ttt_steps)
+            loss, correct = objective(crop_batch(held, cfg, gen))
         losses.append(float(loss))
-        taus.append(chain_tau(correct))
+        taus.append(tau(correct))
     return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus)}
+
+
+def evaluate(model: Eagle3DraftModel, target: TargetModel, held: Distilled, cfg: Eagle3TrainConfig) -> dict[str, float]:
+    return heldout(lambda tokens: training_loss(model, target, tokens, cfg.ttt_steps), chain_tau, held, cfg)
 
 
 def train_eagle3(target: TargetModel, corpus: dict, out: Path, cfg: Eagle3TrainConfig, device,

@@ -16,8 +16,8 @@ from ..models.gemma4_mtp import PRESETS, Gemma4MTPModel, load_mtp, mtp_config
 from ..models.layers import init_random
 from ..models.target import TargetModel
 from .distill import DistillConfig, Distilled, distill_data
-from .eagle3 import crop_batch
-from .loop import Summary, autocast, log, train_loop
+from .eagle3 import crop_batch, heldout
+from .loop import Summary, log, train_loop
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,8 @@ def fixed_chain_tau(correct: Tensor) -> float:
     return 1.0 + float(runs.long().cumprod(dim=-1).sum(-1).float().mean())
 
 
-@torch.no_grad()
 def evaluate(model: Gemma4MTPModel, target: TargetModel, held: Distilled, cfg: MTPTrainConfig) -> dict[str, float]:
-    gen = torch.Generator().manual_seed(1234)
-    losses, taus = [], []
-    for _ in range(8):
-        with autocast(held.tokens.device):
-            loss, correct = training_loss(model, target, crop_batch(held, cfg, gen), cfg.chain_steps)
-        losses.append(float(loss))
-        taus.append(fixed_chain_tau(correct))
-    return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus)}
+    return heldout(lambda tokens: training_loss(model, target, tokens, cfg.chain_steps), fixed_chain_tau, held, cfg)
 
 
 def train_mtp(target: TargetModel, corpus: dict, out: Path, cfg: MTPTrainConfig, device,
