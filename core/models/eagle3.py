@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from .checkpoint import CheckpointError, load_weights, tensor_files
 from .config import ConfigError, ModelConfig, model_config, read_config_json
 from .layers import MLP, Attention, AttentionFn, RMSNorm, Rotary
+from .presets import lookup_preset
 
 
 @dataclass(frozen=True)
@@ -190,9 +191,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_config(name: str) -> Eagle3Config:
-    if name not in PRESETS:
-        raise KeyError(f"unknown eagle3 preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-    return eagle3_config(PRESETS[name])
+    return eagle3_config(lookup_preset(PRESETS, name, "eagle3"))
 
 
 def random_eagle3(preset: str, seed: int, device: torch.device | str = "cpu",

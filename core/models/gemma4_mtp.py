@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .checkpoint import load_weights
 from .config import ConfigError, ModelConfig, model_config, read_config_json
 from .layers import MLP, RMSNorm, Rotary, rotate
+from .presets import lookup_preset
 
 ARCHITECTURE = "Gemma4MTPDrafter"
 
@@ -133,9 +134,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_config(name: str) -> MTPConfig:
-    if name not in PRESETS:
-        raise KeyError(f"unknown gemma4_mtp preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-    return mtp_config(PRESETS[name])
+    return mtp_config(lookup_preset(PRESETS, name, "gemma4_mtp"))
 
 
 def random_mtp(preset: str, seed: int, device: torch.device | str = "cpu",

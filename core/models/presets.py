@@ -131,14 +131,15 @@ DRAFT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _lookup(table: dict[str, dict[str, Any]], name: str, what: str) -> dict[str, Any]:
+def lookup_preset(table: dict[str, dict[str, Any]], name: str, what: str) -> dict[str, Any]:
+    """A preset table's entry, or a KeyError naming the known ones."""
     if name not in table:
         raise KeyError(f"unknown {what} preset {name!r}; known: {', '.join(sorted(table))}")
     return table[name]
 
 
 def target_preset_raw(name: str) -> dict[str, Any]:
-    return _lookup(TARGET_PRESETS, name, "target")
+    return lookup_preset(TARGET_PRESETS, name, "target")
 
 
 def target_preset(name: str) -> ModelConfig:
@@ -146,7 +147,7 @@ def target_preset(name: str) -> ModelConfig:
 
 
 def draft_preset_raw(name: str) -> dict[str, Any]:
-    return _lookup(DRAFT_PRESETS, name, "drafter")
+    return lookup_preset(DRAFT_PRESETS, name, "drafter")
 
 
 def dflash_preset(name: str) -> DFlashConfig:
