@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from backends.cuda.matvec import matvec, Tiling
-from core.benchmark import median_ms
+from core.benchmark import _graphed, median_ms
 
 dev = torch.device("cuda")
 H, Q, KV, I, V = 4096, 4096, 1024, 12288, 151936
@@ -33,17 +33,17 @@ def profile_round(spec, batch):
 
 
 def graph_ms(fn):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return median_ms(g.replay, 10)
+    return median_ms(_graphed(fn), 10)  # replayed from one graph: no launch gaps
 
 
-def sweep(name, weights, m, configs, gated):
+def shape_weights(name, n, k):
+    """36 distinct weights (a forward streams one per layer); the LM head, 1.2 GB, once x 4."""
+    if name == "lm_head":
+        return [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02] * 4
+    return [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(36)]
+
+
+def sweep(name, weights, m, tilings, gated):
     n, k = weights[0].shape
     x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
     nbytes = sum(w.numel() * 2 for w in weights)
@@ -53,7 +53,7 @@ def sweep(name, weights, m, configs, gated):
         base = graph_ms(lambda: [F.linear(x, w) for w in weights])
     # correctness of one config against cuBLAS
     res = []
-    for one, t in configs:
+    for t in tilings:
         try:
             out = matvec(x, weights[0], t, gated=gated)
             out = out.sum(0) if t.split > 1 else out.float()
@@ -62,12 +62,12 @@ def sweep(name, weights, m, configs, gated):
                 ref = F.silu(ref[:, : n // 2]) * ref[:, n // 2:]
             err = ((out - ref).norm() / ref.norm()).item()
             ms = graph_ms(lambda: [matvec(x, w, t, gated=gated) for w in weights])
-            res.append((ms, one, t, err))
+            res.append((ms, t, err))
         except Exception as e:  # a tiling that does not fit
-            print("  skip", one, t, type(e).__name__, str(e)[:80])
+            print("  skip", t, type(e).__name__, str(e)[:80])
     res.sort(key=lambda r: r[0])
     print(f"{name} M={m}: cuBLAS {1e3*base/len(weights):.1f} us/mat {nbytes/base/1e9:.2f} TB/s")
-    for ms, one, t, err in res[:4]:
+    for ms, t, err in res[:4]:
         print(f"   {t} {1e3*ms/len(weights):.1f} us {nbytes/ms/1e9:.2f} TB/s err {err:.1e}")
     sys.stdout.flush()
 
@@ -76,11 +76,9 @@ def chosen():
     """Each shape's chosen tiling (backends.cuda.matvec.choose_tiling) against cuBLAS."""
     from backends.cuda.matvec import choose_tiling
     for name, (n, k) in SHAPES.items():
-        gated = name == "gate_up"
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(1 if name == "lm_head" else 36)]
-        weights = weights * 4 if name == "lm_head" else weights
+        gated, weights = name == "gate_up", shape_weights(name, n, k)
         for m in (1, 16):
-            sweep(name, weights, m, [(None, choose_tiling(m, n // 2 if gated else n, k, gated))], gated)
+            sweep(name, weights, m, [choose_tiling(m, n // 2 if gated else n, k, gated)], gated)
         del weights
         torch.cuda.empty_cache()
 
@@ -94,16 +92,9 @@ def main():
     rows = [Tiling(bn, bk, sp, 4, st) for bn, bk, sp, st in itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (3, 5))]
     rows += [Tiling(128, 64, 1, 4, 4), Tiling(128, 128, 1, 8, 4)]
     for name, (n, k) in SHAPES.items():
-        count = 4 if name == "lm_head" else 36
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(1 if name == "lm_head" else count)]
-        if name == "lm_head":
-            weights = weights * count
-        gated = name == "gate_up"
+        gated, weights = name == "gate_up", shape_weights(name, n, k)
         for m in (1, 16):
-            cands = [(False, t) for t in rows]
-            if gated:
-                cands = [(o, t) for o, t in cands if t.split == 1]
-            sweep(name, weights, m, cands, gated)
+            sweep(name, weights, m, [t for t in rows if t.split == 1 or not gated], gated)
         del weights
         torch.cuda.empty_cache()
 
