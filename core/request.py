@@ -92,6 +92,11 @@ class Request:
         self.finish_reason = reason
         self.t_finish = time.perf_counter()
 
+    def finishes_with(self, tokens: list[int]) -> bool:
+        """Whether emit(tokens) would finish the request (a stop id or a length limit)."""
+        return (any(t in self.stop_ids for t in tokens) or self.seq_len + len(tokens) >= self.max_model_len
+                or len(self.output_ids) + len(tokens) >= self.params.max_new_tokens)
+
     def emit(self, tokens: list[int]) -> list[int]:
         """Append tokens, stopping inside the run at a stop id or a length limit.
 

@@ -217,8 +217,7 @@ class CudaBackend:
         last, lens = [], []
         for req, row in zip(reqs, out.tolist()):
             emitted = row[1 : row[0] + 2]
-            if (req.cancelled or req.stop_ids.intersection(emitted) or req.seq_len + len(emitted) >= req.max_model_len
-                    or len(req.output_ids) + len(emitted) >= req.params.max_new_tokens):
+            if req.cancelled or req.finishes_with(emitted):
                 return
             last.append(emitted[-1])
             lens.append(req.seq_len + len(emitted))
@@ -236,8 +235,7 @@ class CudaBackend:
         if pinned:
             copied = torch.cuda.Event()
             copied.record()
-        key = (tuple((r.rid, n) for r, n in zip(reqs, lens)), bucket, width)
-        self._ahead = Ahead(key, logits, features, host, copied)
+        self._ahead = Ahead((rows_key(reqs, lens), bucket, width), logits, features, host, copied)
 
     def _accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Tensor:
         """Eager acceptance (drafts from q, top-k/top-p, or rows dropped after verify)."""

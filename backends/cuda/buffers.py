@@ -35,7 +35,7 @@ class Buffers:
         padding. A repeat load of the same rows at the same lengths is skipped. ``ahead``
         (last tokens, lengths) loads the rows as they will stand after the round in flight."""
         last, lens = ahead if ahead is not None else ([r.last_token for r in reqs], [r.seq_len for r in reqs])
-        key = (tuple((r.rid, n) for r, n in zip(reqs, lens)), bucket)
+        key = (rows_key(reqs, lens), bucket)
         if key == self._key:
             return
         pad = bucket - len(reqs)
@@ -65,9 +65,11 @@ class Buffers:
                              top_p=self.fmeta[TOP_P, :bucket], seed=self.meta[SEED, :bucket])
 
 
-def rows_key(reqs: list[Request]) -> tuple[tuple[int, int], ...]:
-    """Which requests at which lengths: equal keys mean the same rows in the same round."""
-    return tuple((r.rid, r.seq_len) for r in reqs)
+def rows_key(reqs: list[Request], lens: list[int] | None = None) -> tuple[tuple[int, int], ...]:
+    """Which requests at which lengths (theirs now, or ``lens``): equal keys mean the same
+    rows in the same round."""
+    lens = [r.seq_len for r in reqs] if lens is None else lens
+    return tuple((r.rid, n) for r, n in zip(reqs, lens))
 
 
 def _slot(state, scratch: int) -> int:
