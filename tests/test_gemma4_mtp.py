@@ -27,7 +27,7 @@ def test_engine_chain_equals_the_training_recomputation():
     for rnd in out.rounds[:4]:
         seq = (prompt + out.output_ids)[: rnd.position] + list(rnd.drafted)  # the round's tokens, then its drafts
         with torch.no_grad():
-            outs = chain_outputs(model, engine.target, torch.tensor([seq]), steps=3)
+            outs = chain_outputs(model, engine.target, torch.tensor([seq], device=engine.device), steps=3)
         c = rnd.position - 2  # last verified position (the round's last token sits at rnd.position - 1)
         got = [int(model.logits(outs[j][0, c], emb).argmax()) for j in range(3)]
         assert got == list(rnd.drafted)
