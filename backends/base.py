@@ -52,6 +52,7 @@ class DraftRows:
     batch: SamplingBatch  # per-row sampling parameters
     caches: Any  # the KVStore's handle on these rows' drafter caches
     target_kv: "TargetKV | None" = None  # the target's own cache, read-only (drafters that share it)
+    features: Tensor | None = None  # [N, taps*H] target features at position start - 1 (Drafter.reads_last_features)
 
 
 class TargetKV(Protocol):
@@ -79,7 +80,8 @@ class KVStore(Protocol):
         list of ``new()`` handles, or a backend's batched handle (DraftRows.caches)."""
 
     # Stores that index KV by absolute position (the cuda backend's static caches) also offer
-    # write(caches, layer, k, v): k, v [N, Hkv, W, D] at each row's positions start .. start+W-1.
+    # write(caches, layer, k, v): k, v [N, Hkv, W, D] at each row's positions start .. start+W-1,
+    # and at(caches, start [N]) -> the same rows' handle with new keys going at ``start``.
 
 
 class Backend(Protocol):

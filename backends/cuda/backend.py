@@ -25,7 +25,7 @@ from core.request import Request
 from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 
 from . import sampling as kernels
-from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers, rows_key
+from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers, FeatureRing, rows_key
 from .fused import lm_logits
 from .graphs import Graphs
 from .kv import FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
@@ -76,6 +76,10 @@ class CudaBackend:
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device)
+        self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
+        if self.drafter is not None and self.drafter.reads_last_features:
+            taps = len(plan.target_layer_ids) * cfg.hidden_size
+            self.ring = FeatureRing(capacity.max_batch, width + 1, taps, dtype, device)
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
         self.buckets = buckets_for(capacity.max_batch)
         self._decided: tuple[tuple, Tensor] | None = None  # the round verify() already decided
@@ -98,6 +102,8 @@ class CudaBackend:
             hidden, features = self.target(ids, positions, self.cache.prefill_attention(req.kv),
                                            self.plan.target_layer_ids)
             last.append(self.target.logits(hidden[0, -1]))
+            if self.ring is not None:
+                self.ring.write(torch.tensor([req.kv], device=self.device), positions[:, -1], features[:, -1:])
             if self.drafter is not None:
                 self.drafter.extend(req, None if features is None else features[0], 0)
         logits = torch.stack(last)  # [N, V]
@@ -118,9 +124,11 @@ class CudaBackend:
 
     def _rows(self, bucket: int) -> DraftRows:
         b = self.bufs
-        return DraftRows(last_token=b.row(LAST, bucket), start=b.row(START, bucket), batch=b.sampling(bucket),
-                         caches=Rows(b.row(DRAFT_SLOT, bucket), b.row(START, bucket)),
-                         target_kv=FrozenTargetKV(self.cache, b.row(SLOT, bucket), b.row(START, bucket)))
+        slots, start = b.row(SLOT, bucket), b.row(START, bucket)
+        return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
+                         caches=Rows(b.row(DRAFT_SLOT, bucket), start),
+                         target_kv=FrozenTargetKV(self.cache, slots, start),
+                         features=None if self.ring is None else self.ring.read(slots, start - 1))
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:
@@ -182,7 +190,9 @@ class CudaBackend:
         attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
         if self.drafter is not None and self.drafter.graph_safe and features is not None:
-            self.drafter.extend_rows(self._rows(bucket), features)
+            self.drafter.extend_rows(self._rows(bucket), features, ids)  # reads the ring before it moves on
+        if self.ring is not None:
+            self.ring.write(b.row(SLOT, bucket), b.row(START, bucket), features)
         logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
         if not decide:
             return logits, features, None

@@ -75,3 +75,24 @@ def rows_key(reqs: list[Request], lens: list[int] | None = None) -> tuple[tuple[
 def _slot(state, scratch: int) -> int:
     index = getattr(state, "index", -1)
     return index if index >= 0 else scratch
+
+
+class FeatureRing:
+    """Each request's tapped target features at its last verified positions, for drafters
+    that read them (Drafter.reads_last_features): [slots + 1, depth, F], a position p of a
+    request at row p % depth of its slot. The verify graph writes its W positions; the next
+    draft step reads start - 1, one of them. depth > W keeps that entry intact when a round
+    launched ahead (which writes the next W) is dropped and the round runs again."""
+
+    def __init__(self, num_slots: int, depth: int, width: int, dtype: torch.dtype, device: torch.device):
+        self.depth = depth
+        self.data = torch.zeros(num_slots + 1, depth, width, dtype=dtype, device=device)  # [slots + 1, depth, F]
+
+    def write(self, slots: Tensor, start: Tensor, features: Tensor) -> None:
+        """features [N, W, F] of positions start .. start + W - 1 of each row's slot."""
+        rows = (start[:, None] + torch.arange(features.shape[1], device=start.device)) % self.depth  # [N, W]
+        self.data[slots[:, None], rows] = features.to(self.data.dtype)
+
+    def read(self, slots: Tensor, position: Tensor) -> Tensor:
+        """-> [N, F] at each row's ``position`` (padding rows at -1 read a harmless row)."""
+        return self.data[slots, position % self.depth]

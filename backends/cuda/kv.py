@@ -103,11 +103,13 @@ class RowsAttention:
 
 class StaticStore:
     """The KVStore the cuda backend lends to drafters that own a cache. Its caches are made on
-    the first write, when the drafter's geometry is known (before any graph is captured)."""
+    the first write, when the drafter's geometry is known (before any graph is captured); a
+    handle's slot is taken at ``new()``, so the buffers can name it before anything is stored."""
 
     def __init__(self, num_slots: int, max_len: int, device: torch.device):
         self.num_slots, self.max_len, self.device = num_slots, max_len, device
         self.cache: StaticKV | None = None
+        self._free = list(range(num_slots - 1, -1, -1))
 
     def _ensure(self, num_layers: int, k: Tensor) -> StaticKV:
         if self.cache is None:
@@ -116,12 +118,12 @@ class StaticStore:
         return self.cache
 
     def new(self, num_layers: int) -> Slot:
-        return Slot(index=-1, filled=[0] * num_layers)
+        if not self._free:
+            raise CacheFull("every drafter KV slot is in use; lower the batch or raise server.max_batch_size")
+        return Slot(index=self._free.pop(), filled=[0] * num_layers)
 
     def append(self, cache: Slot, layer: int, k: Tensor, v: Tensor) -> None:
         store = self._ensure(len(cache.filled), k)
-        if cache.index < 0:
-            cache.index = store.allocate()
         a, b = cache.filled[layer], cache.filled[layer] + k.shape[1]
         store.k[layer][cache.index, :, a:b] = k
         store.v[layer][cache.index, :, a:b] = v
@@ -134,14 +136,18 @@ class StaticStore:
         cache.filled = [min(f, length) for f in cache.filled]
 
     def release(self, cache: Slot) -> None:
-        if self.cache is not None and cache.index >= 0:
-            self.cache.release(cache.index)
+        if cache.index >= 0:
+            self._free.append(cache.index)
             cache.index = -1
 
     def write(self, rows: Rows, layer: int, k: Tensor, v: Tensor) -> None:
         """k, v [N, Hkv, W, D] at positions start .. start + W - 1 of each row's slot."""
         store = self.cache
         store_kv(k, v, store.k[layer], store.v[layer], rows.slots, rows.start + k.shape[2])
+
+    def at(self, rows: Rows, start: Tensor) -> Rows:
+        """The same rows with their new keys going at ``start`` [N] (a chain's later steps)."""
+        return Rows(rows.slots, start)
 
     def attention(self, caches: Rows | list[Slot], causal: bool, persist: bool) -> RowsAttention | SlotAttention:
         """New keys are always stored at their positions; ``persist`` needs nothing more here,
@@ -164,9 +170,6 @@ class SlotAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache = self.store._ensure(len(self.caches[0].filled), k)
-        for slot in self.caches:
-            if slot.index < 0:
-                slot.index = cache.allocate()
         dev = k.device
         slots = torch.tensor([s.index for s in self.caches], device=dev)
         start = torch.tensor([s.filled[layer] for s in self.caches], device=dev)

@@ -27,6 +27,7 @@ class ReferenceBackend:
         self.target, self.plan, self.device = target, plan, device
         self.kv = ReferenceKV()
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+        self._last_features: dict[int, torch.Tensor] = {}  # rid -> [taps*H] at its last verified position
 
     def _batch(self, reqs: list[Request]) -> SamplingBatch:
         return SamplingBatch.of([r.params for r in reqs], self.device)
@@ -42,6 +43,7 @@ class ReferenceBackend:
             hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
             last_logits.append(self.target.logits(hidden[0, -1]))
             if self.drafter is not None:
+                self._keep_last(req, features[0, -1] if features is not None else None)
                 self.drafter.extend(req, None if features is None else features[0], 0)
         batch, logits = self._batch(reqs), torch.stack(last_logits)  # [N, V]
         finite = torch.isfinite(logits).all(dim=1).tolist()
@@ -63,7 +65,15 @@ class ReferenceBackend:
             batch=self._batch(reqs),
             caches=[r.draft_state for r in reqs],
             target_kv=FrozenTargetKV([r.kv for r in reqs]),
+            features=torch.stack([self._last_features[r.rid] for r in reqs]) if self._reads_last() else None,
         )
+
+    def _reads_last(self) -> bool:
+        return self.drafter is not None and self.drafter.reads_last_features
+
+    def _keep_last(self, req: Request, features: torch.Tensor | None) -> None:
+        if self._reads_last():
+            self._last_features[req.rid] = features
 
     def skip_draft(self, reqs: list[Request]) -> Proposal:
         return Proposal(tokens=torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
@@ -95,10 +105,12 @@ class ReferenceBackend:
             self.kv.truncate(req.kv, req.seq_len + accepted)
             if self.drafter is not None:
                 feats = None if verification.features is None else verification.features[i, : accepted + 1]
+                self._keep_last(req, None if feats is None else feats[-1])
                 self.drafter.extend(req, feats, req.seq_len - 1)
         return verdict
 
     def free(self, req: Request) -> None:
         req.kv = None
+        self._last_features.pop(req.rid, None)
         if self.drafter is not None:
             self.drafter.release(req)

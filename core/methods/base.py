@@ -28,6 +28,9 @@ class Drafter(ABC):
     """
 
     graph_safe: ClassVar[bool] = False
+    # propose() reads rows.features: the target's tapped features at each row's last verified
+    # position (start - 1), which the backend keeps, so the drafter need not.
+    reads_last_features: ClassVar[bool] = False
 
     @abstractmethod
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
@@ -39,10 +42,11 @@ class Drafter(ABC):
         """Draft K tokens after each request's last token (``rows`` holds the same facts as
         tensors; a graph-safe drafter reads only those)."""
 
-    def extend_rows(self, rows: "DraftRows", features: Tensor) -> None:
+    def extend_rows(self, rows: "DraftRows", features: Tensor, tokens: Tensor) -> None:
         """Graph-safe form of ``extend`` for stores that index KV by absolute position: take the
-        features [N, W, taps*H] of all W verified positions from ``rows.start``. Those past a
-        row's accepted run are never read: the next round writes its own K/V over them."""
+        features [N, W, taps*H] of all W verified positions from ``rows.start`` and the window's
+        tokens [N, W] (the last token, then the drafts). Those past a row's accepted run are
+        never read: the next round writes its own K/V over them."""
         raise NotImplementedError(f"{type(self).__name__} has no graph-safe extend")
 
     def release(self, req: Request) -> None:

@@ -163,7 +163,7 @@ class DFlashDrafter(Drafter):
         for layer, (k, v) in enumerate(self.model.context_kv(features[None], positions)):
             self.kv.append(req.draft_state, layer, k[0], v[0])
 
-    def extend_rows(self, rows: DraftRows, features: Tensor) -> None:
+    def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)  # [N, W]
         for layer, (k, v) in enumerate(self.model.context_kv(features, positions)):
             self.kv.write(rows.caches, layer, k, v)
