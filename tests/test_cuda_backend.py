@@ -53,21 +53,26 @@ def test_greedy_tokens_equal_reference(method, batch):
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("draft", ["greedy", "probabilistic"])
 def test_chain_methods_equal_reference(method_name, batch, draft):
-    """EAGLE-3 (its head cache through the static store's per-request handles) and the
-    frozen-KV MTP drafter (reading the target's static cache) draft eagerly: identical tokens
-    and accepted counts, greedy and with sampled drafts (seeded)."""
+    """EAGLE-3 (its head entries written by position: the window's in the verify step, the last
+    verified one in the draft step) and the frozen-KV MTP drafter (reading the target's static
+    cache and the backend's last verified features): identical tokens and accepted counts,
+    greedy (the graph-captured path, run ahead) and with sampled drafts (eager, seeded)."""
     params = [SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0 if draft == "greedy" else 1.0,
                              seed=7 + i) for i in range(batch)]
     method = {**METHODS[method_name], "draft_sample_method": draft}
     specs = [tiny_spec(method, max_batch_size=4, backend=b, device=DEV, dtype="float32", max_model_len=128)
              for b in ("reference", "cuda")]
-    ref, got = (Engine(s).generate(PROMPTS[:batch], params, trace=True) for s in specs)
+    ref = Engine(specs[0]).generate(PROMPTS[:batch], params, trace=True)
+    eng = Engine(specs[1])
+    got = eng.generate(PROMPTS[:batch], params, trace=True)
     for r, g in zip(ref, got):
         assert g.output_ids == r.output_ids
         assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
+    if draft == "greedy":
+        assert eng.backend.rounds_ahead >= len(got[0].rounds) - 2
 
 
-@pytest.mark.parametrize("method", ["none", "dflash"])
+@pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
 def test_run_ahead_rounds_are_dropped_when_rows_change(method):
     """Requests ending at different rounds (length limits, EOS) and a queue admitting new ones:
     a round launched ahead for rows that then change is ignored, and tokens still equal the

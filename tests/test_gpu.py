@@ -12,9 +12,15 @@ from core.spec import load_spec
 pytestmark = pytest.mark.gpu
 PROMPTS = ["def fibonacci(n):", "x", "import os\nimport sys\n\nclass Config:\n", "hello world"]
 GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
+CHAINS = {"eagle3": {"method": "eagle3", "draft": {"random_init": {"preset": "tiny-eagle3", "seed": 1}},
+                     "num_speculative_tokens": 4},
+          "gemma4_mtp": {"method": "gemma4_mtp", "draft": {"random_init": {"preset": "tiny-mtp", "seed": 1}},
+                         "num_speculative_tokens": 3}}
+ALL = [{"method": "none"}, None, CHAINS["eagle3"], CHAINS["gemma4_mtp"]]
+ALL_IDS = ["none", "dflash", "eagle3", "gemma4_mtp"]
 
 
-@pytest.mark.parametrize("method", [{"method": "none"}, None], ids=["none", "dflash"])
+@pytest.mark.parametrize("method", ALL, ids=ALL_IDS)
 def test_reference_on_cuda_matches_cpu(method):
     cpu = Engine(tiny_spec(method, device="cpu"))
     gpu = Engine(tiny_spec(method, device="cuda"))
@@ -43,7 +49,7 @@ def _cuda_engine(method, **model):
     return Engine(tiny_spec(method, max_batch_size=16, backend="cuda", device="cuda", **model))
 
 
-@pytest.mark.parametrize("method", [{"method": "none"}, None], ids=["none", "dflash"])
+@pytest.mark.parametrize("method", ALL, ids=ALL_IDS)
 def test_graph_replay_equals_eager(method):
     """Captured graphs and eager runs of the same cuda backend give the same tokens (bf16)."""
     params = [SamplingParams(temperature=t, seed=i, max_new_tokens=24, ignore_eos=True)
@@ -53,6 +59,20 @@ def test_graph_replay_equals_eager(method):
     got = [c.output_ids for c in graphed.generate(PROMPTS, params)]
     assert got == [c.output_ids for c in eager.generate(PROMPTS, params)]
     assert len(graphed.backend.graphs) > 0 and len(eager.backend.graphs) == 0
+
+
+@pytest.mark.parametrize("name", ["eagle3", "gemma4_mtp"])
+def test_graphed_chains_equal_reference_float32(name):
+    """The chain methods' captured draft and verify graphs (float32) against the reference
+    backend: identical greedy tokens and accepted counts, batch 1 and 4, mixed lengths."""
+    for batch in (1, 4):
+        ref = Engine(tiny_spec(CHAINS[name], device="cuda", dtype="float32")).generate(PROMPTS[:batch], GREEDY, trace=True)
+        eng = _cuda_engine(CHAINS[name], dtype="float32")
+        got = eng.generate(PROMPTS[:batch], GREEDY, trace=True)
+        for r, g in zip(ref, got):
+            assert g.output_ids == r.output_ids
+            assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
+        assert any(key[0] == "draft" for key in eng.backend.graphs._graphs)
 
 
 def _tiny_pair(backend: str, dtype: str) -> Engine:

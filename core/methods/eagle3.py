@@ -124,7 +124,8 @@ class Eagle3Method(Method):
 
 @dataclass
 class Eagle3State:
-    """A request's head cache, and the verified positions' features not yet run through it."""
+    """With an append-only store: a request's head cache, and the verified positions' features
+    not yet run through it."""
 
     cache: Any  # the lent store's handle, one layer
     start: int  # position of the first pending feature row (= the cache's verified length)
@@ -132,10 +133,25 @@ class Eagle3State:
 
 
 class Eagle3Drafter(Drafter):
+    """Two forms, chosen by the lent store. With an append-only store (the reference backend)
+    each request's verified features wait until its next draft, when their next tokens are
+    known. With a store indexed by absolute position (the cuda backend) the head's entries are
+    written where they belong: the verify step writes every window position whose next token
+    it holds (the last token and the drafts), and the draft step the last verified position,
+    whose next token is the round's last token; that draft step and its chain read only
+    ``rows``, so they are captured as one graph."""
+
+    graph_safe = True
+    reads_last_features = True
+
     def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
+        self.positional = hasattr(kv, "at")
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
+        if self.positional:
+            self._prefill_entries(req, features, first_position)
+            return
         st = req.draft_state
         if st is None:
             st = req.draft_state = Eagle3State(cache=self.kv.new(1), start=first_position)
@@ -144,12 +160,60 @@ class Eagle3Drafter(Drafter):
         else:
             st.pending = torch.cat([st.pending, features])
 
+    def _prefill_entries(self, req: Request, features: Tensor, first: int) -> None:
+        """Positional store, after prefill: every prompt position but the last (whose next token
+        is not drawn yet) goes through the head now."""
+        req.draft_state = req.draft_state or self.kv.new(1)
+        n = features.shape[0] - 1
+        if n > 0:
+            ids = torch.tensor([req.token_ids[first + 1 : first + 1 + n]], device=features.device)  # [1, n]
+            positions = first + torch.arange(n, device=ids.device)[None]
+            attn = self.kv.attention([req.draft_state], causal=True, persist=True)
+            self.model.step(self.target.embed(ids), self.model.fc(features[None, :n]), positions, attn)
+
+    def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
+        """Entries for positions start - 1 .. start + W - 2: position t reads the window's token
+        at t + 1 and the features at t (start - 1's from rows.features). Past a row's accepted
+        run they are wrong and are never read: the next round writes over them."""
+        first = (rows.start - 1).clamp(min=0)  # padding rows sit at 0
+        feats = torch.cat([rows.features[:, None], features[:, :-1]], dim=1)  # [N, W, taps*H]
+        positions = first[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
+        self.model.step(self.target.embed(tokens), self.model.fc(feats), positions, attn)
+
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        """One request at a time (its pending context, then K-1 chained steps)."""
-        logits = torch.stack([self._chain(req) for req in reqs])  # [N, K, V]
+        if self.positional:
+            logits = self._chain_rows(rows)  # [N, K, V]
+        else:  # one request at a time (its pending context, then K-1 chained steps)
+            logits = torch.stack([self._chain(req) for req in reqs])
         if self.plan.draft_sample_method == "greedy":
             return Proposal(tokens=logits.argmax(-1))
         return self._sampled(logits, rows)
+
+    def _chain_rows(self, rows: DraftRows) -> Tensor:
+        """Positional store: the last verified position's entry (the round's last token and
+        rows.features), then K-1 chained steps, one position on each -> logits [N, K, V]."""
+        first = (rows.start - 1).clamp(min=0)  # [N]
+        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
+        out = self.model.step(self.target.embed(rows.last_token[:, None]), self.model.fc(rows.features[:, None]),
+                              first[:, None], attn)  # [N, 1, H]
+        steps = []
+        for j in range(self.plan.num_speculative_tokens):
+            steps.append(self.model.logits(out[:, 0]))  # [N, V]
+            if j == self.plan.num_speculative_tokens - 1:
+                break
+            token = self._pick_rows(steps[-1], rows, j)  # [N]
+            at = first + 1 + j
+            attn = self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True)
+            out = self.model.step(self.target.embed(token[:, None]), out, at[:, None], attn)
+        return torch.stack(steps, dim=1)
+
+    def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
+        """Draft j + 1's token, as propose() will choose it: argmax, or the seeded draw."""
+        if self.plan.draft_sample_method == "greedy":
+            return logits.argmax(-1)
+        q = probs_from_logits(logits, rows.batch)
+        return sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)
 
     def _chain(self, req: Request) -> Tensor:
         """-> float32 logits [K, V] of the K draft steps (each step's token is its argmax, or a
@@ -190,12 +254,6 @@ class Eagle3Drafter(Drafter):
         positions = rows.start[:n, None] + 1 + torch.arange(k, device=q.device)  # each draft's position
         tokens = sample(q.reshape(-1, v), seeds, positions.reshape(-1), Stream.DRAFT)
         return Proposal(tokens=tokens.view(n, k), probs=q)
-
-    def release(self, req: Request) -> None:
-        st, req.draft_state = req.draft_state, None
-        release = getattr(self.kv, "release", None)
-        if st is not None and release is not None:
-            release(st.cache)
 
 
 # ---------------------------------------------------------------- training objective

@@ -6,7 +6,6 @@ position for the whole chain."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -23,7 +22,7 @@ from ..models.loader import place
 from ..models.target import TargetModel
 from ..registry import METHODS
 from ..request import Request
-from ..sampling import SamplingBatch, Stream, probs_from_logits, sample
+from ..sampling import Stream, probs_from_logits, sample
 from ..spec import DraftModelSpec, SpeculativeSpec
 from .base import Drafter, Method
 
@@ -95,26 +94,29 @@ class MTPMethod(Method):
         return MTPDrafter(place(model, device, dtype), target, plan)
 
 
-@dataclass
-class MTPState:
-    hidden: Tensor  # [H] the target's last-layer output at the last verified position
-
-
 class MTPDrafter(Drafter):
+    """Reads only ``rows``: the target's KV (shared, read-only) and the target's last-layer
+    output at each row's last verified position (``rows.features``, kept by the backend). It
+    keeps no state of its own, so its chain is captured as one graph."""
+
+    graph_safe = True
+    reads_last_features = True
+
     def __init__(self, model: Gemma4MTPModel, target: TargetModel, plan: Plan):
         self.model, self.target, self.plan = model, target, plan
         self.kv_layer = target.config.num_layers - 1
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
-        req.draft_state = MTPState(hidden=features[-1])
+        """Nothing to keep: the backend holds the features the next chain starts from."""
+
+    def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
+        """Nothing to write: the drafter's queries read the target's own cache."""
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        n, k = len(reqs), self.plan.num_speculative_tokens
-        token = rows.last_token[:n, None]  # [N, 1]
-        hidden = torch.stack([r.draft_state.hidden for r in reqs])[:, None]  # [N, 1, H]
-        position = rows.start[:n, None]  # [N, 1]: the chain's one query position (the last token's)
-        b = rows.batch
-        batch = SamplingBatch(temperature=b.temperature[:n], top_k=b.top_k[:n], top_p=b.top_p[:n], seed=b.seed[:n])
+        k = self.plan.num_speculative_tokens
+        token = rows.last_token[:, None]  # [N, 1]
+        hidden = rows.features[:, None]  # [N, 1, H]
+        position = rows.start[:, None]  # [N, 1]: the chain's one query position (the last token's)
         embedding = self.target.model.embed_tokens.weight
 
         def read(q: Tensor) -> Tensor:
@@ -127,9 +129,9 @@ class MTPDrafter(Drafter):
             if self.plan.draft_sample_method == "greedy":
                 token = logits.argmax(-1, keepdim=True)
             else:
-                q = probs_from_logits(logits, batch)
+                q = probs_from_logits(logits, rows.batch)
                 qs.append(q)
-                token = sample(q, batch.seed, rows.start[:n] + 1 + j, Stream.DRAFT)[:, None]
+                token = sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)[:, None]
             tokens.append(token)
         drafts = torch.cat(tokens, dim=1)  # [N, K]
         return Proposal(tokens=drafts, probs=torch.stack(qs, dim=1) if qs else None)
