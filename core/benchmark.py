@@ -68,6 +68,9 @@ class Geometry:
 
 
 def geometry(engine: Engine) -> Geometry:
+    """A chain drafter reads its weights (and the KV it attends over) once per draft step, but
+    an EAGLE-3 ``fc`` only once per round; a drafter without an LM head of its own (DFlash, MTP)
+    makes its logits through the target's, which is read again for each of its passes."""
     target, plan = engine.target, engine.plan
     cfg = target.config
     elem = next(target.parameters()).element_size()
@@ -78,10 +81,13 @@ def geometry(engine: Engine) -> Geometry:
     tokens = plan.num_speculative_tokens + 1
     drafter = getattr(engine.backend.drafter, "model", None)
     if drafter is not None:
-        dc = drafter.config.layers
-        weights += matrix_bytes(drafter) + target.lm_head.weight.numel() * elem  # its logits: the LM head again
-        kv += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * elem
-        tokens += plan.block_size or 0
+        passes = plan.num_speculative_tokens if plan.drafting == "chain" else 1
+        fc = drafter.fc.weight.numel() * elem if hasattr(drafter, "fc") else 0
+        head = 0 if hasattr(drafter, "lm_head") else target.lm_head.weight.numel() * elem
+        weights += passes * (matrix_bytes(drafter) - fc + head) + fc
+        dc = getattr(drafter.config, "layers", None) or drafter.config.layer  # EAGLE-3: its one layer
+        kv += passes * 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * elem  # own cache, or the target's (MTP)
+        tokens += plan.block_size or passes
     return Geometry(weights, cfg.hidden_size * elem, kv, tokens)
 
 
@@ -179,10 +185,10 @@ def hf_peer(engine: Engine, prompt_len: int, new_tokens: int) -> float:
 
 def format_rows(rows: list[Row], bandwidth: float) -> str:
     lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)",
-             f"{'method':<8}{'batch':>6}{'ms/round':>10}{'tok/round':>10}{'ms/token':>10}{'floor ms':>10}"
+             f"{'method':<11}{'batch':>6}{'ms/round':>10}{'tok/round':>10}{'ms/token':>10}{'floor ms':>10}"
              f"{'x floor':>9}{'graphs ms':>11}{'host ms':>9}{'tok/s':>9}"]
     for r in rows:
-        lines.append(f"{r.method:<8}{r.batch:>6}{r.ms_round:>10.3f}{r.tokens_round:>10.2f}{r.ms_token:>10.3f}"
+        lines.append(f"{r.method:<11}{r.batch:>6}{r.ms_round:>10.3f}{r.tokens_round:>10.2f}{r.ms_token:>10.3f}"
                      f"{r.floor_ms:>10.3f}{r.ratio:>9.2f}{r.graph_ms:>11.3f}{r.host_ms:>9.3f}{r.throughput:>9.0f}")
     return "\n".join(lines)
 

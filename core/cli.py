@@ -193,6 +193,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from . import benchmark
     from .engine import Engine
+    from .spec import load_spec
 
     if not torch.cuda.is_available():
         raise ConfigError("draftline bench measures GPU time against the bandwidth floor; it needs a CUDA device")
@@ -204,10 +205,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if too_big:
         raise ConfigError(f"--batch-sizes {too_big} exceed server.max_batch_size {engine.spec.server.max_batch_size}")
     bandwidth = benchmark.copy_bandwidth(engine.device)
-    rows = benchmark.bench_method(engine, batches, args.prompt_len, args.new_tokens, bandwidth)
-    if engine.plan.method != "none" and not args.no_baseline:
-        base = engine.with_method({"method": "none"})
-        rows = benchmark.bench_method(base, batches, args.prompt_len, args.new_tokens, bandwidth) + rows
+    methods = [] if engine.plan.method == "none" or args.no_baseline else [{"method": "none"}]
+    methods += [None] + [_same_target(load_spec(path), engine.spec, path).speculative
+                         for path in filter(None, args.also.split(","))]
+    rows = []
+    for method in methods:  # each over the same target weights, one engine at a time
+        run = engine if method is None else engine.with_method(method)
+        rows += benchmark.bench_method(run, batches, args.prompt_len, args.new_tokens, bandwidth)
+        del run
+        torch.cuda.empty_cache()
     print(f"{args.spec}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.cuda.get_device_name()}")
     print(benchmark.format_rows(rows, bandwidth))
     if args.attention:
@@ -220,6 +226,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"transformers static cache + torch.compile, batch 1: {ms:.3f} ms/token; draftline none: {ours:.3f} "
               f"ms/token ({ms / ours:.2f}x faster)")
     return 0
+
+
+def _same_target(spec, base, path: str):
+    if spec.model != base.model:
+        raise ConfigError(f"--also {path}: its model section differs from --spec's; --also benches other "
+                          "methods over the same target, so give specs with the same model")
+    return spec
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -317,6 +330,7 @@ def _generation_commands(sub) -> None:
     bn.add_argument("--new-tokens", type=int, default=128)
     bn.add_argument("--peer", choices=["hf"], help="also time transformers' static-cache torch.compile decoding")
     bn.add_argument("--no-baseline", action="store_true", help="skip the `none` rows of a speculative spec")
+    bn.add_argument("--also", default="", help="comma-separated specs whose methods to bench too, over the same target")
     bn.add_argument("--attention", action="store_true", help="also time the verify attention kernel at long context")
     bn.set_defaults(func=cmd_bench)
 

@@ -187,6 +187,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4,
         "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
     },
+    # the shape of SpecForge's Qwen3-8B heads (32K draft vocabulary), for GPU benchmarks
+    "qwen3-8b-eagle3": {
+        "architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 151936, "draft_vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "initializer_range": 0.02,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]},  # outputs: the inputs of 2, 18, 33
+    },
 }
 
 

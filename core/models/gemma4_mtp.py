@@ -130,6 +130,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "target_hidden_size": 256, "qk_norm": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "initializer_range": 0.02,
     },
+    # for the Qwen3-8B-shaped target (8 KV heads of 128), half its width: GPU benchmarks
+    "qwen3-8b-mtp": {
+        "architectures": [ARCHITECTURE], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "target_hidden_size": 4096, "qk_norm": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "initializer_range": 0.02,
+    },
 }
 
 
