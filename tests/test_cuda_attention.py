@@ -106,3 +106,31 @@ def test_fused_stack_runs_the_dflash_block():
         want = drafter(embeds, positions, plain)
         got = drafter(embeds, positions, RowsAttention(caches[1], Rows(slots, start), False))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("w", [3, 80])
+def test_eager_drafter_attention_appends_windows_of_any_length(w):
+    """A drafter's per-request handles on the static store: rows whose caches already hold
+    different lengths take W new tokens each (80 leaves the decode kernel for PyTorch's
+    attention); each row equals causal attention over its prefix then its new keys, and the
+    handles move past them."""
+    from backends.cuda.kv import StaticStore
+
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, d = 4, 2, 32
+    store = StaticStore(3, 256, torch.device(DEV))
+    handles = [store.new(1), store.new(1)]
+    prefix = []
+    for handle, n in zip(handles, (10, 0)):
+        k, v = torch.randn(2, hkv, n, d, generator=gen).to(DEV)
+        store._ensure(1, torch.empty(1, hkv, 1, d, device=DEV))
+        store.append(handle, 0, k, v)
+        prefix.append((k.cpu(), v.cpu()))
+    q = torch.randn(2, hq, w, d, generator=gen).to(DEV)
+    k_new, v_new = torch.randn(2, 2, hkv, w, d, generator=gen).to(DEV)
+    out = store.attention(handles, causal=True, persist=True)(0, q, k_new, v_new).cpu()
+    for i in range(2):
+        keys = torch.cat([prefix[i][0], k_new[i].cpu()], dim=1)
+        values = torch.cat([prefix[i][1], v_new[i].cpu()], dim=1)
+        torch.testing.assert_close(out[i], reference_attend(q[i].cpu(), keys, values, True), rtol=2e-4, atol=2e-4)
+    assert [h.filled for h in handles] == [[10 + w], [w]]

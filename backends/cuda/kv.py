@@ -18,6 +18,9 @@ from .attention import CacheAttention, attend, split_size, store_kv
 from .fused import run_stack
 
 
+LONG_WINDOW = 64  # query rows (new tokens x heads per KV head) past which eager attention leaves the decode kernel
+
+
 class CacheFull(RuntimeError):
     pass
 
@@ -170,14 +173,34 @@ class SlotAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache = self.store._ensure(len(self.caches[0].filled), k)
-        dev = k.device
+        dev, w = k.device, k.shape[2]
         slots = torch.tensor([s.index for s in self.caches], device=dev)
         start = torch.tensor([s.filled[layer] for s in self.caches], device=dev)
-        out = cache.attention(slots, start + k.shape[2], self.causal)(layer, q, k, v)
+        if w * (q.shape[1] // k.shape[1]) <= LONG_WINDOW:
+            out = cache.attention(slots, start + w, self.causal)(layer, q, k, v)
+        else:
+            out = self._long(cache, layer, q, k, v, slots, start)
         if self.persist:
             for s in self.caches:
-                s.filled[layer] += k.shape[2]
+                s.filled[layer] += w
         return out
+
+    def _long(self, cache: StaticKV, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Tensor, start: Tensor
+              ) -> Tensor:
+        """A long window (a prompt's drafter entries, at prefill): the decode kernel keeps a
+        row's whole window in one tile, so these go through PyTorch's attention, row by row."""
+        w = k.shape[2]
+        store_kv(k, v, cache.k[layer], cache.v[layer], slots, start + w)
+        out = []
+        for i, (slot, first) in enumerate(zip(slots.tolist(), start.tolist())):
+            keys, values = cache.k[layer][slot, :, : first + w], cache.v[layer][slot, :, : first + w]  # [Hkv, S, D]
+            mask = None
+            if self.causal:
+                own = first + torch.arange(w, device=k.device)[:, None]  # [W, 1] each query's position
+                mask = torch.arange(first + w, device=k.device)[None, :] <= own  # [W, S]
+            out.append(F.scaled_dot_product_attention(q[i : i + 1], keys[None], values[None], attn_mask=mask,
+                                                      enable_gqa=True))
+        return torch.cat(out)
 
 
 @dataclass(frozen=True)
