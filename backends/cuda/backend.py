@@ -10,7 +10,8 @@ which is how CI holds it to the reference backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -45,14 +46,26 @@ def _window_kernel(meta, drafts, ids, positions, stride_meta, K, W, LAST_ROW: tl
 
 
 @dataclass(frozen=True)
-class Ahead:
-    """A round in flight: the rows it was launched for and where its results land."""
+class Flight:
+    """A round launched before the host booked the one before it, and where its results land."""
 
-    key: tuple  # (((rid, length), ...), bucket, width)
-    logits: Tensor  # [bucket, W, V] graph output
+    rids: tuple[int, ...]  # the rows it runs, in order
+    bucket: int
+    width: int
+    lens: tuple[int, ...] | None  # the rows' lengths it runs at, once the host knows them
+    logits: Tensor  # [bucket, W, V] graph output (a later launch may overwrite it)
     features: Tensor | None
-    host: Tensor  # [bucket, 2 + W] pinned: finite, accepted, tokens
+    host: Tensor  # [bucket, 2 + W + K] pinned: finite, accepted, tokens, drafts
     copied: torch.cuda.Event | None  # set once host holds them (None: the copy was synchronous)
+
+    def serves(self, reqs: list[Request], bucket: int, width: int) -> bool:
+        return self.lens is not None and (rows_key(reqs), bucket, width) == \
+            (tuple(zip(self.rids, self.lens)), self.bucket, self.width)
+
+    def wait(self) -> Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -79,12 +92,13 @@ class CudaBackend:
         self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
         if self.drafter is not None and self.drafter.reads_last_features:
             taps = len(plan.target_layer_ids) * cfg.hidden_size
-            self.ring = FeatureRing(capacity.max_batch, width + 1, taps, dtype, device)
+            self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)  # two rounds ahead
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
         self.buckets = buckets_for(capacity.max_batch)
         self._decided: tuple[tuple, Tensor] | None = None  # the round verify() already decided
-        self._ahead: Ahead | None = None  # the next round, launched before this one was booked
-        self._host_copy: dict[torch.Size, Tensor] = {}  # pinned landing buffers for its verdict
+        self._flights: deque[Flight] = deque()  # rounds launched ahead, oldest first (at most two)
+        self._proposed: Proposal | None = None  # the drafts draft() handed out from the oldest flight
+        self._landing: dict[torch.Size, deque[Tensor]] = {}  # pinned buffers for flights' results, rotated
         self.rounds_ahead = 0  # rounds served by a run-ahead launch
 
     def bucket(self, n: int) -> int:
@@ -135,9 +149,10 @@ class CudaBackend:
         if self.drafter is None:
             return self.skip_draft(reqs)
         n, bucket = len(reqs), self.bucket(len(reqs))
-        if self._ahead is not None and self._ahead.key == (rows_key(reqs), bucket, self.width):
-            return Proposal(tokens=self.bufs.drafts[:n])  # the round in flight drafted these rows
-        self._ahead = None
+        if self._flights and self._flights[0].serves(reqs, bucket, self.width):  # drafted by a round in flight
+            self._proposed = Proposal(tokens=self._flights[0].wait()[:n, 2 + self.width :].clone())
+            return self._proposed
+        self._flights.clear()
         self.bufs.load(reqs, bucket)
         if self.drafter.graph_safe and self.plan.draft_sample_method == "greedy":
             tokens = self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
@@ -155,16 +170,21 @@ class CudaBackend:
     @torch.inference_mode()
     def verify(self, reqs: list[Request], proposal: Proposal) -> Verification:
         """With argmax drafts and no top-k/top-p the graph also decides the round (acceptance
-        kernel, finiteness): the host then copies one small tensor back and accept() is free."""
+        kernel, finiteness): the host then copies one small tensor back and accept() is free.
+        Such a round's logits and features are graph outputs that a round launched after it
+        may already have overwritten: nothing reads them once the round is decided (a round
+        with a non-finite row, whose other rows accept() decides again, is run afresh)."""
         n, bucket, width = len(reqs), self.bucket(len(reqs)), proposal.tokens.shape[1] + 1
         decide = proposal.probs is None and not _filtered(reqs)
-        ahead, self._ahead = self._ahead, None
-        if decide and ahead is not None and ahead.key == (rows_key(reqs), bucket, width) and \
-                (width == 1 or proposal.tokens.data_ptr() == self.bufs.drafts.data_ptr()):
-            if ahead.copied is not None:
-                ahead.copied.synchronize()
-            self.rounds_ahead += 1
-            return self._verdict(reqs, ahead.host[:n].clone(), ahead.logits, ahead.features)  # host is reused
+        flight = self._flights[0] if self._flights else None
+        if decide and flight is not None and flight.serves(reqs, bucket, width) and \
+                (width == 1 or proposal is self._proposed):
+            host = flight.wait()[:n, : 2 + width].clone()  # the landing buffer is reused
+            if bool(host[:, 0].all()):
+                self._flights.popleft()
+                self.rounds_ahead += 1
+                return self._verdict(reqs, host, flight.logits, flight.features)
+        self._flights.clear()
         self.bufs.load(reqs, bucket)
         if width > 1 and proposal.tokens.data_ptr() != self.bufs.drafts.data_ptr():
             self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
@@ -172,7 +192,8 @@ class CudaBackend:
                                                    lambda: self._verify_step(bucket, width, decide))
         if packed is None:
             return Verification(logits=logits[:n], features=None if features is None else features[:n])
-        return self._verdict(reqs, packed[:n].cpu(), logits, features)  # the round's one copy back
+        self.bufs.invalidate()  # the graph advanced the rows' last token and start
+        return self._verdict(reqs, packed[:n, : 2 + width].cpu(), logits, features)  # the round's one copy back
 
     def _verdict(self, reqs: list[Request], host: Tensor, logits: Tensor, features: Tensor | None) -> Verification:
         """host [n, 2 + W] from a deciding verify graph: finite, accepted, tokens."""
@@ -200,7 +221,18 @@ class CudaBackend:
         num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], batch.seed,
                                               b.row(START, bucket) + 1, inv_temp=_inverse(batch.temperature))
         finite = torch.isfinite(logits).flatten(1).all(dim=1)
-        return logits, features, torch.cat([finite[:, None].long(), num[:, None], tokens], dim=1)
+        packed = torch.cat([finite[:, None].long(), num[:, None], tokens, b.drafts[:bucket, : width - 1]], dim=1)
+        self._advance(bucket, num, tokens)
+        return logits, features, packed
+
+    def _advance(self, bucket: int, num: Tensor, tokens: Tensor) -> None:
+        """Move each live row's last token and start past this round, on the device, so the
+        next round can be launched before the host has read this one (padding rows stay)."""
+        b = self.bufs
+        live = b.row(SLOT, bucket) != self.cache.scratch  # [bucket]
+        last = tokens.gather(1, num[:, None])[:, 0]  # the token after the accepted drafts
+        b.meta[LAST, :bucket] = torch.where(live, last, b.meta[LAST, :bucket])
+        b.meta[START, :bucket] += torch.where(live, num + 1, 0)
 
     # ------------------------------------------------------------------ accept
 
@@ -213,39 +245,61 @@ class CudaBackend:
             for i, req in enumerate(reqs):
                 feats = None if verification.features is None else verification.features[i, : int(out[i, 0]) + 1]
                 self.drafter.extend(req, feats, req.seq_len - 1)
-        elif used:
+        if used and (self.drafter is None or self.drafter.graph_safe):
             self._run_ahead(reqs, out, proposal.tokens.shape[1] + 1)
+        else:
+            self._flights.clear()
         return Verdict(num_accepted=out[:, 0], tokens=out[:, 1:])
 
     def _run_ahead(self, reqs: list[Request], out: Tensor, width: int) -> None:
-        """Launch the next round for the same rows before the host books this one, so the
-        GPU does not idle through the engine's bookkeeping. Its inputs are known now: each
-        row's last emitted token and new length. It is used only if the next round asks for
-        exactly these rows at these lengths and this width; otherwise its results are
-        ignored (what it wrote to the caches lies past each row's length, or in slots that
-        later work overwrites in stream order). Rows that this round finishes stop it."""
-        last, lens = [], []
+        """Keep two rounds in flight for the same rows, so the GPU does not idle through the
+        host's bookkeeping. Each decided verify graph moves the rows' last token and start on
+        the device; the next round reads them, so it can be launched before the host has read
+        the one before it. The host learns a flight's lengths one round later; a flight is
+        used only if the next round asks for exactly its rows, lengths and width, otherwise it
+        is dropped (what it wrote lies past each row's length, in slots later work overwrites
+        in stream order, or in a feature ring deep enough for two rounds). Rows that this
+        round finishes stop it; the second flight waits while the next round may end a row by
+        length (its work would be thrown away, and its cache writes could pass the margin)."""
+        lens, room = [], True
         for req, row in zip(reqs, out.tolist()):
             emitted = row[1 : row[0] + 2]
             if req.cancelled or req.finishes_with(emitted):
+                self._flights.clear()
                 return
-            last.append(emitted[-1])
             lens.append(req.seq_len + len(emitted))
-        bucket = self.bucket(len(reqs))
-        self.bufs.load(reqs, bucket, (last, lens))
+            room = room and not req.finishes_with(emitted + [-1] * width)  # the next round cannot end it by length
+        rids, bucket = tuple(r.rid for r in reqs), self.bucket(len(reqs))
+        if not self._flights:  # this round ran afresh: the device holds its rows as they now stand
+            self._flights.append(self._launch(rids, bucket, width, tuple(lens)))
+        elif (self._flights[0].rids, self._flights[0].bucket, self._flights[0].width) == (rids, bucket, width):
+            self._flights[0] = replace(self._flights[0], lens=tuple(lens))  # launched a round ago: lengths known now
+        else:  # not ours (cannot happen: flights are this round's successors); the device rows are past use
+            self._flights.clear()
+            return
+        if len(self._flights) == 1 and room:
+            self._flights.append(self._launch(rids, bucket, width, None))
+
+    def _launch(self, rids: tuple[int, ...], bucket: int, width: int, lens: tuple[int, ...] | None) -> Flight:
+        """Replay the round's graphs from the rows as the device now holds them."""
         if width > 1:
             self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
         logits, features, packed = self.graphs.run(("verify", width, bucket, True),
                                                    lambda: self._verify_step(bucket, width, True))
-        copied, pinned = None, self.device.type == "cuda"
-        host = self._host_copy.get(packed.shape)
-        if host is None:
-            host = self._host_copy[packed.shape] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=pinned)
+        self.bufs.invalidate()
+        pinned = self.device.type == "cuda"
+        ring = self._landing.get(packed.shape)
+        if ring is None:  # three: two flights, and the one the host is reading
+            ring = self._landing[packed.shape] = deque(
+                torch.empty(packed.shape, dtype=packed.dtype, pin_memory=pinned) for _ in range(3))
+        host = ring[0]
+        ring.rotate(-1)
         host.copy_(packed, non_blocking=pinned)
+        copied = None
         if pinned:
             copied = torch.cuda.Event()
             copied.record()
-        self._ahead = Ahead((rows_key(reqs, lens), bucket, width), logits, features, host, copied)
+        return Flight(rids, bucket, width, lens, logits, features, host, copied)
 
     def _accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Tensor:
         """Eager acceptance (drafts from q, top-k/top-p, or rows dropped after verify)."""

@@ -30,11 +30,10 @@ class Buffers:
         self._key: tuple | None = None
         self.load([], max_batch)
 
-    def load(self, reqs: list[Request], bucket: int, ahead: tuple[list[int], list[int]] | None = None) -> None:
+    def load(self, reqs: list[Request], bucket: int) -> None:
         """Copy the rows' facts in (two small asynchronous copies); rows past len(reqs) are
-        padding. A repeat load of the same rows at the same lengths is skipped. ``ahead``
-        (last tokens, lengths) loads the rows as they will stand after the round in flight."""
-        last, lens = ahead if ahead is not None else ([r.last_token for r in reqs], [r.seq_len for r in reqs])
+        padding. A repeat load of the same rows at the same lengths is skipped."""
+        last, lens = [r.last_token for r in reqs], [r.seq_len for r in reqs]
         key = (rows_key(reqs, lens), bucket)
         if key == self._key:
             return
@@ -56,6 +55,10 @@ class Buffers:
         if pinned:
             self._copied.record()
         self._key = key
+
+    def invalidate(self) -> None:
+        """The device changed the rows' facts (a graph moved them on): the next load copies."""
+        self._key = None
 
     def row(self, field: int, bucket: int) -> Tensor:
         return self.meta[field, :bucket]
