@@ -132,3 +132,24 @@ def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
     sampled = [SamplingParams(temperature=1.0, seed=9, max_new_tokens=8, ignore_eos=True)] * 2
     first = [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)]
     assert [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)] == first
+
+
+@pytest.mark.parametrize("method", ["none", "eagle3"])
+def test_graph_steps_are_idempotent(method):
+    """Graph capture runs a step twice for real before recording it, so a step must give the
+    same outputs and leave the same state when run again on the same buffers: the verify step
+    leaves the rows' next last token and start in `next`, never moving the rows it read."""
+    eng = _engine(method, "cuda")
+    req = eng.add_request(PROMPTS[1], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng.step()  # prefill, and one round
+    backend, width = eng.backend, eng.backend.width
+    backend.bufs.load([req], 1)
+    if width > 1:
+        backend._draft_step(1)
+    runs = []
+    for _ in range(2):
+        _, _, packed = backend._verify_step(1, width, True)
+        runs.append((packed.clone(), backend.bufs.meta.clone(), backend.bufs.next.clone()))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert int(runs[0][2][1, 0]) == req.seq_len + int(runs[0][0][0, 1])  # next start: past the accepted drafts

@@ -192,7 +192,6 @@ class CudaBackend:
                                                    lambda: self._verify_step(bucket, width, decide))
         if packed is None:
             return Verification(logits=logits[:n], features=None if features is None else features[:n])
-        self.bufs.invalidate()  # the graph advanced the rows' last token and start
         return self._verdict(reqs, packed[:n, : 2 + width].cpu(), logits, features)  # the round's one copy back
 
     def _verdict(self, reqs: list[Request], host: Tensor, logits: Tensor, features: Tensor | None) -> Verification:
@@ -226,13 +225,13 @@ class CudaBackend:
         return logits, features, packed
 
     def _advance(self, bucket: int, num: Tensor, tokens: Tensor) -> None:
-        """Move each live row's last token and start past this round, on the device, so the
+        """Each live row's last token and start after this round, into ``bufs.next``, so the
         next round can be launched before the host has read this one (padding rows stay)."""
         b = self.bufs
         live = b.row(SLOT, bucket) != self.cache.scratch  # [bucket]
         last = tokens.gather(1, num[:, None])[:, 0]  # the token after the accepted drafts
-        b.meta[LAST, :bucket] = torch.where(live, last, b.meta[LAST, :bucket])
-        b.meta[START, :bucket] += torch.where(live, num + 1, 0)
+        b.next[0, :bucket] = torch.where(live, last, b.row(LAST, bucket))
+        b.next[1, :bucket] = b.row(START, bucket) + torch.where(live, num + 1, 0)
 
     # ------------------------------------------------------------------ accept
 
@@ -253,9 +252,9 @@ class CudaBackend:
 
     def _run_ahead(self, reqs: list[Request], out: Tensor, width: int) -> None:
         """Keep two rounds in flight for the same rows, so the GPU does not idle through the
-        host's bookkeeping. Each decided verify graph moves the rows' last token and start on
-        the device; the next round reads them, so it can be launched before the host has read
-        the one before it. The host learns a flight's lengths one round later; a flight is
+        host's bookkeeping. Each decided verify graph leaves the rows' next last token and start
+        on the device, and a launch starts from them, so the round after next can be launched
+        before the host has read the next. The host learns a flight's lengths one round later; a flight is
         used only if the next round asks for exactly its rows, lengths and width, otherwise it
         is dropped (what it wrote lies past each row's length, in slots later work overwrites
         in stream order, or in a feature ring deep enough for two rounds). Rows that this
@@ -281,12 +280,12 @@ class CudaBackend:
             self._flights.append(self._launch(rids, bucket, width, None))
 
     def _launch(self, rids: tuple[int, ...], bucket: int, width: int, lens: tuple[int, ...] | None) -> Flight:
-        """Replay the round's graphs from the rows as the device now holds them."""
+        """Replay the round's graphs from the rows as the last verify left them on the device."""
+        self.bufs.step_on(bucket)
         if width > 1:
             self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
         logits, features, packed = self.graphs.run(("verify", width, bucket, True),
                                                    lambda: self._verify_step(bucket, width, True))
-        self.bufs.invalidate()
         pinned = self.device.type == "cuda"
         ring = self._landing.get(packed.shape)
         if ring is None:  # three: two flights, and the one the host is reading

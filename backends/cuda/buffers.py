@@ -12,7 +12,7 @@ from torch import Tensor
 from core.request import Request
 from core.sampling import SamplingBatch
 
-# rows of Buffers.meta (int64) and Buffers.fmeta (float32)
+# rows of Buffers.meta (int64) and Buffers.fmeta (float32); LAST and START are adjacent (step_on copies both)
 LAST, START, SLOT, DRAFT_SLOT, SEED, TOP_K = range(6)
 TEMPERATURE, TOP_P = range(2)
 
@@ -23,6 +23,7 @@ class Buffers:
         self.meta = torch.zeros(6, max_batch, dtype=torch.int64, device=device)  # [field, max_batch]
         self.fmeta = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
+        self.next = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # [LAST/START, max_batch] after the round
         pinned = device.type == "cuda"
         self._host_i = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned)  # staging, reused
         self._host_f = torch.zeros(2, max_batch, dtype=torch.float32, pin_memory=pinned)
@@ -56,8 +57,11 @@ class Buffers:
             self._copied.record()
         self._key = key
 
-    def invalidate(self) -> None:
-        """The device changed the rows' facts (a graph moved them on): the next load copies."""
+    def step_on(self, bucket: int) -> None:
+        """Take the rows' last token and start as the last verify graph left them in ``next``
+        (graphs must stay idempotent, so they never move ``meta`` themselves); the next load
+        then copies again."""
+        self.meta[LAST : START + 1, :bucket].copy_(self.next[:, :bucket])
         self._key = None
 
     def row(self, field: int, bucket: int) -> Tensor:
