@@ -152,3 +152,27 @@ def test_sampled_tokens_follow_target_distribution(baseline, method):
 
 def test_method_registered_outside_core_is_listed():
     assert "test_oracle" in METHODS.names() and {"none", "dflash"} <= set(METHODS.names())
+
+
+@pytest.mark.parametrize("spec", ["specs/tiny-eagle3.yaml", "specs/tiny-gemma4-mtp.yaml", "specs/tiny-dflash.yaml"])
+def test_accepted_counts_are_each_rounds_matching_prefix(spec):
+    """With the shipped trained drafters: every round accepts exactly the leading drafts that
+    agree with the target's own greedy continuation (plain decoding's output is the oracle),
+    and enough of them agree for the check to bite."""
+    from core.training.corpus import read_prompts
+
+    engine = Engine.from_spec(spec)
+    plain = engine.with_method({"method": "none"})
+    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[:3]  # held-out function starts
+    k = engine.plan.num_speculative_tokens
+    longer = SamplingParams(max_new_tokens=32 + k + 1, ignore_eos=True)
+    accepted = 0
+    for p, ids, c in zip(prompts, _ids(plain, prompts, longer),
+                         engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True), trace=True)):
+        seq = engine.encode(p) + ids
+        for r in c.rounds:
+            truth = seq[r.position : r.position + len(r.drafted)]
+            agree = next((i for i, (d, t) in enumerate(zip(r.drafted, truth)) if d != t), len(truth))
+            assert r.accepted == agree, (r, truth)
+            accepted += r.accepted
+    assert accepted >= 16
