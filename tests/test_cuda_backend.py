@@ -116,7 +116,7 @@ def test_slots_are_reused_after_requests_finish():
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     first = eng.generate(PROMPTS * 2, params)  # 8 requests through 4 slots
     assert len(first) == 8 and all(len(c.output_ids) == 4 for c in first)
-    assert sorted(eng.backend.cache._free) == [0, 1, 2, 3]
+    assert sorted(eng.backend.cache.slots.free) == [0, 1, 2, 3]
     assert eng.generate(PROMPTS[:1], params)[0].output_ids == first[0].output_ids
 
 

@@ -34,13 +34,12 @@ class Buffers:
     def load(self, reqs: list[Request], bucket: int) -> None:
         """Copy the rows' facts in (two small asynchronous copies); rows past len(reqs) are
         padding. A repeat load of the same rows at the same lengths is skipped."""
-        last, lens = [r.last_token for r in reqs], [r.seq_len for r in reqs]
-        key = (rows_key(reqs, lens), bucket)
+        key = (rows_key(reqs), bucket)
         if key == self._key:
             return
         pad = bucket - len(reqs)
-        ints = [last + [0] * pad,
-                [n - 1 for n in lens] + [0] * pad,
+        ints = [[r.last_token for r in reqs] + [0] * pad,
+                [r.seq_len - 1 for r in reqs] + [0] * pad,
                 [r.kv for r in reqs] + [self.scratch] * pad,
                 [_slot(r.draft_state, self.scratch) for r in reqs] + [self.scratch] * pad,
                 [r.params.seed for r in reqs] + [0] * pad,
@@ -72,11 +71,9 @@ class Buffers:
                              top_p=self.fmeta[TOP_P, :bucket], seed=self.meta[SEED, :bucket])
 
 
-def rows_key(reqs: list[Request], lens: list[int] | None = None) -> tuple[tuple[int, int], ...]:
-    """Which requests at which lengths (theirs now, or ``lens``): equal keys mean the same
-    rows in the same round."""
-    lens = [r.seq_len for r in reqs] if lens is None else lens
-    return tuple((r.rid, n) for r, n in zip(reqs, lens))
+def rows_key(reqs: list[Request]) -> tuple[tuple[int, int], ...]:
+    """Which requests at which lengths: equal keys mean the same rows in the same round."""
+    return tuple((r.rid, r.seq_len) for r in reqs)
 
 
 def _slot(state, scratch: int) -> int:
@@ -88,8 +85,9 @@ class FeatureRing:
     """Each request's tapped target features at its last verified positions, for drafters
     that read them (Drafter.reads_last_features): [slots + 1, depth, F], a position p of a
     request at row p % depth of its slot. The verify graph writes its W positions; the next
-    draft step reads start - 1, one of them. depth > W keeps that entry intact when a round
-    launched ahead (which writes the next W) is dropped and the round runs again."""
+    draft step reads start - 1, one of them. depth > 2W keeps that entry intact when the two
+    rounds launched ahead (which write up to 2W positions past it) are dropped and the round
+    runs again."""
 
     def __init__(self, num_slots: int, depth: int, width: int, dtype: torch.dtype, device: torch.device):
         self.depth = depth

@@ -25,8 +25,23 @@ class CacheFull(RuntimeError):
     pass
 
 
+class SlotPool:
+    """The free slots of a static cache, lowest first."""
+
+    def __init__(self, num_slots: int, what: str):
+        self.free, self.what = list(range(num_slots - 1, -1, -1)), what
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise CacheFull(f"every {self.what} slot is in use; lower the batch or raise server.max_batch_size")
+        return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+
 class StaticKV:
-    """Per layer K and V [slots + 1, Hkv, max_len, D] and the free list of slots."""
+    """Per layer K and V [slots + 1, Hkv, max_len, D] and the pool of slots."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -35,15 +50,13 @@ class StaticKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len, self.scratch = max_len, num_slots
         self.split = split_size(max_len)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.slots = SlotPool(num_slots, "KV")
 
     def allocate(self) -> int:
-        if not self._free:
-            raise CacheFull("every KV slot is in use; lower the batch or raise server.max_batch_size")
-        return self._free.pop()
+        return self.slots.allocate()
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        self.slots.release(slot)
 
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
         return CacheAttention(self.k, self.v, slots, kv_len, causal, self.split)
@@ -112,7 +125,7 @@ class StaticStore:
     def __init__(self, num_slots: int, max_len: int, device: torch.device):
         self.num_slots, self.max_len, self.device = num_slots, max_len, device
         self.cache: StaticKV | None = None
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.slots = SlotPool(num_slots, "drafter KV")
 
     def _ensure(self, num_layers: int, k: Tensor) -> StaticKV:
         if self.cache is None:
@@ -121,9 +134,7 @@ class StaticStore:
         return self.cache
 
     def new(self, num_layers: int) -> Slot:
-        if not self._free:
-            raise CacheFull("every drafter KV slot is in use; lower the batch or raise server.max_batch_size")
-        return Slot(index=self._free.pop(), filled=[0] * num_layers)
+        return Slot(index=self.slots.allocate(), filled=[0] * num_layers)
 
     def append(self, cache: Slot, layer: int, k: Tensor, v: Tensor) -> None:
         store = self._ensure(len(cache.filled), k)
@@ -140,7 +151,7 @@ class StaticStore:
 
     def release(self, cache: Slot) -> None:
         if cache.index >= 0:
-            self._free.append(cache.index)
+            self.slots.release(cache.index)
             cache.index = -1
 
     def write(self, rows: Rows, layer: int, k: Tensor, v: Tensor) -> None:
