@@ -17,12 +17,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import overlap
+
 
 @triton.jit
 def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, W,
                   skn, skh, skt, svn, svh, svt, sc_slot, sc_head, sc_pos,
-                  D: tl.constexpr):
+                  D: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, new token, kv head): copy its k and v rows into the cache."""
+    overlap.gate(PDL)
     pid, h = tl.program_id(0), tl.program_id(1)
     n, t = pid // W, pid % W
     slot = tl.load(slots + n).to(tl.int64)
@@ -37,10 +40,12 @@ def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, W,
 def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
                    HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t,
                    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
     [s*SPLIT, (s+1)*SPLIT) ∩ [0, kv_len); writes the normalized partial output and its
     log-sum-exp (-inf where the split saw no key)."""
+    overlap.gate(PDL)
     pid, s = tl.program_id(0), tl.program_id(1)
     n, h = pid // HKV, pid % HKV
     m = tl.arange(0, BLOCK_M)  # query row = g * W + t
@@ -85,9 +90,10 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
 
 @triton.jit
 def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, SPLIT, so_n, so_h, so_t,
-                    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+                    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """Program (row, kv head, query row m): merge the row's live splits by their log-sum-exps,
     all splits in one vectorized pass."""
+    overlap.gate(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     n, h = pid // HKV, pid % HKV
     s = tl.arange(0, SPLITS)
@@ -109,7 +115,7 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tens
     n, hkv, w, d = k.shape
     _store_kernel[(n * w, hkv)](k, v, k_cache, v_cache, slots, kv_len, w, k.stride(0), k.stride(1), k.stride(2),
                                 v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
-                                k_cache.stride(2), D=d)
+                                k_cache.stride(2), D=d, **overlap.launch(release=False))
 
 
 def split_size(max_len: int, target_splits: int = 64) -> int:
@@ -138,12 +144,13 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
         CAUSAL=causal, SPLIT=split, SPLITS=padded, BLOCK_M=block_m, BLOCK_N=min(64, split), D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
-        num_warps=4 if block_m <= 64 else 8)
+        num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False))
     if out is None:
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, split, out.stride(0),
                                       out.stride(1), out.stride(2), SPLITS=padded,
-                                      BLOCK_M=block_m, D=d, num_warps=4 if padded * d <= 8192 else 8)
+                                      BLOCK_M=block_m, D=d, num_warps=4 if padded * d <= 8192 else 8,
+                                      **overlap.launch(release=False))
     return out
 
 

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import overlap
+
 
 @dataclass(frozen=True)
 class Tiling:
@@ -67,12 +69,13 @@ def _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, GATED: tl.constexpr, SPLIT: t
 
 @triton.jit
 def _mv_rows(x, w, out, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (column block, K chunk): BLOCK_N outputs of rows [0, M) over K [pk*CHUNK, +CHUNK)."""
     pn, pk = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = pk * CHUNK + tl.arange(0, BLOCK_K)
+    overlap.gate(PDL)
     xp = x + rm[:, None] * K + rk[None, :]
     wp = w + rn[:, None].to(tl.int64) * K + rk[None, :]
     up = wp + N.to(tl.int64) * K  # GATED: the up rows sit N rows below the gate rows
@@ -111,5 +114,5 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False) -> Tensor:
     _mv_rows[grid](x, w, out, m, n, k, chunk, GATED=gated, SPLIT=tiling.split,
                    BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                   num_warps=tiling.warps, num_stages=tiling.stages)
+                   num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
     return out

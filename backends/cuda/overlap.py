@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (Hopper and later): a kernel may be launched while the one
+before it in the stream still runs, so the ~300 launches of a decode step stop paying a
+launch and a ramp-up each.
+
+Every kernel of the decode path is launched with ``launch_pdl`` and begins with ``gate``: it
+waits there until the kernels before it have finished and their writes are visible (the
+hardware's grid dependency wait, so correctness never rests on where a kernel lets the next
+one launch). Kernels whose successor gains from launching early then release it at once: the
+matvecs, the norms and the q/k/v kernel. Attention and its combine do not: on an H200 a
+combine launched beside attention's splits, or an output matvec beside the combine, made the
+DFlash round 0.3 ms slower (docs/RESULTS.md).
+
+Off in the Triton interpreter (no such hardware) and before Hopper; ``DRAFTLINE_PDL=0``
+turns it off for comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+OFF, WAIT, RELEASE = 0, 1, 2  # gate modes
+
+
+@functools.cache
+def enabled() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("DRAFTLINE_PDL", "1") == "0":
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def mode(release: bool) -> int:
+    """The gate mode for a kernel: OFF without PDL, else WAIT, or RELEASE to launch the next early."""
+    if not enabled():
+        return OFF
+    return RELEASE if release else WAIT
+
+
+def launch(release: bool) -> dict:
+    """The launch keywords of a gated kernel: its PDL mode and whether to launch with PDL."""
+    m = mode(release)
+    return {"PDL": m, "launch_pdl": m != OFF}
+
+
+@triton.jit
+def gate(MODE: tl.constexpr):
+    """WAIT: block until the kernels ahead in the stream are done and their writes visible.
+    RELEASE: then let the next kernel launch (it still waits at its own gate). Every program
+    must pass here before it reads or writes anything a kernel ahead touches."""
+    if MODE >= 1:
+        tl.extra.cuda.gdc_wait()
+    if MODE == 2:
+        tl.extra.cuda.gdc_launch_dependents()
