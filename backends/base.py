@@ -80,8 +80,10 @@ class KVStore(Protocol):
         list of ``new()`` handles, or a backend's batched handle (DraftRows.caches)."""
 
     # Stores that index KV by absolute position (the cuda backend's static caches) also offer
-    # write(caches, layer, k, v): k, v [N, Hkv, W, D] at each row's positions start .. start+W-1,
-    # and at(caches, start [N]) -> the same rows' handle with new keys going at ``start``.
+    # write_projected(caches, layers, x [N, W, H], positions [N, W], rotary): every
+    # DecoderLayer's k/v projection of x (k-norm, RoPE) at each row's positions
+    # start .. start+W-1, and at(caches, start [N]) -> the same rows' handle with new keys
+    # going at ``start``.
 
 
 class Backend(Protocol):

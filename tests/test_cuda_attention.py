@@ -108,6 +108,34 @@ def test_fused_stack_runs_the_dflash_block():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_projected_context_matches_the_drafters_own():
+    """The DFlash drafter's context K/V written through the fused projection (one matvec and
+    one k-norm/RoPE/store kernel a layer) equals its own context_kv stored row by row."""
+    from backends.cuda.kv import Rows, StaticStore
+    from core.models.loader import random_dflash
+
+    drafter = random_dflash("tiny-dflash", 1, DEV)
+    cfg = drafter.config
+    gen = torch.Generator().manual_seed(3)
+    features = torch.randn(2, 4, len(cfg.target_layer_ids) * cfg.layers.hidden_size, generator=gen).to(DEV)
+    start = torch.tensor([5, 12], device=DEV)
+    positions = start[:, None] + torch.arange(4, device=DEV)
+    store = StaticStore(3, 64, torch.device(DEV))
+    handle = store.new(cfg.layers.num_layers)
+    nothing = torch.zeros(cfg.layers.num_kv_heads, 1, cfg.layers.head_dim, device=DEV)
+    store.append(handle, 0, nothing, nothing)  # the first write makes the cache
+    slots = torch.tensor([2, 0], device=DEV)
+    with torch.no_grad():
+        store.write_projected(Rows(slots, start), drafter.layers, drafter.fuse(features), positions, drafter.rotary)
+        want = drafter.context_kv(features, positions)
+    for layer, (k, v) in enumerate(want):
+        for row, (slot, first) in enumerate(zip(slots.tolist(), start.tolist())):
+            got_k = store.cache.k[layer][slot, :, first : first + 4]
+            got_v = store.cache.v[layer][slot, :, first : first + 4]
+            torch.testing.assert_close(got_k, k[row], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_v, v[row], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("w", [3, 80])
 def test_eager_drafter_attention_appends_windows_of_any_length(w):
     """A drafter's per-request handles on the static store: rows whose caches already hold

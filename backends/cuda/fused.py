@@ -24,6 +24,7 @@ from torch import Tensor
 
 from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
+from . import overlap
 from .attention import attend
 from .matvec import choose_tiling, matvec
 
@@ -43,8 +44,9 @@ def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
 
 @triton.jit
 def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, HAS_ADD: tl.constexpr, PARTS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w."""
+    overlap.gate(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
@@ -63,10 +65,11 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, HAS_ADD: tl.constexpr,
 @triton.jit
 def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cache, slots, kv_len,
                 HQ, HKV, W, eps, sc_slot, sc_head, sc_pos, part_stride,
-                QK_NORM: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr):
+                QK_NORM: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head) of the fused QKV output (PARTS partial sums of it): q heads are
     normed, rotated and written as [N, W, Hq, D]; k heads normed, rotated and stored in the
     cache; v heads stored."""
+    overlap.gate(PDL)
     tok, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     n, t = tok // W, tok % W
     half = tl.arange(0, D // 2)
@@ -103,7 +106,8 @@ def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cach
 
 
 @triton.jit
-def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    overlap.gate(PDL)
     r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
     inside = cols < I
@@ -122,7 +126,8 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float) -> tuple[T
     total = torch.empty_like(flat) if a is not None else flat
     normed = torch.empty_like(flat)
     _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows,
-                              HAS_ADD=a is not None, PARTS=parts, BLOCK=triton.next_power_of_2(width))
+                              HAS_ADD=a is not None, PARTS=parts, BLOCK=triton.next_power_of_2(width),
+                              **overlap.launch(release=True))
     return total.view(h.shape), normed.view(h.shape)
 
 
@@ -155,7 +160,8 @@ def silu_mul(gu: Tensor) -> Tensor:
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype, device=gu.device)
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gu, out, inter, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gu, out, inter, BLOCK=block,
+                                                        **overlap.launch(release=False))
     return out
 
 
@@ -205,18 +211,34 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
     return x.view(n, w, -1), features
 
 
+def project_kv_stack(layers, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, slots: Tensor,
+                     kv_len: Tensor) -> None:
+    """Each layer's k/v projection of the same x [N, W, H] (k-norm, RoPE at positions [N, W])
+    stored in that layer's cache at kv_len - W .. kv_len - 1: a matvec over the layer's k and v
+    rows of its fused weight, then the q/k/v kernel with no q heads. (A DFlash drafter's context.)"""
+    n, w = positions.shape
+    flat = x.reshape(n * w, -1)
+    for i, layer in enumerate(layers):
+        a = layer.self_attn
+        kv_w = fused_weights(layer)[0][a.num_heads * a.head_dim:]  # [2*Hkv*D, H]: k rows, then v rows
+        _qkv(layer, linear(flat, kv_w), positions, rotary, cache, i, slots, kv_len, n, w, with_q=False)
+
+
 def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, i: int,
-         slots: Tensor, kv_len: Tensor, n: int, w: int) -> Tensor:
+         slots: Tensor, kv_len: Tensor, n: int, w: int, with_q: bool = True) -> Tensor | None:
     """q/k-norm, RoPE and the K/V store for one layer's fused projection [N*W, (Hq+2Hkv)*D]
-    (or its partial sums [parts, N*W, ...]) -> q [N, Hq, W, D], a view of [N, W, Hq, D]."""
+    (or its partial sums [parts, N*W, ...]) -> q [N, Hq, W, D], a view of [N, W, Hq, D].
+    Without ``with_q`` the projection holds only k and v ([N*W, 2Hkv*D]) and nothing returns."""
     a = layer.self_attn
     qk_norm = hasattr(a, "q_norm")
-    q = torch.empty(n, w, a.num_heads, a.head_dim, dtype=cache.k[i].dtype, device=qkv.device)
-    parts = qkv.numel() // (n * w * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim)
+    hq = a.num_heads if with_q else 0
     k_cache = cache.k[i]
-    _qkv_kernel[(n * w, a.num_heads + 2 * a.num_kv_heads)](
+    q = torch.empty(n, w, hq, a.head_dim, dtype=k_cache.dtype, device=qkv.device) if with_q else k_cache
+    parts = qkv.numel() // (n * w * (hq + 2 * a.num_kv_heads) * a.head_dim)
+    _qkv_kernel[(n * w, hq + 2 * a.num_kv_heads)](
         qkv, a.q_norm.weight if qk_norm else qkv, a.k_norm.weight if qk_norm else qkv, rotary.inv_freq, positions,
-        q, k_cache, cache.v[i], slots, kv_len, a.num_heads, a.num_kv_heads, w,
-        a.q_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        qkv.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim)
-    return q.transpose(1, 2)
+        q, k_cache, cache.v[i], slots, kv_len, hq, a.num_kv_heads, w,
+        a.k_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        qkv.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim,
+        **overlap.launch(release=True))
+    return q.transpose(1, 2) if with_q else None

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import CacheAttention, attend, split_size, store_kv
-from .fused import run_stack
+from .fused import project_kv_stack, run_stack
 
 
 LONG_WINDOW = 64  # query rows (new tokens x heads per KV head) past which eager attention leaves the decode kernel
@@ -154,10 +154,10 @@ class StaticStore:
             self.slots.release(cache.index)
             cache.index = -1
 
-    def write(self, rows: Rows, layer: int, k: Tensor, v: Tensor) -> None:
-        """k, v [N, Hkv, W, D] at positions start .. start + W - 1 of each row's slot."""
-        store = self.cache
-        store_kv(k, v, store.k[layer], store.v[layer], rows.slots, rows.start + k.shape[2])
+    def write_projected(self, rows: Rows, layers, x: Tensor, positions: Tensor, rotary) -> None:
+        """Every DecoderLayer's k/v projection of x [N, W, H] (k-norm, RoPE at positions [N, W])
+        at the rows' positions start .. start + W - 1: two launches a layer (fused.py)."""
+        project_kv_stack(layers, x, positions, rotary, self.cache, rows.slots, rows.start + x.shape[1])
 
     def at(self, rows: Rows, start: Tensor) -> Rows:
         """The same rows with their new keys going at ``start`` [N] (a chain's later steps)."""

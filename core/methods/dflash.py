@@ -165,8 +165,8 @@ class DFlashDrafter(Drafter):
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)  # [N, W]
-        for layer, (k, v) in enumerate(self.model.context_kv(features, positions)):
-            self.kv.write(rows.caches, layer, k, v)
+        m = self.model
+        self.kv.write_projected(rows.caches, m.layers, m.fuse(features), positions, m.rotary)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
         n, b = rows.last_token.shape[0], self.plan.block_size

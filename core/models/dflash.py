@@ -26,9 +26,13 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.rotary = Rotary(lc.rope, lc.head_dim)
 
+    def fuse(self, features: Tensor) -> Tensor:
+        """Target features [B, C, n*H] -> the fused context [B, C, H] every layer projects."""
+        return self.hidden_norm(self.fc(features))
+
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Target features [B, C, n*H] at positions [B, C] -> per layer (k, v) [B, Hkv, C, D]."""
-        fused = self.hidden_norm(self.fc(features))
+        fused = self.fuse(features)
         cos, sin = self.rotary(positions, fused.dtype)
         return [layer.self_attn.project_kv(fused, cos, sin) for layer in self.layers]
 
