@@ -14,8 +14,9 @@ H, Q, KV, I, V = 4096, 4096, 1024, 12288, 151936
 SHAPES = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
 
 
-def profile_round(spec, batch):
-    """Kernel time by kernel over ten replays of one round's graphs (draft, verify) at a batch."""
+def profile_round(spec, batch, dump=None):
+    """Kernel time by kernel over ten replays of one round's graphs (draft, verify) at a batch;
+    with ``dump`` a path, every kernel's (name, start us, end us) in order go there as JSON."""
     from torch.profiler import profile, ProfilerActivity
     from core.engine import Engine
     from core.benchmark import _decode, _prompts
@@ -23,13 +24,26 @@ def profile_round(spec, batch):
     _decode(eng, _prompts(eng, batch, 512, 1), 32)
     graphs = [g for k, (g, _) in eng.backend.graphs._graphs.items() if k[-1 if k[0] == "draft" else 2] == batch]
     ms = median_ms(lambda: [g.replay() for g in graphs], 20)
+    for k, (g, _) in eng.backend.graphs._graphs.items():
+        if g in graphs:
+            print(f"  graph {k[0]}: {median_ms(g.replay, 20):.3f} ms")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             for g in graphs:
                 g.replay()
         torch.cuda.synchronize()
     print(f"{spec} batch {batch}: graphs {ms:.3f} ms per round")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    print(f"{'kernel':70} {'us/round':>9} {'launches':>8}")
+    for e in rows[:45]:
+        print(f"{e.key[:70]:70} {e.device_time_total / 10:9.1f} {e.count // 10:8d}")
+    print(f"{'all kernels':70} {sum(e.device_time_total for e in rows) / 10:9.1f} {sum(e.count for e in rows) // 10:8d}")
+    if dump:
+        import json
+        from torch.autograd import DeviceType
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+        with open(dump, "w") as f:
+            json.dump([(e.name, e.time_range.start, e.time_range.end) for e in kernels], f)
 
 
 def graph_ms(fn):
@@ -88,7 +102,8 @@ def main():
         return chosen()
     if "--profile" in sys.argv:
         at = sys.argv.index("--profile")
-        return profile_round(sys.argv[at + 1], int(sys.argv[at + 2]))
+        dump = sys.argv[sys.argv.index("--dump") + 1] if "--dump" in sys.argv else None
+        return profile_round(sys.argv[at + 1], int(sys.argv[at + 2]), dump)
     rows = [Tiling(bn, bk, sp, 4, st) for bn, bk, sp, st in itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (3, 5))]
     rows += [Tiling(128, 64, 1, 4, 4), Tiling(128, 128, 1, 8, 4)]
     for name, (n, k) in SHAPES.items():
