@@ -153,3 +153,23 @@ def test_graph_steps_are_idempotent(method):
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     assert int(runs[0][2][1, 0]) == req.seq_len + int(runs[0][0][0, 1])  # next start: past the accepted drafts
+
+
+def test_settle_flags_rows_with_non_finite_logits():
+    """The verify graph decides on the device: a row with any non-finite logit (counted by the
+    draw kernel, chunk by chunk) is flagged for the host, the others are decided as usual and
+    step on past their emitted token."""
+    eng = _engine("none", "cuda")
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in PROMPTS[:3]]
+    eng.step()
+    backend = eng.backend
+    backend.bufs.load(reqs, 4)
+    vocab = backend.target.lm_head.weight.shape[0]
+    logits = torch.randn(4, 1, vocab, generator=torch.Generator().manual_seed(0)).to(DEV)
+    logits[1, 0, vocab - 2] = float("nan")  # in the last chunk
+    logits[2, 0, 0] = float("-inf")
+    packed = backend._settle(4, 1, logits).cpu()
+    assert packed[:3, 0].tolist() == [1, 0, 0]
+    assert packed[0, 1] == 0 and packed[0, 2] == logits[0, 0].argmax().item()  # greedy, no drafts
+    nxt = backend.bufs.next[:, :3].cpu()
+    assert nxt[0, 0] == packed[0, 2] and nxt[1, 0] == reqs[0].seq_len

@@ -82,6 +82,23 @@ def test_acceptance_kernel_matches_the_oracle(temperature, chunk):
     assert sum(agree) >= (n if temperature == 0 else n - 1)
 
 
+def test_draw_counts_non_finite_scores_per_chunk():
+    """accept_matching's ``bad``: each real vocabulary chunk's count of NaN and infinite scores."""
+    n, k, v, chunk = 3, 2, 300, 64
+    logits = torch.randn(n, k + 1, v, generator=torch.Generator().manual_seed(4))
+    logits[0, 1, 5] = float("nan")
+    logits[0, 1, 70] = float("inf")
+    logits[2, 2, v - 1] = float("-inf")
+    _, real, padded = kernels.chunking(v, chunk)
+    bad = torch.full((n * (k + 1), padded), -1, dtype=torch.int32).to(DEV)
+    zeros = torch.zeros(n, dtype=torch.long).to(DEV)
+    kernels.accept_matching(logits.to(DEV), torch.zeros(n, k, dtype=torch.long).to(DEV), zeros, zeros,
+                            inv_temp=torch.zeros(n).to(DEV), chunk=chunk, bad=bad)
+    want = (~torch.isfinite(logits)).reshape(n * (k + 1), v)
+    want = torch.nn.functional.pad(want, (0, real * chunk - v)).view(n * (k + 1), real, chunk).sum(-1)
+    assert torch.equal(bad[:, :real].cpu(), want.int())
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_rejection_kernel_matches_the_oracle(temperature):
     """Drafts sampled from a drafter's own q: accept/reject, residual and bonus as the oracle."""

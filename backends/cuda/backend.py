@@ -26,7 +26,7 @@ from core.request import Request
 from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 
 from . import sampling as kernels
-from .buffers import DRAFT_SLOT, LAST, SLOT, START, Buffers, FeatureRing, rows_key
+from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, inverse_temperature, rows_key
 from .fused import lm_logits
 from .graphs import Graphs
 from .kv import FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
@@ -43,6 +43,31 @@ def _window_kernel(meta, drafts, ids, positions, stride_meta, K, W, LAST_ROW: tl
     draft = tl.load(drafts + n * K + t - 1, mask=(t > 0) & (t < W), other=0)
     tl.store(ids + n * W + t, tl.where(t == 0, last, draft), mask=t < W)
     tl.store(positions + n * W + t, start + t, mask=t < W)
+
+
+@triton.jit
+def _settle_kernel(meta, drafts, num, tokens, bad, packed, nxt, stride_meta, stride_next, K, W, scratch,
+                   LAST_ROW: tl.constexpr, START_ROW: tl.constexpr, SLOT_ROW: tl.constexpr, REAL: tl.constexpr,
+                   CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row n of a decided round: packed [finite, accepted, tokens (W), drafts (W - 1)] for the
+    host (finite: no chunk of its W draws counted a non-finite logit), and the row's next last
+    token and start into ``nxt`` (padding rows keep theirs)."""
+    n = tl.program_id(0)
+    t = tl.arange(0, BLOCK)
+    c = tl.arange(0, CHUNKS)
+    count = tl.full((), 0, tl.int32)
+    for i in range(0, W):
+        count += tl.sum(tl.load(bad + (n * W + i) * CHUNKS + c, mask=c < REAL, other=0), axis=0)
+    accepted = tl.load(num + n)
+    out = packed + n * (2 * W + 1)
+    tl.store(out, (count == 0).to(tl.int64))
+    tl.store(out + 1, accepted)
+    tl.store(out + 2 + t, tl.load(tokens + n * W + t, mask=t < W, other=-1), mask=t < W)
+    tl.store(out + 2 + W + t, tl.load(drafts + n * K + t, mask=t < W - 1, other=0), mask=t < W - 1)
+    live = tl.load(meta + SLOT_ROW * stride_meta + n) != scratch
+    last = tl.where(live, tl.load(tokens + n * W + accepted), tl.load(meta + LAST_ROW * stride_meta + n))
+    tl.store(nxt + n, last)
+    tl.store(nxt + stride_next + n, tl.load(meta + START_ROW * stride_meta + n) + tl.where(live, accepted + 1, 0))
 
 
 @dataclass(frozen=True)
@@ -216,22 +241,23 @@ class CudaBackend:
         logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
         if not decide:
             return logits, features, None
-        batch = b.sampling(bucket)
-        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], batch.seed,
-                                              b.row(START, bucket) + 1, inv_temp=_inverse(batch.temperature))
-        finite = torch.isfinite(logits).flatten(1).all(dim=1)
-        packed = torch.cat([finite[:, None].long(), num[:, None], tokens, b.drafts[:bucket, : width - 1]], dim=1)
-        self._advance(bucket, num, tokens)
-        return logits, features, packed
+        return logits, features, self._settle(bucket, width, logits)
 
-    def _advance(self, bucket: int, num: Tensor, tokens: Tensor) -> None:
-        """Each live row's last token and start after this round, into ``bufs.next``, so the
-        next round can be launched before the host has read this one (padding rows stay)."""
+    def _settle(self, bucket: int, width: int, logits: Tensor) -> Tensor:
+        """Decide the round on the device -> packed [bucket, 2W + 1] for the one copy back; each
+        live row's last token and start after it go to ``bufs.next``, so the next round can be
+        launched before the host has read this one."""
         b = self.bufs
-        live = b.row(SLOT, bucket) != self.cache.scratch  # [bucket]
-        last = tokens.gather(1, num[:, None])[:, 0]  # the token after the accepted drafts
-        b.next[0, :bucket] = torch.where(live, last, b.row(LAST, bucket))
-        b.next[1, :bucket] = b.row(START, bucket) + torch.where(live, num + 1, 0)
+        _, real, chunks = kernels.chunking(logits.shape[-1])
+        bad = torch.empty(bucket * width, chunks, dtype=torch.int32, device=self.device)  # [bucket * W, chunks]
+        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
+                                              b.row(START, bucket) + 1, inv_temp=b.fmeta[INV_TEMP, :bucket], bad=bad)
+        packed = torch.empty(bucket, 2 * width + 1, dtype=torch.int64, device=self.device)
+        _settle_kernel[(bucket,)](b.meta, b.drafts, num, tokens, bad, packed, b.next, b.meta.stride(0),
+                                  b.next.stride(0), b.drafts.shape[1], width, self.cache.scratch, LAST_ROW=LAST,
+                                  START_ROW=START, SLOT_ROW=SLOT, REAL=real, CHUNKS=chunks,
+                                  BLOCK=triton.next_power_of_2(width))
+        return packed
 
     # ------------------------------------------------------------------ accept
 
@@ -335,8 +361,4 @@ def _scores(logits: Tensor, reqs: list[Request], batch: SamplingBatch) -> tuple[
     filters (inv_temp None), else the raw logits and each row's inverse temperature."""
     if _filtered(reqs):
         return torch.log(probs_from_logits(logits, batch)), None
-    return logits, _inverse(batch.temperature)
-
-
-def _inverse(temperature: Tensor) -> Tensor:
-    return torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
+    return logits, inverse_temperature(batch.temperature)

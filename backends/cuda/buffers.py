@@ -14,19 +14,19 @@ from core.sampling import SamplingBatch
 
 # rows of Buffers.meta (int64) and Buffers.fmeta (float32); LAST and START are adjacent (step_on copies both)
 LAST, START, SLOT, DRAFT_SLOT, SEED, TOP_K = range(6)
-TEMPERATURE, TOP_P = range(2)
+TEMPERATURE, TOP_P, INV_TEMP = range(3)
 
 
 class Buffers:
     def __init__(self, max_batch: int, num_drafts: int, scratch: int, device: torch.device):
         self.max_batch, self.scratch, self.device = max_batch, scratch, device
         self.meta = torch.zeros(6, max_batch, dtype=torch.int64, device=device)  # [field, max_batch]
-        self.fmeta = torch.zeros(2, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
+        self.fmeta = torch.zeros(3, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
         self.next = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # [LAST/START, max_batch] after the round
         pinned = device.type == "cuda"
         self._host_i = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned)  # staging, reused
-        self._host_f = torch.zeros(2, max_batch, dtype=torch.float32, pin_memory=pinned)
+        self._host_f = torch.zeros(3, max_batch, dtype=torch.float32, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None  # the staging may be rewritten once set
         self._key: tuple | None = None
         self.load([], max_batch)
@@ -48,7 +48,8 @@ class Buffers:
         if self._copied is not None:
             self._copied.synchronize()  # the previous load's copies have read the staging
         self._host_i.numpy()[:, :bucket] = ints
-        self._host_f.numpy()[:, :bucket] = floats
+        self._host_f.numpy()[: INV_TEMP, :bucket] = floats
+        self._host_f[INV_TEMP, :bucket] = inverse_temperature(self._host_f[TEMPERATURE, :bucket])
         pinned = self._copied is not None
         self.meta[:, :bucket].copy_(self._host_i[:, :bucket], non_blocking=pinned)
         self.fmeta[:, :bucket].copy_(self._host_f[:, :bucket], non_blocking=pinned)
@@ -69,6 +70,11 @@ class Buffers:
     def sampling(self, bucket: int) -> SamplingBatch:
         return SamplingBatch(temperature=self.fmeta[TEMPERATURE, :bucket], top_k=self.meta[TOP_K, :bucket],
                              top_p=self.fmeta[TOP_P, :bucket], seed=self.meta[SEED, :bucket])
+
+
+def inverse_temperature(temperature: Tensor) -> Tensor:
+    """1 / temperature, 0 for greedy rows: what the sampling kernels scale raw logits by."""
+    return torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
 
 
 def rows_key(reqs: list[Request]) -> tuple[tuple[int, int], ...]:

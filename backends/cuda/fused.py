@@ -131,13 +131,14 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float) -> tuple[T
     return total.view(h.shape), normed.view(h.shape)
 
 
-def linear(x: Tensor, weight: Tensor, gated: bool = False) -> Tensor:
+def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
     """x [M, K] @ weight.T through the decode matvec when it applies (the result may then be
     float32 partial sums [parts, M, N]: add_norm and the q/k/v kernel take those), else the
-    matrix library. ``gated``: weight is [gate; up] and the result silu(gate) * up."""
+    matrix library. ``gated``: weight is [gate; up] and the result silu(gate) * up. Whole
+    results are rounded to x's dtype and may be stored as ``out_dtype``."""
     tiling = choose_tiling(x.shape[0], weight.shape[0] // (2 if gated else 1), weight.shape[1], gated)
     if tiling is not None:
-        return matvec(x, weight, tiling, gated)
+        return matvec(x, weight, tiling, gated, out_dtype)
     y = F.linear(x, weight)
     if gated:
         return silu_mul(y)
@@ -150,7 +151,7 @@ def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor) -> Tensor:
     if lm_head.bias is not None:
         return lm_head(hidden).float()
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = linear(flat, lm_head.weight)
+    out = linear(flat, lm_head.weight, out_dtype=torch.float32)
     if out.dim() == 3:  # partial sums
         out = out.sum(0).to(hidden.dtype)
     return out.float().view(*hidden.shape[:-1], -1)

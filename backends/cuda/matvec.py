@@ -56,13 +56,14 @@ def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, GATED: tl.constexpr, SPLIT: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] (rows x output columns) -> out: partial sums or final values."""
+def _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, dt, GATED: tl.constexpr, SPLIT: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] (rows x output columns) -> out: partial sums, or final values
+    rounded to the model dtype ``dt`` (then stored as out's dtype: float32 logits need no copy)."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if GATED:
         acc_g = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     if SPLIT == 1:
-        tl.store(out + rm[:, None] * N + rn[None, :], acc_g.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + rm[:, None] * N + rn[None, :], acc_g.to(dt).to(out.dtype.element_ty), mask=mask)
     else:
         tl.store(out + (pk * M + rm[:, None]) * N + rn[None, :], acc_g, mask=mask)
 
@@ -90,12 +91,14 @@ def _mv_rows(x, w, out, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr
         xp += BLOCK_K
         wp += BLOCK_K
         up += BLOCK_K
-    _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, GATED, SPLIT)
+    _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, x.dtype.element_ty, GATED, SPLIT)
 
 
-def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False) -> Tensor:
-    """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype, or float32
-    partial sums [split, M, N] when tiling.split > 1 (the consumer adds them)."""
+def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None
+           ) -> Tensor:
+    """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype (rounded to it,
+    stored as ``out_dtype`` when given), or float32 partial sums [split, M, N] when
+    tiling.split > 1 (the consumer adds them)."""
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     if w.shape[1] != k:
@@ -107,7 +110,7 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False) -> Tensor:
         raise ValueError(f"matvec: K={k} does not divide into {tiling.split} chunks of {tiling.block_k}-wide steps")
     x = x.contiguous()
     if tiling.split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, tiling.block_n), tiling.split)

@@ -91,20 +91,29 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
 
 
 @triton.jit
-def _draw_chunks_kernel(scores, seed, first, inv_temp, vals, idxs, V, W, stride_req, stride_pos, CHUNK,
-                        STREAM: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
+def _draw_chunks_kernel(scores, seed, first, inv_temp, vals, idxs, bad, V, W, stride_req, stride_pos, CHUNK,
+                        STREAM: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
+                        COUNT_BAD: tl.constexpr):
     """Program (row r = request * W + t, vocabulary chunk c): the best column of the chunk for
     the draw keyed by (seed, first + t). A draw depends only on its own row and key, so every
-    position's draw and every chunk of the vocabulary run in parallel."""
+    position's draw and every chunk of the vocabulary run in parallel. With COUNT_BAD it also
+    writes how many of the chunk's scores are not finite to bad [rows, CHUNKS]."""
     r, c = tl.program_id(0), tl.program_id(1)
     req, t = r // W, r % W
     key = _row_key(tl.load(seed + req), tl.load(first + req) + t, STREAM)
     temp = tl.load(inv_temp + req) if MODE == LOGITS else 1.0
     lo = c * CHUNK
-    val, idx = _best(scores + req * stride_req + t * stride_pos, scores, key, lo, tl.minimum(lo + CHUNK, V), BLOCK,
-                     MODE, True, temp)
+    row = scores + req * stride_req + t * stride_pos
+    val, idx = _best(row, scores, key, lo, tl.minimum(lo + CHUNK, V), BLOCK, MODE, True, temp)
     tl.store(vals + r * CHUNKS + c, val)
     tl.store(idxs + r * CHUNKS + c, idx)
+    if COUNT_BAD:
+        count = tl.full((), 0, tl.int32)
+        for start in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            count += tl.sum(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)
+        tl.store(bad + r * CHUNKS + c, count)
 
 
 @triton.jit
@@ -188,19 +197,25 @@ CHUNK = 4096  # vocabulary columns per program of a draw
 
 
 def _draws(scores: Tensor, seed: Tensor, first: Tensor, stream: int, block: int, inv_temp: Tensor | None,
-           chunk: int = CHUNK) -> tuple[Tensor, Tensor, int]:
+           chunk: int = CHUNK, bad: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
     """Every row's draw over scores [N, W, V] (row (n, t) keyed by first[n] + t), per chunk of
-    the vocabulary: (best values, best columns) [N * W, chunks], and the padded chunk count."""
+    the vocabulary: (best values, best columns) [N * W, chunks], and the padded chunk count.
+    ``bad`` [N * W, chunks] int32, when given, gets each real chunk's count of non-finite scores."""
     n, w, v = scores.shape
-    chunk = min(chunk, triton.next_power_of_2(v))
-    chunks = triton.next_power_of_2(triton.cdiv(v, chunk))
+    chunk, real, chunks = chunking(v, chunk)
     vals = torch.full((n * w, chunks), float("-inf"), dtype=torch.float32, device=scores.device)
     idxs = torch.zeros(n * w, chunks, dtype=torch.int64, device=scores.device)
-    _draw_chunks_kernel[(n * w, triton.cdiv(v, chunk))](
-        scores, seed, first, seed if inv_temp is None else inv_temp, vals, idxs, v, w, scores.stride(0),
-        scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks, BLOCK=min(block, chunk),
-        MODE=0 if inv_temp is None else 3)  # LOGP or LOGITS
+    _draw_chunks_kernel[(n * w, real)](
+        scores, seed, first, seed if inv_temp is None else inv_temp, vals, idxs, vals if bad is None else bad, v, w,
+        scores.stride(0), scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks, BLOCK=min(block, chunk),
+        MODE=0 if inv_temp is None else 3, COUNT_BAD=bad is not None)  # LOGP or LOGITS
     return vals, idxs, chunks
+
+
+def chunking(v: int, chunk: int = CHUNK) -> tuple[int, int, int]:
+    """A draw over v columns: (columns per chunk, real chunks, padded chunks: _draws' row width)."""
+    chunk = min(chunk, triton.next_power_of_2(v))
+    return chunk, triton.cdiv(v, chunk), triton.next_power_of_2(triton.cdiv(v, chunk))
 
 
 def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_STREAM, block: int = 1024,
@@ -217,14 +232,15 @@ def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_ST
 
 
 def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024,
-                    inv_temp: Tensor | None = None, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+                    inv_temp: Tensor | None = None, chunk: int = CHUNK, bad: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
     """logp [N, K+1, V], drafts [N, K] -> (num_accepted [N], tokens [N, K+1]); positions past
     the emitted token are left unwritten (callers read tokens[:num_accepted + 1]). With
-    ``inv_temp`` [N] the rows are raw logits, as in `sample`."""
+    ``inv_temp`` [N] the rows are raw logits, as in `sample`; ``bad`` as in `_draws`."""
     n, k1, v = logp.shape
     if logp.stride(2) != 1:
         logp = logp.contiguous()
-    vals, idxs, chunks = _draws(logp, seed, first, SAMPLE_STREAM, block, inv_temp, chunk)
+    vals, idxs, chunks = _draws(logp, seed, first, SAMPLE_STREAM, block, inv_temp, chunk, bad)
     num = torch.empty(n, dtype=torch.int64, device=logp.device)
     tokens = torch.full((n, k1), -1, dtype=torch.int64, device=logp.device)
     _accept_matching_kernel[(n,)](vals, idxs, drafts.contiguous(), num, tokens, k1 - 1, CHUNKS=chunks)
