@@ -2,10 +2,11 @@
 before it in the stream still runs, so the ~300 launches of a decode step stop paying a
 launch and a ramp-up each.
 
-Every kernel of the decode path is launched with ``launch_pdl`` and begins with ``gate``: it
-waits there until the kernels before it have finished and their writes are visible (the
-hardware's grid dependency wait, so correctness never rests on where a kernel lets the next
-one launch). Kernels whose successor gains from launching early then release it at once: the
+The decoder-layer kernels (matvec, norms, q/k/v, attention and its combine, KV store, SiLU·up;
+the sampling kernels at a round's end launch plainly) are launched with ``launch_pdl`` and
+begin with ``gate``: each waits there until the kernels before it have finished and their
+writes are visible (the hardware's grid dependency wait, so correctness never rests on where
+a kernel lets the next one launch). Kernels whose successor gains from launching early then release it at once: the
 matvecs, the norms and the q/k/v kernel. Attention and its combine do not: on an H200 a
 combine launched beside attention's splits, or an output matvec beside the combine, made the
 DFlash round 0.3 ms slower (docs/RESULTS.md).
