@@ -160,10 +160,13 @@ class EngineLoop:
         handle.sent_ids = len(req.output_ids)
         finished = self.engine.completion(req) if done else None
         text = finished.text if done else stable_text(self.engine.text(req), req.stop_strings)
-        if done:  # metrics and logs first: a client that sees its answer then sees it counted
-            self.active.remove(handle)
-            self._log_finished(req, finished)
-        handle.aio.call_soon_threadsafe(handle.queue.put_nowait, Update(text, list(req.output_ids), finished))
+        update = Update(text, list(req.output_ids), finished)
+        try:
+            if done:  # metrics and logs first: a client that sees its answer then sees it counted
+                self.active.remove(handle)
+                self._log_finished(req, finished)
+        finally:  # a listener that raises must not cost the client its answer
+            handle.aio.call_soon_threadsafe(handle.queue.put_nowait, update)
 
     def _log_finished(self, req: Request, c: Completion) -> None:
         m = c.meta_info

@@ -135,14 +135,14 @@ def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtyp
     """x [M, K] @ weight.T through the decode matvec when it applies (the result may then be
     float32 partial sums [parts, M, N]: add_norm and the q/k/v kernel take those), else the
     matrix library. ``gated``: weight is [gate; up] and the result silu(gate) * up. Whole
-    results are rounded to x's dtype and may be stored as ``out_dtype``."""
+    results are rounded to x's dtype, then stored as ``out_dtype`` when given."""
     tiling = choose_tiling(x.shape[0], weight.shape[0] // (2 if gated else 1), weight.shape[1], gated)
     if tiling is not None:
         return matvec(x, weight, tiling, gated, out_dtype)
     y = F.linear(x, weight)
     if gated:
-        return silu_mul(y)
-    return y
+        y = silu_mul(y)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor) -> Tensor:

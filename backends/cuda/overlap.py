@@ -6,10 +6,10 @@ The decoder-layer kernels (matvec, norms, q/k/v, attention and its combine, KV s
 the sampling kernels at a round's end launch plainly) are launched with ``launch_pdl`` and
 begin with ``gate``: each waits there until the kernels before it have finished and their
 writes are visible (the hardware's grid dependency wait, so correctness never rests on where
-a kernel lets the next one launch). Kernels whose successor gains from launching early then release it at once: the
-matvecs, the norms and the q/k/v kernel. Attention and its combine do not: on an H200 a
-combine launched beside attention's splits, or an output matvec beside the combine, made the
-DFlash round 0.3 ms slower (docs/RESULTS.md).
+a kernel lets the next one launch). Kernels whose successor gains from launching early then
+release it at once: the matvecs, the norms and the q/k/v kernel. Attention and its combine do
+not: on an H200 a combine launched beside attention's splits, or an output matvec beside the
+combine, made the DFlash round 0.3 ms slower (docs/RESULTS.md).
 
 Off in the Triton interpreter (no such hardware) and before Hopper; ``DRAFTLINE_PDL=0``
 turns it off for comparison.
@@ -34,17 +34,12 @@ def enabled() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-def mode(release: bool) -> int:
-    """The gate mode for a kernel: OFF without PDL, else WAIT, or RELEASE to launch the next early."""
-    if not enabled():
-        return OFF
-    return RELEASE if release else WAIT
-
-
 def launch(release: bool) -> dict:
-    """The launch keywords of a gated kernel: its PDL mode and whether to launch with PDL."""
-    m = mode(release)
-    return {"PDL": m, "launch_pdl": m != OFF}
+    """The launch keywords of a gated kernel: its gate mode (OFF without PDL, else WAIT, or
+    RELEASE to let the next kernel launch early) and whether to launch it with PDL."""
+    if not enabled():
+        return {"PDL": OFF, "launch_pdl": False}
+    return {"PDL": RELEASE if release else WAIT, "launch_pdl": True}
 
 
 @triton.jit
