@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from core.models.layers import AttentionFn
 from core.request import Request
@@ -43,6 +44,11 @@ class Verification:
                             None if self.finite is None else self.finite[keep])
 
 
+def head_argmax(head: nn.Linear, hidden: Tensor) -> Tensor:
+    """hidden [..., H] -> [...] int64: the greedy token of head(hidden) in the model's dtype."""
+    return head(hidden).argmax(-1)
+
+
 @dataclass(frozen=True)
 class DraftRows:
     """The rows a drafter drafts for, as device tensors: what a graph-captured draft step reads."""
@@ -53,6 +59,8 @@ class DraftRows:
     caches: Any  # the KVStore's handle on these rows' drafter caches
     target_kv: "TargetKV | None" = None  # the target's own cache, read-only (drafters that share it)
     features: Tensor | None = None  # [N, taps*H] target features at position start - 1 (Drafter.reads_last_features)
+    # the backend's greedy readout through an LM head (the cuda backend's never writes logits)
+    head_argmax: Callable[[nn.Linear, Tensor], Tensor] = head_argmax
 
 
 class TargetKV(Protocol):
@@ -80,10 +88,10 @@ class KVStore(Protocol):
         list of ``new()`` handles, or a backend's batched handle (DraftRows.caches)."""
 
     # Stores that index KV by absolute position (the cuda backend's static caches) also offer
-    # write_projected(caches, layers, x [N, W, H], positions [N, W], rotary): every
-    # DecoderLayer's k/v projection of x (k-norm, RoPE) at each row's positions
-    # start .. start+W-1, and at(caches, start [N]) -> the same rows' handle with new keys
-    # going at ``start``.
+    # write_projected(caches, layers, x [N, W, *], positions [N, W], rotary, fc=None, hidden_norm=None):
+    # every DecoderLayer's k/v projection of x, or of hidden_norm(fc(x)) (k-norm, RoPE), at each
+    # row's positions start .. start+W-1; and at(caches, start [N]) -> the same rows' handle with
+    # new keys going at ``start``.
 
 
 class Backend(Protocol):

@@ -221,7 +221,7 @@ def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: 
         new = torch.randn(batch, cfg.num_kv_heads, width, cfg.head_dim, dtype=engine.dtype, device=dev)
         slots = torch.arange(batch, device=dev)
         lengths = torch.full((batch,), ctx + width, device=dev)
-        attn = CacheAttention([k], [v], slots, lengths, True, split_size(ctx + width))
+        attn = CacheAttention([k], [v], slots, lengths, True, split_size(ctx + width, batch))
         ms = median_ms(_graphed(lambda: attn(0, q, new, new)), repeats=50)  # replayed: no launch gaps
         read = 2 * batch * (ctx + width) * cfg.num_kv_heads * cfg.head_dim * k.element_size()
         keys, values = k[:batch], v[:batch]

@@ -50,6 +50,7 @@ def test_cache_attention_matches_reference(causal, split):
 
 def test_split_size_spreads_long_rows():
     assert split_size(256) == 64 and split_size(4112) == 128 and split_size(40960) == 1024
+    assert split_size(4096, rows=4) == 256 and split_size(4096, rows=16) == split_size(4096, rows=32) == 512
 
 
 def _twin_caches(cfg, gen):
@@ -79,7 +80,8 @@ def test_fused_stack_matches_module_forward(preset):
     start = torch.tensor([3, 20], device=DEV)
     positions = start[:, None] + torch.arange(5, device=DEV)
     slots = torch.tensor([2, 0], device=DEV)
-    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 5, True, caches[0].split)  # no decoder_stack
+    split = caches[0].split(len(slots))
+    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 5, True, split)  # no decoder_stack
     with torch.no_grad():
         want, want_taps = target(ids, positions, plain, (0, 2))
         got, got_taps = target(ids, positions, RowsAttention(caches[1], Rows(slots, start), True), (0, 2))
@@ -101,16 +103,18 @@ def test_fused_stack_runs_the_dflash_block():
     start = torch.tensor([7, 30], device=DEV)
     positions = start[:, None] + torch.arange(6, device=DEV)
     slots = torch.tensor([1, 2], device=DEV)
-    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 6, False, caches[0].split)
+    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 6, False, caches[0].split(len(slots)))
     with torch.no_grad():
         want = drafter(embeds, positions, plain)
         got = drafter(embeds, positions, RowsAttention(caches[1], Rows(slots, start), False))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_projected_context_matches_the_drafters_own():
+@pytest.mark.parametrize("fused_here", [True, False])
+def test_projected_context_matches_the_drafters_own(fused_here):
     """The DFlash drafter's context K/V written through the fused projection (one matvec and
-    one k-norm/RoPE/store kernel a layer) equals its own context_kv stored row by row."""
+    one k-norm/RoPE/store kernel a layer; fc and hidden norm either inside the store, as the
+    engine runs it, or by the model) equals its own context_kv stored row by row."""
     from backends.cuda.kv import Rows, StaticStore
     from core.models.loader import random_dflash
 
@@ -126,7 +130,12 @@ def test_projected_context_matches_the_drafters_own():
     store.append(handle, 0, nothing, nothing)  # the first write makes the cache
     slots = torch.tensor([2, 0], device=DEV)
     with torch.no_grad():
-        store.write_projected(Rows(slots, start), drafter.layers, drafter.fuse(features), positions, drafter.rotary)
+        rows = Rows(slots, start)
+        if fused_here:
+            store.write_projected(rows, drafter.layers, features, positions, drafter.rotary, drafter.fc,
+                                  drafter.hidden_norm)
+        else:
+            store.write_projected(rows, drafter.layers, drafter.fuse(features), positions, drafter.rotary)
         want = drafter.context_kv(features, positions)
     for layer, (k, v) in enumerate(want):
         for row, (slot, first) in enumerate(zip(slots.tolist(), start.tolist())):

@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda.fused import add_norm, linear, lm_logits  # noqa: E402
-from backends.cuda.matvec import Tiling, choose_tiling, matvec  # noqa: E402
+from backends.cuda.fused import add_norm, head_argmax, linear, lm_logits, norm  # noqa: E402
+from backends.cuda.matvec import Tiling, choose_tiling, matvec, matvec_argmax  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,6 +72,47 @@ def test_linear_partials_feed_add_norm(m):
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-4)
     ref = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
     torch.testing.assert_close(normed, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_norm_adds_partial_sums(m):
+    """A projection's partial sums normalized with no residual (a DFlash context's fc + norm)."""
+    torch.manual_seed(m)
+    x = torch.randn(m, 1024, device=DEV)
+    w = torch.randn(256, 1024, device=DEV) / 32
+    norm_w = torch.rand(256, device=DEV) + 0.5
+    a = linear(x, w)
+    assert a.dim() == 3  # 256 outputs: split, partial sums
+    y = x @ w.T
+    want = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+    torch.testing.assert_close(norm(a, norm_w, 1e-6, m), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 15])
+def test_head_argmax_is_the_first_largest_rounded_logit(m):
+    """The greedy readout that never writes logits: torch's argmax over the head's output in
+    the model dtype, ties (common once rounded to bf16) going to the first column, across
+    column blocks and a ragged last block."""
+    torch.manual_seed(m)
+    head = torch.nn.Linear(128, 1000, bias=False).to(DEV)
+    head.weight.data[700] = head.weight.data[300]  # equal logits in two column blocks
+    head.weight.data[301] = head.weight.data[300]  # and within one
+    hidden = torch.randn(m, 128, device=DEV)
+    hidden[0] = head.weight.data[300] * 4  # row 0's largest logit sits at 300, 301 and 700
+    got = head_argmax(head, hidden[None])
+    assert got.shape == (1, m) and got.dtype == torch.int64
+    assert torch.equal(got[0], head(hidden).argmax(-1)) and got[0, 0] == 300
+    if DEV == "cuda":  # the interpreter computes in float32 only
+        bf = head.to(torch.bfloat16)
+        assert torch.equal(head_argmax(bf, hidden.to(torch.bfloat16)), bf(hidden.to(torch.bfloat16)).argmax(-1))
+    assert choose_tiling(m, 1000, 128).split == 1
+
+
+def test_argmax_counts_nan_as_largest():
+    w = torch.randn(300, 64, device=DEV)
+    w[250] = float("nan")
+    got = matvec_argmax(torch.randn(1, 64, device=DEV), w, Tiling(32, 32, 1, 4, 2))
+    assert got.tolist() == [250]
 
 
 def test_lm_logits_match_the_head():

@@ -27,7 +27,7 @@ from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 
 from . import sampling as kernels
 from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, inverse_temperature, rows_key
-from .fused import lm_logits
+from .fused import head_argmax, lm_logits
 from .graphs import Graphs
 from .kv import FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 
@@ -55,9 +55,9 @@ def _settle_kernel(meta, drafts, num, tokens, bad, packed, nxt, stride_meta, str
     n = tl.program_id(0)
     t = tl.arange(0, BLOCK)
     c = tl.arange(0, CHUNKS)
-    count = tl.full((), 0, tl.int32)
-    for i in range(0, W):
-        count += tl.sum(tl.load(bad + (n * W + i) * CHUNKS + c, mask=c < REAL, other=0), axis=0)
+    counts = tl.load(bad + (n * W + t[:, None]) * CHUNKS + c[None, :], mask=(t[:, None] < W) & (c[None, :] < REAL),
+                     other=0)  # [BLOCK, CHUNKS] in one load: a loop over W paid a load's latency per token
+    count = tl.sum(tl.sum(counts, axis=1), axis=0)
     accepted = tl.load(num + n)
     out = packed + n * (2 * W + 1)
     tl.store(out, (count == 0).to(tl.int64))
@@ -167,7 +167,8 @@ class CudaBackend:
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
                          caches=Rows(b.row(DRAFT_SLOT, bucket), start),
                          target_kv=FrozenTargetKV(self.cache, slots, start),
-                         features=None if self.ring is None else self.ring.read(slots, start - 1))
+                         features=None if self.ring is None else self.ring.read(slots, start - 1),
+                         head_argmax=head_argmax)
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:

@@ -26,7 +26,7 @@ from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import choose_tiling, matvec
+from .matvec import choose_tiling, matvec, matvec_argmax
 
 if TYPE_CHECKING:
     from .kv import StaticKV
@@ -43,15 +43,19 @@ def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, HAS_ADD: tl.constexpr, PARTS: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w."""
+def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w.
+    Without HAS_H, s = a (its partial sums added and rounded), and h_out is not written."""
     overlap.gate(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
-    s = tl.load(h + r * H + cols, mask=inside, other=0.0).to(tl.float32)
-    if HAS_ADD:
+    if not HAS_H:
+        s = _summed(a, r * H + cols, inside, rows * H, y_out.dtype.element_ty, PARTS)
+    else:
+        s = tl.load(h + r * H + cols, mask=inside, other=0.0).to(tl.float32)
+    if HAS_ADD and HAS_H:
         s = s + _summed(a, r * H + cols, inside, rows * H, h_out.dtype.element_ty, PARTS)
         s = s.to(h_out.dtype.element_ty)
         tl.store(h_out + r * H + cols, s, mask=inside)
@@ -120,13 +124,31 @@ def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
 def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h)).
     ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read."""
+    return _add_norm(a, h, weight, eps)
+
+
+def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
+    """rmsnorm(a) * weight -> [rows, H], where ``a`` is a linear's result [rows, H] or its
+    float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read)."""
+    return _add_norm(a, None, weight, eps, rows)[1]
+
+
+def _add_norm(a: Tensor | None, h: Tensor | None, weight: Tensor, eps: float, rows: int = 0
+              ) -> tuple[Tensor | None, Tensor]:
+    if h is None:
+        out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
+        _add_norm_kernel[(rows,)](a, a, weight, out, out, weight.shape[0], eps, rows, HAS_ADD=True, HAS_H=False,
+                                  PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
+                                  num_warps=16 if rows > 1 else 4, **overlap.launch(release=True))
+        return None, out
     flat = h.reshape(-1, h.shape[-1])
     rows, width = flat.shape
     parts = 1 if a is None else a.numel() // flat.numel()
     total = torch.empty_like(flat) if a is not None else flat
     normed = torch.empty_like(flat)
     _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows,
-                              HAS_ADD=a is not None, PARTS=parts, BLOCK=triton.next_power_of_2(width),
+                              HAS_ADD=a is not None, HAS_H=True, PARTS=parts, BLOCK=triton.next_power_of_2(width),
+                              num_warps=16 if rows > 1 else 4,  # rows of partial sums: more loads in flight
                               **overlap.launch(release=True))
     return total.view(h.shape), normed.view(h.shape)
 
@@ -155,6 +177,16 @@ def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor) -> Tensor:
     if out.dim() == 3:  # partial sums
         out = out.sum(0).to(hidden.dtype)
     return out.float().view(*hidden.shape[:-1], -1)
+
+
+def head_argmax(head: torch.nn.Linear, hidden: Tensor) -> Tensor:
+    """hidden [..., H] -> [...] int64: argmax of head(hidden) (the first on ties), the products
+    rounded to the model dtype as the eager head gives them; no logits are written."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    tiling = choose_tiling(flat.shape[0], head.weight.shape[0], flat.shape[1])
+    if head.bias is not None or tiling is None or tiling.split != 1:
+        return head(hidden).argmax(-1)
+    return matvec_argmax(flat, head.weight, tiling).view(hidden.shape[:-1])
 
 
 def silu_mul(gu: Tensor) -> Tensor:
@@ -202,7 +234,7 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
         if i - 1 in taps:
             tapped[i - 1] = h
         q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
-        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.split)  # [N, Hq, W, D] view
+        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.split(n))  # [N, Hq, W, D] view
         a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)  # [N, W, Hq, D] memory
         h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
@@ -213,12 +245,19 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
 
 
 def project_kv_stack(layers, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, slots: Tensor,
-                     kv_len: Tensor) -> None:
-    """Each layer's k/v projection of the same x [N, W, H] (k-norm, RoPE at positions [N, W])
-    stored in that layer's cache at kv_len - W .. kv_len - 1: a matvec over the layer's k and v
-    rows of its fused weight, then the q/k/v kernel with no q heads. (A DFlash drafter's context.)"""
+                     kv_len: Tensor, fc: torch.nn.Linear | None = None, hidden_norm: RMSNorm | None = None) -> None:
+    """Each layer's k/v projection of the same x [N, W, H] (first ``hidden_norm(fc(x))`` when
+    given; k-norm, RoPE at positions [N, W]) stored in that layer's cache at kv_len - W ..
+    kv_len - 1: a matvec over the layer's k and v rows of its fused weight, then the q/k/v
+    kernel with no q heads. (A DFlash drafter's context: its fc and norm are two launches here.)"""
     n, w = positions.shape
     flat = x.reshape(n * w, -1)
+    if fc is not None:
+        flat = linear(flat, fc.weight) if fc.bias is None else fc(flat)
+        if hidden_norm is not None:
+            flat = norm(flat, hidden_norm.weight, hidden_norm.eps, n * w)
+        elif flat.dim() == 3:  # partial sums
+            flat = flat.sum(0).to(x.dtype)
     for i, layer in enumerate(layers):
         a = layer.self_attn
         kv_w = fused_weights(layer)[0][a.num_heads * a.head_dim:]  # [2*Hkv*D, H]: k rows, then v rows

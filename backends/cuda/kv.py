@@ -49,7 +49,6 @@ class StaticKV:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len, self.scratch = max_len, num_slots
-        self.split = split_size(max_len)
         self.slots = SlotPool(num_slots, "KV")
 
     def allocate(self) -> int:
@@ -58,8 +57,12 @@ class StaticKV:
     def release(self, slot: int) -> None:
         self.slots.release(slot)
 
+    def split(self, rows: int) -> int:
+        """Keys per attention split for a batch of ``rows`` (attention.split_size)."""
+        return split_size(self.max_len, rows)
+
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
-        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.split)
+        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.split(slots.shape[0]))
 
     def prefill_attention(self, slot: int) -> "PrefillAttention":
         return PrefillAttention(self, slot)
@@ -154,10 +157,13 @@ class StaticStore:
             self.slots.release(cache.index)
             cache.index = -1
 
-    def write_projected(self, rows: Rows, layers, x: Tensor, positions: Tensor, rotary) -> None:
-        """Every DecoderLayer's k/v projection of x [N, W, H] (k-norm, RoPE at positions [N, W])
-        at the rows' positions start .. start + W - 1: two launches a layer (fused.py)."""
-        project_kv_stack(layers, x, positions, rotary, self.cache, rows.slots, rows.start + x.shape[1])
+    def write_projected(self, rows: Rows, layers, x: Tensor, positions: Tensor, rotary, fc=None, hidden_norm=None
+                        ) -> None:
+        """Every DecoderLayer's k/v projection of x [N, W, H] (of hidden_norm(fc(x)) when given;
+        k-norm, RoPE at positions [N, W]) at the rows' positions start .. start + W - 1: two
+        launches a layer, two more for fc and the norm (fused.py)."""
+        project_kv_stack(layers, x, positions, rotary, self.cache, rows.slots, rows.start + x.shape[1], fc,
+                         hidden_norm)
 
     def at(self, rows: Rows, start: Tensor) -> Rows:
         """The same rows with their new keys going at ``start`` [N] (a chain's later steps)."""
@@ -224,4 +230,5 @@ class FrozenTargetKV:
     start: Tensor  # [N] int64, each row's verified length
 
     def read(self, layer: int, q: Tensor) -> Tensor:
-        return attend(q, self.cache.k[layer], self.cache.v[layer], self.slots, self.start, False, self.cache.split)
+        return attend(q, self.cache.k[layer], self.cache.v[layer], self.slots, self.start, False,
+                      self.cache.split(self.slots.shape[0]))

@@ -11,7 +11,10 @@ The K range may be split over SPLIT programs per output block: each writes a flo
 [SPLIT, M, N] and the consumer (the next norm, the q/k/v kernel) adds them as it loads, so a
 small matrix still spreads over the whole chip without a reduction launch of its own. With
 ``GATED`` the weight is [gate; up] stacked and each program computes both halves of its
-columns, writing silu(gate) * up: the MLP's activation costs no launch either.
+columns, writing silu(gate) * up: the MLP's activation costs no launch either. With ``ARGMAX``
+each program keeps only its columns' largest (rounded) value per row and where it sits, and a
+one-program-per-row pass picks the winner: a greedy readout through an LM head never writes
+its logits.
 """
 
 from __future__ import annotations
@@ -56,21 +59,32 @@ def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, dt, GATED: tl.constexpr, SPLIT: tl.constexpr):
+def _epilogue(acc_g, acc_u, out, idx, rm, rn, M, N, pk, pn, dt, GATED: tl.constexpr, SPLIT: tl.constexpr,
+              ARGMAX: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (rows x output columns) -> out: partial sums, or final values
-    rounded to the model dtype ``dt`` (then stored as out's dtype: float32 logits need no copy)."""
+    rounded to the model dtype ``dt`` (then stored as out's dtype: float32 logits need no copy).
+    ARGMAX: each row's largest rounded value here (NaN counting as largest, as torch.argmax
+    has it) to out [M, column blocks] and its first column to idx."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if GATED:
         acc_g = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    if SPLIT == 1:
+    if ARGMAX:
+        v = acc_g.to(dt).to(tl.float32)
+        v = tl.where(mask, tl.where(v != v, float("inf"), v), float("-inf"))
+        best = tl.max(v, axis=1)
+        first = tl.min(tl.where(v == best[:, None], rn[None, :], N), axis=1)
+        tl.store(out + rm * tl.num_programs(0) + pn, best, mask=rm < M)
+        tl.store(idx + rm * tl.num_programs(0) + pn, first, mask=rm < M)
+    elif SPLIT == 1:
         tl.store(out + rm[:, None] * N + rn[None, :], acc_g.to(dt).to(out.dtype.element_ty), mask=mask)
     else:
         tl.store(out + (pk * M + rm[:, None]) * N + rn[None, :], acc_g, mask=mask)
 
 
 @triton.jit
-def _mv_rows(x, w, out, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _mv_rows(x, w, out, idx, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+             PDL: tl.constexpr):
     """Program (column block, K chunk): BLOCK_N outputs of rows [0, M) over K [pk*CHUNK, +CHUNK)."""
     pn, pk = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -91,7 +105,19 @@ def _mv_rows(x, w, out, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr
         xp += BLOCK_K
         wp += BLOCK_K
         up += BLOCK_K
-    _epilogue(acc_g, acc_u, out, rm, rn, M, N, pk, x.dtype.element_ty, GATED, SPLIT)
+    _epilogue(acc_g, acc_u, out, idx, rm, rn, M, N, pk, pn, x.dtype.element_ty, GATED, SPLIT, ARGMAX)
+
+
+@triton.jit
+def _argmax_kernel(best, idx, tokens, B, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row r: the first column holding the largest of its B column blocks' bests."""
+    overlap.gate(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    b = tl.arange(0, BLOCK)
+    v = tl.load(best + r * B + b, mask=b < B, other=float("-inf"))
+    top = tl.max(v, axis=0)
+    at = tl.load(idx + r * B + b, mask=b < B, other=0)
+    tl.store(tokens + r, tl.min(tl.where((v == top) & (b < B), at, 2147483647), axis=0).to(tl.int64))
 
 
 def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None
@@ -114,8 +140,29 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, tiling.block_n), tiling.split)
-    _mv_rows[grid](x, w, out, m, n, k, chunk, GATED=gated, SPLIT=tiling.split,
+    _mv_rows[grid](x, w, out, out, m, n, k, chunk, GATED=gated, SPLIT=tiling.split, ARGMAX=False,
                    BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                    num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
     return out
+
+
+def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling) -> Tensor:
+    """argmax over N of x [M, K] @ w.T rounded to x's dtype (the first on ties) -> [M] int64,
+    without writing the [M, N] products: two launches."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or tiling.split != 1 or k % tiling.block_k:
+        raise ValueError(f"matvec_argmax: x [{m}, {k}] and weight {tuple(w.shape)} need whole sums in "
+                         f"{tiling.block_k}-wide steps")
+    blocks = triton.cdiv(n, tiling.block_n)
+    best = torch.empty(m, blocks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(m, blocks, dtype=torch.int32, device=x.device)
+    _mv_rows[(blocks, 1)](x.contiguous(), w, best, idx, m, n, k, k, GATED=False, SPLIT=1, ARGMAX=True,
+                          BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n,
+                          BLOCK_K=tiling.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                          num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    _argmax_kernel[(m,)](best, idx, tokens, blocks, BLOCK=triton.next_power_of_2(blocks),
+                         **overlap.launch(release=False))
+    return tokens

@@ -54,9 +54,11 @@ def _best(row, q_row, key, lo, hi, BLOCK: tl.constexpr, MODE: tl.constexpr, use_
     index, where w is ``row`` as log-probabilities (LOGP) or probabilities (PROBS), or
     max(0, row - q_row) (RESIDUAL; just ``row`` when not use_q), or softmax(row * inv_temp)
     from raw logits (LOGITS; inv_temp 0 is greedy: the plain argmax, no noise). Unnormalized w
-    is fine: a constant shift of every log cannot move the argmax."""
+    is fine: a constant shift of every log cannot move the argmax. Third, for LOGITS, how many
+    of the columns are not finite (counted in the same pass)."""
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
+    bad = tl.full((), 0, tl.int32)
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < hi
@@ -64,6 +66,7 @@ def _best(row, q_row, key, lo, hi, BLOCK: tl.constexpr, MODE: tl.constexpr, use_
             lp = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
         elif MODE == LOGITS:
             x = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            bad += tl.sum((inside & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.int32), axis=0)
             lp = x * tl.where(inv_temp > 0, inv_temp, 1.0)
         else:
             w = tl.load(row + cols, mask=inside, other=0.0).to(tl.float32)
@@ -81,7 +84,7 @@ def _best(row, q_row, key, lo, hi, BLOCK: tl.constexpr, MODE: tl.constexpr, use_
         better = blk_val > best_val
         best_idx = tl.where(better, blk_idx, best_idx)
         best_val = tl.where(better, blk_val, best_val)
-    return best_val, best_idx
+    return best_val, best_idx, bad
 
 
 @triton.jit
@@ -96,23 +99,18 @@ def _draw_chunks_kernel(scores, seed, first, inv_temp, vals, idxs, bad, V, W, st
                         COUNT_BAD: tl.constexpr):
     """Program (row r = request * W + t, vocabulary chunk c): the best column of the chunk for
     the draw keyed by (seed, first + t). A draw depends only on its own row and key, so every
-    position's draw and every chunk of the vocabulary run in parallel. With COUNT_BAD it also
-    writes how many of the chunk's scores are not finite to bad [rows, CHUNKS]."""
+    position's draw and every chunk of the vocabulary run in parallel. With COUNT_BAD (raw
+    logits) it also writes how many of the chunk's scores are not finite to bad [rows, CHUNKS]."""
     r, c = tl.program_id(0), tl.program_id(1)
     req, t = r // W, r % W
     key = _row_key(tl.load(seed + req), tl.load(first + req) + t, STREAM)
     temp = tl.load(inv_temp + req) if MODE == LOGITS else 1.0
     lo = c * CHUNK
     row = scores + req * stride_req + t * stride_pos
-    val, idx = _best(row, scores, key, lo, tl.minimum(lo + CHUNK, V), BLOCK, MODE, True, temp)
+    val, idx, count = _best(row, scores, key, lo, tl.minimum(lo + CHUNK, V), BLOCK, MODE, True, temp)
     tl.store(vals + r * CHUNKS + c, val)
     tl.store(idxs + r * CHUNKS + c, idx)
     if COUNT_BAD:
-        count = tl.full((), 0, tl.int32)
-        for start in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            count += tl.sum(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)
         tl.store(bad + r * CHUNKS + c, count)
 
 
@@ -202,6 +200,8 @@ def _draws(scores: Tensor, seed: Tensor, first: Tensor, stream: int, block: int,
     the vocabulary: (best values, best columns) [N * W, chunks], and the padded chunk count.
     ``bad`` [N * W, chunks] int32, when given, gets each real chunk's count of non-finite scores."""
     n, w, v = scores.shape
+    if bad is not None and inv_temp is None:
+        raise ValueError("_draws: non-finite counts are kept for raw logits (give inv_temp)")
     chunk, real, chunks = chunking(v, chunk)
     vals = torch.full((n * w, chunks), float("-inf"), dtype=torch.float32, device=scores.device)
     idxs = torch.zeros(n * w, chunks, dtype=torch.int64, device=scores.device)

@@ -166,7 +166,7 @@ class DFlashDrafter(Drafter):
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)  # [N, W]
         m = self.model
-        self.kv.write_projected(rows.caches, m.layers, m.fuse(features), positions, m.rotary)
+        self.kv.write_projected(rows.caches, m.layers, features, positions, m.rotary, fc=m.fc, hidden_norm=m.hidden_norm)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
         n, b = rows.last_token.shape[0], self.plan.block_size
@@ -175,9 +175,9 @@ class DFlashDrafter(Drafter):
         positions = rows.start[:, None] + offsets  # [N, B]
         attn = self.kv.attention(rows.caches, causal=False, persist=False)
         hidden = self.model(self.target.embed(ids), positions, attn)
-        logits = self.target.logits(hidden[:, 1:])  # [N, K, V]: slot k predicts position start + k
-        if self.plan.draft_sample_method == "greedy":
-            return Proposal(tokens=logits.argmax(-1))
+        if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
+            return Proposal(tokens=rows.head_argmax(self.target.lm_head, hidden[:, 1:]))
+        logits = self.target.logits(hidden[:, 1:])  # [N, K, V]
         q = probs_from_logits(logits, rows.batch)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
