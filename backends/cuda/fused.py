@@ -124,23 +124,6 @@ def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
 def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h)).
     ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read."""
-    return _add_norm(a, h, weight, eps)
-
-
-def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
-    """rmsnorm(a) * weight -> [rows, H], where ``a`` is a linear's result [rows, H] or its
-    float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read)."""
-    return _add_norm(a, None, weight, eps, rows)[1]
-
-
-def _add_norm(a: Tensor | None, h: Tensor | None, weight: Tensor, eps: float, rows: int = 0
-              ) -> tuple[Tensor | None, Tensor]:
-    if h is None:
-        out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
-        _add_norm_kernel[(rows,)](a, a, weight, out, out, weight.shape[0], eps, rows, HAS_ADD=True, HAS_H=False,
-                                  PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
-                                  num_warps=16 if rows > 1 else 4, **overlap.launch(release=True))
-        return None, out
     flat = h.reshape(-1, h.shape[-1])
     rows, width = flat.shape
     parts = 1 if a is None else a.numel() // flat.numel()
@@ -151,6 +134,16 @@ def _add_norm(a: Tensor | None, h: Tensor | None, weight: Tensor, eps: float, ro
                               num_warps=16 if rows > 1 else 4,  # rows of partial sums: more loads in flight
                               **overlap.launch(release=True))
     return total.view(h.shape), normed.view(h.shape)
+
+
+def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
+    """rmsnorm(a) * weight -> [rows, H], where ``a`` is a linear's result [rows, H] or its
+    float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read)."""
+    out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
+    _add_norm_kernel[(rows,)](a, a, weight, out, out, weight.shape[0], eps, rows, HAS_ADD=True, HAS_H=False,
+                              PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
+                              num_warps=16 if rows > 1 else 4, **overlap.launch(release=True))
+    return out
 
 
 def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
@@ -252,12 +245,11 @@ def project_kv_stack(layers, x: Tensor, positions: Tensor, rotary: Rotary, cache
     kernel with no q heads. (A DFlash drafter's context: its fc and norm are two launches here.)"""
     n, w = positions.shape
     flat = x.reshape(n * w, -1)
+    if (fc is None) != (hidden_norm is None):
+        raise ValueError("project_kv_stack: fc and hidden_norm come together (a DFlash drafter's context)")
     if fc is not None:
-        flat = linear(flat, fc.weight) if fc.bias is None else fc(flat)
-        if hidden_norm is not None:
-            flat = norm(flat, hidden_norm.weight, hidden_norm.eps, n * w)
-        elif flat.dim() == 3:  # partial sums
-            flat = flat.sum(0).to(x.dtype)
+        flat = norm(linear(flat, fc.weight) if fc.bias is None else fc(flat), hidden_norm.weight, hidden_norm.eps,
+                    n * w)
     for i, layer in enumerate(layers):
         a = layer.self_attn
         kv_w = fused_weights(layer)[0][a.num_heads * a.head_dim:]  # [2*Hkv*D, H]: k rows, then v rows
