@@ -123,7 +123,7 @@ def split_size(max_len: int, rows: int = 1) -> int:
     gets several programs per head), never under 64; splits past a row's length are idle but
     still launched and combined. So more rows get fewer, longer splits: 64 splits of a
     4096-key cache for one row, 8 from eight rows on (on an H200, 16 rows of a 512-token
-    verify ran 1.6 ms a round faster with 8 splits than with 64; one row, 0.14 ms slower)."""
+    verify ran 1.6 ms a round faster with 8 splits than with 64; one row, 0.18-0.25 ms slower)."""
     return max(64, triton.next_power_of_2(triton.cdiv(max_len, max(8, 64 // rows))))
 
 

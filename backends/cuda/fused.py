@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from backends.base import head_argmax as plain_head_argmax
 from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
@@ -178,7 +179,7 @@ def head_argmax(head: torch.nn.Linear, hidden: Tensor) -> Tensor:
     flat = hidden.reshape(-1, hidden.shape[-1])
     tiling = choose_tiling(flat.shape[0], head.weight.shape[0], flat.shape[1])
     if head.bias is not None or tiling is None or tiling.split != 1:
-        return head(hidden).argmax(-1)
+        return plain_head_argmax(head, hidden)
     return matvec_argmax(flat, head.weight, tiling).view(hidden.shape[:-1])
 
 

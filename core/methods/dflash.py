@@ -166,7 +166,8 @@ class DFlashDrafter(Drafter):
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)  # [N, W]
         m = self.model
-        self.kv.write_projected(rows.caches, m.layers, features, positions, m.rotary, fc=m.fc, hidden_norm=m.hidden_norm)
+        self.kv.write_projected(rows.caches, m.layers, features, positions, m.rotary, fc=m.fc,
+                                hidden_norm=m.hidden_norm)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
         n, b = rows.last_token.shape[0], self.plan.block_size
