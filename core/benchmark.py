@@ -210,7 +210,7 @@ def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: 
     """The verify attention kernel alone over the target's KV geometry: (context, µs, TB/s of
     KV read, µs of PyTorch's scaled_dot_product_attention over the same keys as a contiguous
     tensor with an explicit mask) per context length, for `batch` rows of `width` queries."""
-    from backends.cuda.attention import CacheAttention, split_size
+    from backends.cuda.attention import CacheAttention, split_plan
 
     cfg, dev, out = engine.target.config, engine.device, []
     for ctx in contexts:
@@ -221,7 +221,7 @@ def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: 
         new = torch.randn(batch, cfg.num_kv_heads, width, cfg.head_dim, dtype=engine.dtype, device=dev)
         slots = torch.arange(batch, device=dev)
         lengths = torch.full((batch,), ctx + width, device=dev)
-        attn = CacheAttention([k], [v], slots, lengths, True, split_size(ctx + width, batch))
+        attn = CacheAttention([k], [v], slots, lengths, True, split_plan(ctx + width, batch, cfg.num_kv_heads))
         ms = median_ms(_graphed(lambda: attn(0, q, new, new)), repeats=50)  # replayed: no launch gaps
         read = 2 * batch * (ctx + width) * cfg.num_kv_heads * cfg.head_dim * k.element_size()
         keys, values = k[:batch], v[:batch]

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda.attention import CacheAttention, split_size  # noqa: E402
+from backends.cuda.attention import CacheAttention, Splits, split_plan  # noqa: E402
 from backends.reference.kv import attend as reference_attend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,10 +23,11 @@ def _cache(slots, hkv, max_len, d, gen):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("split", [64, 128])
-def test_cache_attention_matches_reference(causal, split):
-    """Rows of different lengths in shuffled slots, GQA 4:2, splits that cut rows mid-way and
-    splits that see no key: each row equals attention over its own prefix then its new keys."""
+@pytest.mark.parametrize("splits", [Splits(4, 16), Splits(8, 64), Splits(2, 128)])
+def test_cache_attention_matches_reference(causal, splits):
+    """Rows of different lengths in shuffled slots, GQA 4:2, splits sized by each row's length
+    that cut it mid-way, and programs past a row's last split: each row equals attention over
+    its own prefix then its new keys."""
     gen = torch.Generator().manual_seed(0)
     n, hq, hkv, w, d, max_len = 3, 4, 2, 5, 32, 256
     k_cache, v_cache = _cache(6, hkv, max_len, d, gen)
@@ -36,7 +37,7 @@ def test_cache_attention_matches_reference(causal, split):
     q = torch.randn(n, hq, w, d, generator=gen).to(DEV)
     k_new = torch.randn(n, w, hkv, d, generator=gen).to(DEV).transpose(1, 2)  # strided, as projections give
     v_new = torch.randn(n, hkv, w, d, generator=gen).to(DEV)
-    attn = CacheAttention([k_cache], [v_cache], slots, kv_len, causal, split)
+    attn = CacheAttention([k_cache], [v_cache], slots, kv_len, causal, splits)
     out = attn(0, q, k_new, v_new).cpu()
     for i in range(n):
         s, length = int(slots[i]), int(kv_len[i])
@@ -48,9 +49,12 @@ def test_cache_attention_matches_reference(causal, split):
     assert torch.equal(k_cache[untouched].cpu(), before[0][untouched].cpu())
 
 
-def test_split_size_spreads_long_rows():
-    assert split_size(256) == 64 and split_size(4112) == 128 and split_size(40960) == 1024
-    assert split_size(4096, rows=4) == 256 and split_size(4096, rows=16) == split_size(4096, rows=32) == 512
+def test_split_plan_spreads_rows_over_the_chip():
+    assert split_plan(4096) == Splits(16, 128)  # 8 kv heads: 128 programs along one row's keys
+    assert split_plan(4096, rows=4) == Splits(4, 128)
+    assert split_plan(4096, rows=16) == split_plan(4096, rows=32) == Splits(2, 128)
+    assert split_plan(4096, kv_heads=2) == Splits(32, 128)  # fewer heads, more splits (64 capped: no split under 128)
+    assert split_plan(128, rows=1, kv_heads=2) == Splits(4, 32)  # a short cache splits in quarters
 
 
 def _twin_caches(cfg, gen):
@@ -80,8 +84,8 @@ def test_fused_stack_matches_module_forward(preset):
     start = torch.tensor([3, 20], device=DEV)
     positions = start[:, None] + torch.arange(5, device=DEV)
     slots = torch.tensor([2, 0], device=DEV)
-    split = caches[0].split(len(slots))
-    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 5, True, split)  # no decoder_stack
+    splits = caches[0].splits(len(slots))
+    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 5, True, splits)  # no decoder_stack
     with torch.no_grad():
         want, want_taps = target(ids, positions, plain, (0, 2))
         got, got_taps = target(ids, positions, RowsAttention(caches[1], Rows(slots, start), True), (0, 2))
@@ -103,7 +107,7 @@ def test_fused_stack_runs_the_dflash_block():
     start = torch.tensor([7, 30], device=DEV)
     positions = start[:, None] + torch.arange(6, device=DEV)
     slots = torch.tensor([1, 2], device=DEV)
-    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 6, False, caches[0].split(len(slots)))
+    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 6, False, caches[0].splits(len(slots)))
     with torch.no_grad():
         want = drafter(embeds, positions, plain)
         got = drafter(embeds, positions, RowsAttention(caches[1], Rows(slots, start), False))

@@ -1,5 +1,7 @@
 """Attention over the static KV cache: the new tokens' K/V are stored at their positions, then
 each row's queries attend over its own cached length, split along the keys (flash-decoding).
+How many keys a split takes is read on the device from the row's length (``Splits``), so a
+short row uses few splits and a long one many, in the same graph.
 
 Cache layout per layer: [slots, Hkv, max_len, D], so one (slot, head)'s keys are contiguous.
 A row's W new tokens sit at positions kv_len - W .. kv_len - 1. With ``causal`` query t sees
@@ -37,13 +39,20 @@ def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, W,
 
 
 @triton.jit
+def _split_keys(length, count, least, BLOCK_N: tl.constexpr):
+    """Keys per split of a row of ``length`` keys: the fewest that fit ``count`` splits, rounded
+    up to whole key blocks, and at least ``least``."""
+    return tl.maximum(tl.cdiv(tl.cdiv(length, count), BLOCK_N) * BLOCK_N, least)
+
+
+@triton.jit
 def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
-                   HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t,
-                   CAUSAL: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+                   HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, count, least,
+                   CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr):
     """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
-    [s*SPLIT, (s+1)*SPLIT) ∩ [0, kv_len); writes the normalized partial output and its
+    [s*split, (s+1)*split) ∩ [0, kv_len), split from _split_keys; writes the normalized partial output and its
     log-sum-exp (-inf where the split saw no key)."""
     overlap.gate(PDL)
     pid, s = tl.program_id(0), tl.program_id(1)
@@ -57,8 +66,9 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
     own = length - W + m % W  # each query's own position
     slot = tl.load(slots + n).to(tl.int64)
     base = slot * sc_slot + h * sc_head
-    lo = s * SPLIT
-    hi = tl.minimum(lo + SPLIT, length)
+    split = _split_keys(length, count, least, BLOCK_N)
+    lo = s * split
+    hi = tl.minimum(lo + split, length)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -89,15 +99,17 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
 
 
 @triton.jit
-def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, SPLIT, so_n, so_h, so_t,
-                    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, so_n, so_h, so_t, count, least,
+                    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (row, kv head, query row m): merge the row's live splits by their log-sum-exps,
     all splits in one vectorized pass."""
     overlap.gate(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
     n, h = pid // HKV, pid % HKV
     s = tl.arange(0, SPLITS)
-    live = s < tl.cdiv(tl.load(kv_len + n), SPLIT)
+    length = tl.load(kv_len + n)
+    live = s < tl.cdiv(length, _split_keys(length, count, least, BLOCK_N))
     part = (pid * SPLITS + s) * BLOCK_M + m  # [SPLITS]
     lse = tl.load(lse_part + part, mask=live, other=float("-inf"))
     top = tl.max(lse, axis=0)
@@ -118,17 +130,34 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tens
                                 k_cache.stride(2), D=d, **overlap.launch(release=False))
 
 
-def split_size(max_len: int, rows: int = 1) -> int:
-    """Keys per split: enough splits to spread the rows over the chip (one 500-token row still
-    gets several programs per head), never under 64; splits past a row's length are idle but
-    still launched and combined. So more rows get fewer, longer splits: 64 splits of a
-    4096-key cache for one row, 8 from eight rows on (on an H200, 16 rows of a 512-token
-    verify ran 1.6 ms a round faster with 8 splits than with 64; one row, 0.18-0.25 ms slower)."""
-    return max(64, triton.next_power_of_2(triton.cdiv(max_len, max(8, 64 // rows))))
+@dataclass(frozen=True)
+class Splits:
+    """How each row's keys split over attention programs: into at most ``count`` splits of at
+    least ``least`` keys (a power of two), sized on the device from the row's length. ``count``
+    programs per (row, kv head) are launched; those past a row's last split exit at once."""
+
+    count: int
+    least: int
+
+    @property
+    def block(self) -> int:
+        return min(64, self.least)  # keys per step inside a split
+
+
+def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
+    """Splits for ``rows`` rows over a cache of ``max_len`` keys: about 128 programs along the
+    keys of a long row (16 splits of each of one row's 8 kv heads, 2 from eight rows on), none
+    under 128 keys (a quarter of a short cache). On an H200 (attention and its combine, µs a
+    layer, against the fixed 64-key splits of one row and 512-key splits of sixteen before):
+    one row's 528-key verify of 16 tokens 9.5 against 11.9; sixteen such rows 26.4 against
+    44.0; one 4001-key row of one token 10.1 against 11.8."""
+    least = min(128, max(16, triton.next_power_of_2(max_len) // 4))
+    count = max(2, 128 // (rows * kv_heads))
+    return Splits(min(count, triton.cdiv(max_len, least)), least)
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor, causal: bool,
-           split: int, out: Tensor | None = None) -> Tensor:
+           splits: Splits, out: Tensor | None = None) -> Tensor:
     """q [N, Hq, W, D] over each row's cached keys -> out [N, Hq, W, D] in q's dtype. q and out
     may have any strides with unit stride along D: the fused stack passes [N, W, Hq, D] buffers
     viewed transposed, so the output projection reads them without a copy."""
@@ -136,23 +165,24 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
     hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     block_m = max(16, triton.next_power_of_2(g * w))
-    splits = triton.cdiv(max_len, split)
-    padded = triton.next_power_of_2(splits)
+    padded = triton.next_power_of_2(splits.count)
     if q.stride(3) != 1:
         q = q.contiguous()
     o_part = torch.empty(n * hkv * padded * block_m * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(n * hkv * padded * block_m, dtype=torch.float32, device=q.device)
-    _attend_kernel[(n * hkv, splits)](
+    plan = (splits.count, splits.least)
+    _attend_kernel[(n * hkv, splits.count)](
         q, k_cache, v_cache, slots, kv_len, o_part, lse_part, d**-0.5, hq, hkv, w, g,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
-        CAUSAL=causal, SPLIT=split, SPLITS=padded, BLOCK_M=block_m, BLOCK_N=min(64, split), D=d,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2), *plan,
+        CAUSAL=causal, SPLITS=padded, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False))
     if out is None:
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
-    _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, split, out.stride(0),
-                                      out.stride(1), out.stride(2), SPLITS=padded,
-                                      BLOCK_M=block_m, D=d, num_warps=4 if padded * d <= 8192 else 8,
+    _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, out.stride(0),
+                                      out.stride(1), out.stride(2), *plan, SPLITS=padded,
+                                      BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
+                                      num_warps=4 if padded * d <= 8192 else 8,
                                       **overlap.launch(release=False))
     return out
 
@@ -170,8 +200,8 @@ class CacheAttention:
     slots: Tensor  # [N] int32
     kv_len: Tensor  # [N] int32
     causal: bool
-    split: int
+    splits: Splits
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         store_kv(k, v, self.k[layer], self.v[layer], self.slots, self.kv_len)
-        return attend(q, self.k[layer], self.v[layer], self.slots, self.kv_len, self.causal, self.split)
+        return attend(q, self.k[layer], self.v[layer], self.slots, self.kv_len, self.causal, self.splits)

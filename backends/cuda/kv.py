@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import CacheAttention, attend, split_size, store_kv
+from .attention import CacheAttention, Splits, attend, split_plan, store_kv
 from .fused import project_kv_stack, run_stack
 
 
@@ -48,7 +48,7 @@ class StaticKV:
         shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len, self.scratch = max_len, num_slots
+        self.max_len, self.kv_heads, self.scratch = max_len, num_kv_heads, num_slots
         self.slots = SlotPool(num_slots, "KV")
 
     def allocate(self) -> int:
@@ -57,12 +57,12 @@ class StaticKV:
     def release(self, slot: int) -> None:
         self.slots.release(slot)
 
-    def split(self, rows: int) -> int:
-        """Keys per attention split for a batch of ``rows`` (attention.split_size)."""
-        return split_size(self.max_len, rows)
+    def splits(self, rows: int) -> Splits:
+        """How attention splits a row's keys for a batch of ``rows`` (attention.split_plan)."""
+        return split_plan(self.max_len, rows, self.kv_heads)
 
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
-        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.split(slots.shape[0]))
+        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]))
 
     def prefill_attention(self, slot: int) -> "PrefillAttention":
         return PrefillAttention(self, slot)
@@ -231,4 +231,4 @@ class FrozenTargetKV:
 
     def read(self, layer: int, q: Tensor) -> Tensor:
         return attend(q, self.cache.k[layer], self.cache.v[layer], self.slots, self.start, False,
-                      self.cache.split(self.slots.shape[0]))
+                      self.cache.splits(self.slots.shape[0]))
