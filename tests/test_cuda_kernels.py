@@ -76,6 +76,10 @@ def test_acceptance_kernel_matches_the_oracle(temperature, chunk):
     num, tokens = kernels.accept_matching(_logp(probs), drafts.to(DEV), batch.seed.to(DEV), first.to(DEV), block=32,
                                           chunk=chunk)
     num, tokens = num.cpu(), tokens.cpu()
+    assert all((tokens[r, num[r] + 1:] == -1).all() for r in range(n))  # nothing past the emitted token
+    shifted = kernels.accept_matching(_logp(probs), drafts.to(DEV), batch.seed.to(DEV), (first - 1).to(DEV),
+                                      block=32, chunk=chunk, shift=1)  # keyed by first + shift: the same draws
+    assert torch.equal(shifted[0].cpu(), num) and torch.equal(shifted[1].cpu(), tokens)
     agree = [int(num[r]) == int(want.num_accepted[r]) == int(cut[r])
              and torch.equal(tokens[r, : num[r] + 1], want.tokens[r, : num[r] + 1]) for r in range(n)]
     # greedy: every row exact; sampled: a float32 log may differ by an ulp at a near-tie
@@ -97,6 +101,7 @@ def test_draw_counts_non_finite_scores_per_chunk():
     want = (~torch.isfinite(logits)).reshape(n * (k + 1), v)
     want = torch.nn.functional.pad(want, (0, real * chunk - v)).view(n * (k + 1), real, chunk).sum(-1)
     assert torch.equal(bad[:, :real].cpu(), want.int())
+    assert (bad[:, real:] == 0).all()  # chunks past the vocabulary are written too: no fill needed
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -252,7 +252,8 @@ class CudaBackend:
         _, real, chunks = kernels.chunking(logits.shape[-1])
         bad = torch.empty(bucket * width, chunks, dtype=torch.int32, device=self.device)  # [bucket * W, chunks]
         num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
-                                              b.row(START, bucket) + 1, inv_temp=b.fmeta[INV_TEMP, :bucket], bad=bad)
+                                              b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket], bad=bad,
+                                              shift=1)
         packed = torch.empty(bucket, 2 * width + 1, dtype=torch.int64, device=self.device)
         _settle_kernel[(bucket,)](b.meta, b.drafts, num, tokens, bad, packed, b.next, b.meta.stride(0),
                                   b.next.stride(0), b.drafts.shape[1], width, self.cache.scratch, LAST_ROW=LAST,

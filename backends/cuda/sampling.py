@@ -49,6 +49,12 @@ LOGP, PROBS, RESIDUAL, LOGITS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2
 
 
 @triton.jit
+def _gumbel(key, cols):
+    """Gumbel noise of each column for a row's key."""
+    return -tl.log(-tl.log(_uniform(_hash32(key ^ _hash32(cols.to(tl.uint32) + 0x9E3779B9)))))
+
+
+@triton.jit
 def _best(row, q_row, key, lo, hi, BLOCK: tl.constexpr, MODE: tl.constexpr, use_q=True, inv_temp=1.0):
     """(max, argmax) over columns [lo, hi) of log w + Gumbel(key, column), ties to the lower
     index, where w is ``row`` as log-probabilities (LOGP) or probabilities (PROBS), or
@@ -74,10 +80,12 @@ def _best(row, q_row, key, lo, hi, BLOCK: tl.constexpr, MODE: tl.constexpr, use_
                 q = tl.load(q_row + cols, mask=inside, other=0.0).to(tl.float32)
                 w = tl.where(use_q, tl.maximum(w - q, 0.0), w)
             lp = tl.log(w)
-        u = _uniform(_hash32(key ^ _hash32(cols.to(tl.uint32) + 0x9E3779B9)))  # one per column
-        noise = -tl.log(-tl.log(u))
-        if MODE == LOGITS:
-            noise = tl.where(inv_temp > 0, noise, 0.0)
+        if MODE == LOGITS:  # a greedy row skips the noise: hashing every column is what a draw costs
+            noise = tl.zeros((BLOCK,), tl.float32)
+            if inv_temp > 0:
+                noise = _gumbel(key, cols)
+        else:
+            noise = _gumbel(key, cols)
         val = tl.where(inside, lp + noise, float("-inf"))
         blk_val = tl.max(val, axis=0)
         blk_idx = tl.argmax(val, axis=0).to(tl.int64) + start
@@ -94,16 +102,17 @@ def _gumbel_argmax(row, q_row, key, V, BLOCK: tl.constexpr, MODE: tl.constexpr, 
 
 
 @triton.jit
-def _draw_chunks_kernel(scores, seed, first, inv_temp, vals, idxs, bad, V, W, stride_req, stride_pos, CHUNK,
-                        STREAM: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
+def _draw_chunks_kernel(scores, seed, first, shift, inv_temp, vals, idxs, bad, V, W, stride_req, stride_pos,
+                        CHUNK, STREAM: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
                         COUNT_BAD: tl.constexpr):
     """Program (row r = request * W + t, vocabulary chunk c): the best column of the chunk for
-    the draw keyed by (seed, first + t). A draw depends only on its own row and key, so every
-    position's draw and every chunk of the vocabulary run in parallel. With COUNT_BAD (raw
-    logits) it also writes how many of the chunk's scores are not finite to bad [rows, CHUNKS]."""
+    the draw keyed by (seed, first + shift + t). A draw depends only on its own row and key, so
+    every position's draw and every chunk of the vocabulary run in parallel. Chunks past the
+    vocabulary (up to the padded CHUNKS) write (-inf, 0). With COUNT_BAD (raw logits) it also
+    writes how many of the chunk's scores are not finite to bad [rows, CHUNKS]."""
     r, c = tl.program_id(0), tl.program_id(1)
     req, t = r // W, r % W
-    key = _row_key(tl.load(seed + req), tl.load(first + req) + t, STREAM)
+    key = _row_key(tl.load(seed + req), tl.load(first + req) + shift + t, STREAM)
     temp = tl.load(inv_temp + req) if MODE == LOGITS else 1.0
     lo = c * CHUNK
     row = scores + req * stride_req + t * stride_pos
@@ -132,7 +141,7 @@ def _pick_kernel(vals, idxs, out, CHUNKS: tl.constexpr):
 def _accept_matching_kernel(vals, idxs, drafts, num_out, tok_out, K, CHUNKS: tl.constexpr):
     """One request per program, over the K+1 draws t_i already made (_draw_chunks_kernel):
     accept drafts while they match, write the accepted run then t at the first mismatch (or
-    the bonus t_K). Mirrors core.sampling._accept_matching."""
+    the bonus t_K), and -1 past it. Mirrors core.sampling._accept_matching."""
     req = tl.program_id(0)
     accepted = tl.full((), 0, tl.int64)
     matching = tl.full((), 1, tl.int1)
@@ -145,6 +154,8 @@ def _accept_matching_kernel(vals, idxs, drafts, num_out, tok_out, K, CHUNKS: tl.
                 accepted += 1
             else:
                 matching = False
+        else:
+            tl.store(tok_out + req * (K + 1) + i, -1)
     tl.store(num_out + req, accepted)
 
 
@@ -195,19 +206,19 @@ CHUNK = 4096  # vocabulary columns per program of a draw
 
 
 def _draws(scores: Tensor, seed: Tensor, first: Tensor, stream: int, block: int, inv_temp: Tensor | None,
-           chunk: int = CHUNK, bad: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
-    """Every row's draw over scores [N, W, V] (row (n, t) keyed by first[n] + t), per chunk of
-    the vocabulary: (best values, best columns) [N * W, chunks], and the padded chunk count.
+           chunk: int = CHUNK, bad: Tensor | None = None, shift: int = 0) -> tuple[Tensor, Tensor, int]:
+    """Every row's draw over scores [N, W, V] (row (n, t) keyed by first[n] + shift + t), per
+    chunk of the vocabulary: (best values, best columns) [N * W, chunks], and the padded chunk count.
     ``bad`` [N * W, chunks] int32, when given, gets each real chunk's count of non-finite scores."""
     n, w, v = scores.shape
     if bad is not None and inv_temp is None:
         raise ValueError("_draws: non-finite counts are kept for raw logits (give inv_temp)")
     chunk, real, chunks = chunking(v, chunk)
-    vals = torch.full((n * w, chunks), float("-inf"), dtype=torch.float32, device=scores.device)
-    idxs = torch.zeros(n * w, chunks, dtype=torch.int64, device=scores.device)
-    _draw_chunks_kernel[(n * w, real)](
-        scores, seed, first, seed if inv_temp is None else inv_temp, vals, idxs, vals if bad is None else bad, v, w,
-        scores.stride(0), scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks, BLOCK=min(block, chunk),
+    vals = torch.empty(n * w, chunks, dtype=torch.float32, device=scores.device)  # every chunk is written
+    idxs = torch.empty(n * w, chunks, dtype=torch.int64, device=scores.device)
+    _draw_chunks_kernel[(n * w, chunks)](
+        scores, seed, first, shift, seed if inv_temp is None else inv_temp, vals, idxs,
+        vals if bad is None else bad, v, w, scores.stride(0), scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks, BLOCK=min(block, chunk),
         MODE=0 if inv_temp is None else 3, COUNT_BAD=bad is not None)  # LOGP or LOGITS
     return vals, idxs, chunks
 
@@ -232,17 +243,17 @@ def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_ST
 
 
 def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024,
-                    inv_temp: Tensor | None = None, chunk: int = CHUNK, bad: Tensor | None = None
+                    inv_temp: Tensor | None = None, chunk: int = CHUNK, bad: Tensor | None = None, shift: int = 0
                     ) -> tuple[Tensor, Tensor]:
-    """logp [N, K+1, V], drafts [N, K] -> (num_accepted [N], tokens [N, K+1]); positions past
-    the emitted token are left unwritten (callers read tokens[:num_accepted + 1]). With
-    ``inv_temp`` [N] the rows are raw logits, as in `sample`; ``bad`` as in `_draws`."""
+    """logp [N, K+1, V], drafts [N, K] -> (num_accepted [N], tokens [N, K+1], -1 past the
+    emitted token); row (n, t) draws at position first[n] + shift + t. With ``inv_temp`` [N]
+    the rows are raw logits, as in `sample`; ``bad`` as in `_draws`."""
     n, k1, v = logp.shape
     if logp.stride(2) != 1:
         logp = logp.contiguous()
-    vals, idxs, chunks = _draws(logp, seed, first, SAMPLE_STREAM, block, inv_temp, chunk, bad)
+    vals, idxs, chunks = _draws(logp, seed, first, SAMPLE_STREAM, block, inv_temp, chunk, bad, shift)
     num = torch.empty(n, dtype=torch.int64, device=logp.device)
-    tokens = torch.full((n, k1), -1, dtype=torch.int64, device=logp.device)
+    tokens = torch.empty(n, k1, dtype=torch.int64, device=logp.device)
     _accept_matching_kernel[(n,)](vals, idxs, drafts.contiguous(), num, tokens, k1 - 1, CHUNKS=chunks)
     return num, tokens
 
