@@ -46,17 +46,39 @@ def _split_keys(length, count, least, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_slot, sc_head, sc_pos,
+                    BLOCK_N: tl.constexpr, KEYS: tl.constexpr, LINES: tl.constexpr, D: tl.constexpr):
+    """Ask L2 for the first KEYS cached keys and values of split s (128-byte lines). Issued
+    before the gate, while the kernel ahead still runs: nothing here is trusted afterwards (a
+    stale length or slot only fetches useless lines), the program reads everything again."""
+    length = tl.load(kv_len + n)
+    base = tl.load(slots + n).to(tl.int64) * sc_slot + h * sc_head
+    split = _split_keys(length, count, least, BLOCK_N)
+    j = s * split + tl.arange(0, KEYS)
+    at = base + tl.where(j < tl.minimum(s * split + split, length), j, 0)[:, None] * sc_pos + \
+        (tl.arange(0, LINES) * (D // LINES))[None, :]  # [KEYS, LINES]: a key's D elements are LINES lines
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [k_cache + at], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [v_cache + at], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
                    HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, count, least,
                    CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1):
     """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
-    [s*split, (s+1)*split) ∩ [0, kv_len), split from _split_keys; writes the normalized partial output and its
-    log-sum-exp (-inf where the split saw no key)."""
-    overlap.gate(PDL)
+    [s*split, (s+1)*split) ∩ [0, kv_len), split from _split_keys; writes the normalized partial
+    output and its log-sum-exp (-inf where the split saw no key). With PREFETCH (under PDL) it
+    first asks L2 for the split's cached keys, so they arrive while the q/k/v kernel ahead runs."""
     pid, s = tl.program_id(0), tl.program_id(1)
     n, h = pid // HKV, pid % HKV
+    if PREFETCH:
+        _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_slot, sc_head, sc_pos,
+                        BLOCK_N, 128, LINES, D)
+    overlap.gate(PDL)
     m = tl.arange(0, BLOCK_M)  # query row = g * W + t
     d = tl.arange(0, D)
     rows = G * W
@@ -176,7 +198,8 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2), *plan,
         CAUSAL=causal, SPLITS=padded, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
-        num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False))
+        num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False),
+        PREFETCH=overlap.enabled(), LINES=max(1, d * k_cache.element_size() // 128))
     if out is None:
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, out.stride(0),
