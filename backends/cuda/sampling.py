@@ -218,7 +218,8 @@ def _draws(scores: Tensor, seed: Tensor, first: Tensor, stream: int, block: int,
     idxs = torch.empty(n * w, chunks, dtype=torch.int64, device=scores.device)
     _draw_chunks_kernel[(n * w, chunks)](
         scores, seed, first, shift, seed if inv_temp is None else inv_temp, vals, idxs,
-        vals if bad is None else bad, v, w, scores.stride(0), scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks, BLOCK=min(block, chunk),
+        vals if bad is None else bad, v, w, scores.stride(0), scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks,
+        BLOCK=min(block, chunk),
         MODE=0 if inv_temp is None else 3, COUNT_BAD=bad is not None)  # LOGP or LOGITS
     return vals, idxs, chunks
 
