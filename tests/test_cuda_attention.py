@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda.attention import CacheAttention, Splits, split_plan  # noqa: E402
+from backends.cuda.attention import CacheAttention, Splits, attend, split_plan  # noqa: E402
 from backends.reference.kv import attend as reference_attend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,13 +23,16 @@ def _cache(slots, hkv, max_len, d, gen):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("splits", [Splits(4, 16), Splits(8, 64), Splits(2, 128)])
+@pytest.mark.parametrize("splits", [Splits(4, 16), Splits(8, 64), Splits(2, 128), Splits(4, 16, merge=True),
+                                    Splits(2, 128, merge=True)])
 def test_cache_attention_matches_reference(causal, splits):
-    """Rows of different lengths in shuffled slots, GQA 4:2, splits sized by each row's length
-    that cut it mid-way, and programs past a row's last split: each row equals attention over
-    its own prefix then its new keys."""
+    """Rows of different lengths in shuffled slots, GQA 8:2, splits sized by each row's length
+    that cut it mid-way, and programs past a row's last split, merged by a combine kernel or by
+    each row's last program: each row equals attention over its own prefix then its new keys.
+    Run twice, as a graph replays it: the tickets are back at zero and the output is the same
+    to the bit, whichever program merged."""
     gen = torch.Generator().manual_seed(0)
-    n, hq, hkv, w, d, max_len = 3, 4, 2, 5, 32, 256
+    n, hq, hkv, w, d, max_len = 3, 8, 2, 5, 32, 256
     k_cache, v_cache = _cache(6, hkv, max_len, d, gen)
     before = (k_cache.clone(), v_cache.clone())
     slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
@@ -37,8 +40,11 @@ def test_cache_attention_matches_reference(causal, splits):
     q = torch.randn(n, hq, w, d, generator=gen).to(DEV)
     k_new = torch.randn(n, w, hkv, d, generator=gen).to(DEV).transpose(1, 2)  # strided, as projections give
     v_new = torch.randn(n, hkv, w, d, generator=gen).to(DEV)
-    attn = CacheAttention([k_cache], [v_cache], slots, kv_len, causal, splits)
+    tickets = torch.zeros(n * hkv, dtype=torch.int32, device=DEV)
+    attn = CacheAttention([k_cache], [v_cache], slots, kv_len, causal, splits, tickets)
     out = attn(0, q, k_new, v_new).cpu()
+    assert not tickets.any()
+    torch.testing.assert_close(attn(0, q, k_new, v_new).cpu(), out, rtol=0, atol=0)
     for i in range(n):
         s, length = int(slots[i]), int(kv_len[i])
         keys = torch.cat([before[0][s, :, : length - w].cpu(), k_new[i].cpu()], dim=1)
@@ -51,10 +57,19 @@ def test_cache_attention_matches_reference(causal, splits):
 
 def test_split_plan_spreads_rows_over_the_chip():
     assert split_plan(4096) == Splits(16, 128)  # 8 kv heads: 128 programs along one row's keys
-    assert split_plan(4096, rows=4) == Splits(4, 128)
-    assert split_plan(4096, rows=16) == split_plan(4096, rows=32) == Splits(2, 128)
+    assert split_plan(4096, rows=4) == Splits(4, 128, merge=True)  # few splits: the last one merges
+    assert split_plan(4096, rows=16) == split_plan(4096, rows=32) == Splits(2, 128, merge=True)
     assert split_plan(4096, kv_heads=2) == Splits(32, 128)  # fewer heads, more splits (64 capped: no split under 128)
-    assert split_plan(128, rows=1, kv_heads=2) == Splits(4, 32)  # a short cache splits in quarters
+    assert split_plan(128, rows=1, kv_heads=2) == Splits(4, 32, merge=True)  # a short cache splits in quarters
+
+
+def test_attention_names_too_few_tickets():
+    q = torch.zeros(2, 4, 1, 32, device=DEV)
+    cache = torch.zeros(3, 2, 64, 32, device=DEV)
+    rows = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="tickets for 2 rows x 2 kv heads"):
+        attend(q, cache, cache, rows, rows + 1, True, Splits(2, 32, merge=True),
+               tickets=torch.zeros(3, dtype=torch.int32, device=DEV))
 
 
 def _twin_caches(cfg, gen):

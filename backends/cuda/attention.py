@@ -64,15 +64,17 @@ def _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_s
 
 
 @triton.jit
-def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
-                   HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, count, least,
-                   CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
+def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets, o, scale,
+                   HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, so_n, so_h, so_t, count, least,
+                   CAUSAL: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1):
     """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
     [s*split, (s+1)*split) ∩ [0, kv_len), split from _split_keys; writes the normalized partial
-    output and its log-sum-exp (-inf where the split saw no key). With PREFETCH (under PDL) it
-    first asks L2 for the split's cached keys, so they arrive while the q/k/v kernel ahead runs."""
+    output and its log-sum-exp (-inf where the split saw no key). With MERGE the last of (n, h)'s
+    programs to finish then merges the partials into o (no combine launch). With PREFETCH (under
+    PDL) it first asks L2 for the split's cached keys, so they arrive while the q/k/v kernel
+    ahead runs."""
     pid, s = tl.program_id(0), tl.program_id(1)
     n, h = pid // HKV, pid % HKV
     if PREFETCH:
@@ -116,8 +118,39 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, scale,
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     part = (pid * SPLITS + s) * BLOCK_M
     live = (lo + 0 * m) < length  # [BLOCK_M]; splits past the row's keys write nothing: never read
-    tl.store(o_part + (part + m[:, None]) * D + d[None, :], out, mask=live[:, None])
+    tl.store(o_part + (part + m[:, None]) * D + d[None, :], out.to(o_part.dtype.element_ty), mask=live[:, None])
     tl.store(lse_part + part + m, lse, mask=live)
+    if MERGE:
+        # The barrier puts every thread's stores above before this program's arrival (a release).
+        tl.debug_barrier()
+        if tl.atomic_add(tickets + pid, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            tl.store(tickets + pid, 0)  # the others have all arrived: ready for the next launch
+            res = _merge(o_part, lse_part, pid * SPLITS, tl.cdiv(length, split), BLOCK_M, D)
+            o_row = n * so_n + (h * G + m // W) * so_h + (m % W) * so_t  # [BLOCK_M]
+            tl.store(o + o_row[:, None] + d[None, :], res.to(o.dtype.element_ty), mask=(m < rows)[:, None])
+
+
+@triton.jit
+def _merge(o_part, lse_part, first, splits, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """A row's ``splits`` partial outputs merged by their log-sum-exps, read in split order
+    (whichever program merges, the sum runs in the same order: replays are bit-identical) from
+    L2 (.cg: this SM's L1 may hold lines of an earlier launch)."""
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for t in range(0, splits):
+        part = (first + t) * BLOCK_M + m
+        lse_t = tl.load(lse_part + part, cache_modifier=".cg")
+        o_t = tl.load(o_part + part[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
+        new = tl.maximum(top, lse_t)
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        a, b = tl.exp(top - safe), tl.exp(lse_t - safe)
+        acc = acc * a[:, None] + o_t * b[:, None]
+        total = total * a + b
+        top = new
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @triton.jit
@@ -156,10 +189,13 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tens
 class Splits:
     """How each row's keys split over attention programs: into at most ``count`` splits of at
     least ``least`` keys (a power of two), sized on the device from the row's length. ``count``
-    programs per (row, kv head) are launched; those past a row's last split exit at once."""
+    programs per (row, kv head) are launched; those past a row's last split exit at once. With
+    ``merge`` the last of them to finish merges the row's splits itself (a ticket count says
+    which is last) instead of a combine kernel over all of them."""
 
     count: int
     least: int
+    merge: bool = False  # the last split of a (row, kv head) to finish merges them: no combine launch
 
     @property
     def block(self) -> int:
@@ -172,14 +208,19 @@ def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
     under 128 keys (a quarter of a short cache). On an H200 (attention and its combine, µs a
     layer, against the fixed 64-key splits of one row and 512-key splits of sixteen before):
     one row's 528-key verify of 16 tokens 9.5 against 11.9; sixteen such rows 26.4 against
-    44.0; one 4001-key row of one token 10.1 against 11.8."""
+    44.0; one 4001-key row of one token 10.1 against 11.8.
+
+    A row of at most four splits merges them in its last program: sixteen rows' verify 20.6
+    against 30.1 µs with a combine kernel, four rows' 12.4 against 17.3. One row's sixteen
+    splits leave one program a long serial merge: 11.8 against 11.7 at 528 keys, 16.3
+    against 12.5 at 4001, so a single row keeps the combine kernel."""
     least = min(128, max(16, triton.next_power_of_2(max_len) // 4))
-    count = max(2, 128 // (rows * kv_heads))
-    return Splits(min(count, triton.cdiv(max_len, least)), least)
+    count = min(max(2, 128 // (rows * kv_heads)), triton.cdiv(max_len, least))
+    return Splits(count, least, merge=count <= 4)
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor, causal: bool,
-           splits: Splits, out: Tensor | None = None) -> Tensor:
+           splits: Splits, out: Tensor | None = None, tickets: Tensor | None = None) -> Tensor:
     """q [N, Hq, W, D] over each row's cached keys -> out [N, Hq, W, D] in q's dtype. q and out
     may have any strides with unit stride along D: the fused stack passes [N, W, Hq, D] buffers
     viewed transposed, so the output projection reads them without a copy."""
@@ -190,18 +231,28 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
     padded = triton.next_power_of_2(splits.count)
     if q.stride(3) != 1:
         q = q.contiguous()
-    o_part = torch.empty(n * hkv * padded * block_m * d, dtype=torch.float32, device=q.device)
+    # A merging program reads its row's partials alone: in q's dtype they are half the bytes.
+    o_part = torch.empty(n * hkv * padded * block_m * d, dtype=q.dtype if splits.merge else torch.float32,
+                         device=q.device)
     lse_part = torch.empty(n * hkv * padded * block_m, dtype=torch.float32, device=q.device)
+    if tickets is None:
+        tickets = torch.zeros(n * hkv, dtype=torch.int32, device=q.device)
+    elif tickets.numel() < n * hkv:
+        raise ValueError(f"attend: {tickets.numel()} tickets for {n} rows x {hkv} kv heads; "
+                         "give at least one per (row, kv head), as StaticKV.tickets does")
+    if out is None:
+        out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     plan = (splits.count, splits.least)
     _attend_kernel[(n * hkv, splits.count)](
-        q, k_cache, v_cache, slots, kv_len, o_part, lse_part, d**-0.5, hq, hkv, w, g,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2), *plan,
-        CAUSAL=causal, SPLITS=padded, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
+        q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets, out, d**-0.5, hq, hkv, w, g,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), *plan,
+        CAUSAL=causal, SPLITS=padded, MERGE=splits.merge, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False),
         PREFETCH=overlap.enabled(), LINES=max(1, d * k_cache.element_size() // 128))
-    if out is None:
-        out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    if splits.merge:
+        return out
     _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, out.stride(0),
                                       out.stride(1), out.stride(2), *plan, SPLITS=padded,
                                       BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
@@ -224,7 +275,9 @@ class CacheAttention:
     kv_len: Tensor  # [N] int32
     causal: bool
     splits: Splits
+    tickets: Tensor | None = None  # [>= N * Hkv] int32 zeros, kept zero between launches (attend)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         store_kv(k, v, self.k[layer], self.v[layer], self.slots, self.kv_len)
-        return attend(q, self.k[layer], self.v[layer], self.slots, self.kv_len, self.causal, self.splits)
+        return attend(q, self.k[layer], self.v[layer], self.slots, self.kv_len, self.causal, self.splits,
+                      tickets=self.tickets)

@@ -228,7 +228,8 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
         if i - 1 in taps:
             tapped[i - 1] = h
         q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
-        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n))  # [N, Hq, W, D] view
+        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
+                     tickets=cache.tickets)  # [N, Hq, W, D] view
         a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)  # [N, W, Hq, D] memory
         h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)

@@ -49,6 +49,8 @@ class StaticKV:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len, self.kv_heads, self.scratch = max_len, num_kv_heads, num_slots
+        # [(slots + 1) * Hkv] arrival counts of attention's splits, one per (row, kv head) (attend)
+        self.tickets = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
         self.slots = SlotPool(num_slots, "KV")
 
     def allocate(self) -> int:
@@ -62,7 +64,7 @@ class StaticKV:
         return split_plan(self.max_len, rows, self.kv_heads)
 
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
-        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]))
+        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets)
 
     def prefill_attention(self, slot: int) -> "PrefillAttention":
         return PrefillAttention(self, slot)
@@ -231,4 +233,4 @@ class FrozenTargetKV:
 
     def read(self, layer: int, q: Tensor) -> Tensor:
         return attend(q, self.cache.k[layer], self.cache.v[layer], self.slots, self.start, False,
-                      self.cache.splits(self.slots.shape[0]))
+                      self.cache.splits(self.slots.shape[0]), tickets=self.cache.tickets)
