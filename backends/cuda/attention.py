@@ -235,7 +235,9 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
     o_part = torch.empty(n * hkv * padded * block_m * d, dtype=q.dtype if splits.merge else torch.float32,
                          device=q.device)
     lse_part = torch.empty(n * hkv * padded * block_m, dtype=torch.float32, device=q.device)
-    if tickets is None:
+    if not splits.merge:
+        tickets = lse_part  # not read
+    elif tickets is None:
         tickets = torch.zeros(n * hkv, dtype=torch.int32, device=q.device)
     elif tickets.numel() < n * hkv:
         raise ValueError(f"attend: {tickets.numel()} tickets for {n} rows x {hkv} kv heads; "

@@ -124,6 +124,7 @@ class CudaBackend:
         self._flights: deque[Flight] = deque()  # rounds launched ahead, oldest first (at most two)
         self._proposed: Proposal | None = None  # the drafts draft() handed out from the oldest flight
         self._landing: dict[torch.Size, deque[Tensor]] = {}  # pinned buffers for flights' results, rotated
+        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: flights' GPU spans
         self.rounds_ahead = 0  # rounds served by a run-ahead launch
 
     def bucket(self, n: int) -> int:
@@ -308,7 +309,12 @@ class CudaBackend:
             self._flights.append(self._launch(rids, bucket, width, None))
 
     def _launch(self, rids: tuple[int, ...], bucket: int, width: int, lens: tuple[int, ...] | None) -> Flight:
-        """Replay the round's graphs from the rows as the last verify left them on the device."""
+        """Replay the round's graphs from the rows as the last verify left them on the device.
+        With a ``timeline`` list, events around the flight's work on the stream go into it."""
+        span = None
+        if self.timeline is not None:
+            span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            span[0].record()
         self.bufs.step_on(bucket)
         if width > 1:
             self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
@@ -322,6 +328,9 @@ class CudaBackend:
         host = ring[0]
         ring.rotate(-1)
         host.copy_(packed, non_blocking=pinned)
+        if span is not None:
+            span[1].record()
+            self.timeline.append(span)
         copied = None
         if pinned:
             copied = torch.cuda.Event()
