@@ -120,6 +120,15 @@ def _argmax_kernel(best, idx, tokens, B, BLOCK: tl.constexpr, PDL: tl.constexpr)
     tl.store(tokens + r, tl.min(tl.where((v == top) & (b < B), at, 2147483647), axis=0).to(tl.int64))
 
 
+def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, idx: Tensor, n: int, chunk: int,
+            tiling: Tiling, gated: bool, argmax: bool) -> None:
+    m, k = x.shape
+    _mv_rows[grid](x, w, out, idx, m, n, k, chunk, GATED=gated, SPLIT=tiling.split, ARGMAX=argmax,
+                   BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact for tests
+                   num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
+
+
 def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None
            ) -> Tensor:
     """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype (rounded to it,
@@ -139,11 +148,7 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, tiling.block_n), tiling.split)
-    _mv_rows[grid](x, w, out, out, m, n, k, chunk, GATED=gated, SPLIT=tiling.split, ARGMAX=False,
-                   BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                   num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
+    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, out, n, chunk, tiling, gated, argmax=False)
     return out
 
 
@@ -158,10 +163,7 @@ def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling) -> Tensor:
     blocks = triton.cdiv(n, tiling.block_n)
     best = torch.empty(m, blocks, dtype=torch.float32, device=x.device)
     idx = torch.empty(m, blocks, dtype=torch.int32, device=x.device)
-    _mv_rows[(blocks, 1)](x.contiguous(), w, best, idx, m, n, k, k, GATED=False, SPLIT=1, ARGMAX=True,
-                          BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n,
-                          BLOCK_K=tiling.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                          num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
+    _launch((blocks, 1), x.contiguous(), w, best, idx, n, k, tiling, gated=False, argmax=True)
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     _argmax_kernel[(m,)](best, idx, tokens, blocks, BLOCK=triton.next_power_of_2(blocks),
                          **overlap.launch(release=False))
