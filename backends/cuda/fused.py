@@ -1,15 +1,17 @@
-"""Decoder stacks with fused kernels: the same weights and math as core.models.layers, in nine
-launches per layer instead of about sixty. The cuda backend's attention metadata offers this
-as ``decoder_stack``, and the target and drafters built from DecoderLayers use it when given.
+"""Decoder stacks with fused kernels: the same weights and math as core.models.layers, in eight
+or nine launches per layer instead of about sixty. The cuda backend's attention metadata
+offers this as ``decoder_stack``, and the target and drafters built from DecoderLayers use it
+when given.
 
-Per layer: add+RMSNorm, the QKV matvec, q/k-norm + RoPE + KV store, attention (split, combine),
-the output matvec, add+RMSNorm, the gate-up matvec writing SiLU·up, the down matvec (matvec.py;
+Per layer: add+RMSNorm, the QKV matvec, q/k-norm + RoPE + KV store, attention (its splits,
+then a combine kernel, or the last split merging them when there are four or fewer), the
+output matvec, add+RMSNorm, the gate-up matvec writing SiLU·up, the down matvec (matvec.py;
 the matrix library past its row limit). A matvec may leave float32 partial sums; the norm and
 q/k/v kernels add them as they load. The residual add of each block is deferred into the next
 norm, whose kernel also writes the sum: that sum is the layer's output hidden state, so tapped
-features cost nothing extra. q/k/v and gate/up
-weights are concatenated once, and the modules' own weights become views into them, so the
-eager modules (prefill) and this path share one copy.
+features cost nothing extra. q/k/v and gate/up weights are concatenated once, and the
+modules' own weights become views into them, so the eager modules (prefill) and this path
+share one copy.
 """
 
 from __future__ import annotations
