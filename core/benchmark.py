@@ -108,7 +108,6 @@ class Row:
         return self.ms_round / self.floor_ms
 
 
-
 def _prompts(engine: Engine, batch: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.target.config.vocab_size

@@ -190,3 +190,24 @@ def test_eager_drafter_attention_appends_windows_of_any_length(w):
         values = torch.cat([prefix[i][1], v_new[i].cpu()], dim=1)
         torch.testing.assert_close(out[i], reference_attend(q[i].cpu(), keys, values, True), rtol=2e-4, atol=2e-4)
     assert [h.filled for h in handles] == [[10 + w], [w]]
+
+
+@pytest.mark.gpu
+def test_bf16_merge_of_bf16_partials_stays_close():
+    """bf16 caches: a merge by the last split reads partials stored in bf16, the combine kernel
+    float32 ones; both stay within bf16 rounding of float32 attention over the same values."""
+    gen = torch.Generator().manual_seed(4)
+    n, hq, hkv, w, d, max_len = 4, 32, 8, 16, 128, 1024
+    k_cache, v_cache = (c.bfloat16() for c in _cache(5, hkv, max_len, d, gen))
+    slots = torch.tensor([3, 0, 1, 4], dtype=torch.int32, device=DEV)
+    kv_len = torch.tensor([40, 528, 1000, 300], dtype=torch.int32, device=DEV)
+    q = torch.randn(n, hq, w, d, generator=gen).to(DEV).bfloat16()
+    tickets = torch.zeros(n * hkv, dtype=torch.int32, device=DEV)
+    outs = [attend(q, k_cache, v_cache, slots, kv_len, True, Splits(4, 128, merge=merge), tickets=tickets).float()
+            for merge in (True, False)]
+    for i in range(n):
+        s, length = int(slots[i]), int(kv_len[i])
+        want = reference_attend(q[i].float().cpu(), k_cache[s, :, :length].float().cpu(),
+                                v_cache[s, :, :length].float().cpu(), True)
+        for out in outs:
+            assert float((out[i].cpu() - want).norm() / want.norm()) < 1e-2
