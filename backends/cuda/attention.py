@@ -57,9 +57,14 @@ def _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_s
     j = s * split + tl.arange(0, KEYS)
     at = base + tl.where(j < tl.minimum(s * split + split, length), j, 0)[:, None] * sc_pos + \
         (tl.arange(0, LINES) * (D // LINES))[None, :]  # [KEYS, LINES]: a key's D elements are LINES lines
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [k_cache + at], dtype=tl.int32,
-                              is_pure=False, pack=1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [v_cache + at], dtype=tl.int32,
+    _prefetch_l2(k_cache + at)
+    _prefetch_l2(v_cache + at)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of each address (the returned zeros only give the asm a result)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 
