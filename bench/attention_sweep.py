@@ -1,7 +1,10 @@
 """Attention splits on a CUDA machine: attention and its combine over 36 distinct layers'
 caches of a Qwen3-8B geometry (8 kv heads, 32 query heads, D 128, 4096-key caches), replayed
-from one graph, for the split plan the backend picks (backends.cuda.attention.split_plan)
-against fixed splits of 64 to 512 keys. `python bench/attention_sweep.py` prints µs a layer."""
+from one graph, for the split plan the backend picks (backends.cuda.attention.split_plan), the
+same plan merged the other way (by the last split, or by a combine kernel), and fixed splits
+of 64 to 512 keys. `python bench/attention_sweep.py` prints µs a layer."""
+import dataclasses
+
 import torch
 
 from backends.cuda.attention import Splits, attend, split_plan
@@ -27,7 +30,11 @@ def main():
         slots = torch.arange(rows, dtype=torch.int32, device=dev)
         kv_len = torch.full((rows,), context + width, dtype=torch.int32, device=dev)
         plan = split_plan(MAX_LEN, rows, HKV)
-        cells = [f"plan {plan.count}x>={plan.least}: {layer_us(q, ks, vs, slots, kv_len, causal, plan):.2f}"]
+        other = dataclasses.replace(plan, merge=not plan.merge)
+        name = {True: "merged", False: "combine kernel"}
+        cells = [f"plan {plan.count}x>={plan.least}, {name[plan.merge]}: "
+                 f"{layer_us(q, ks, vs, slots, kv_len, causal, plan):.2f}",
+                 f"{name[other.merge]}: {layer_us(q, ks, vs, slots, kv_len, causal, other):.2f}"]
         for keys in (64, 128, 256, 512):
             fixed = Splits(MAX_LEN // keys, keys)  # every split exactly `keys` long
             cells.append(f"{keys}: {layer_us(q, ks, vs, slots, kv_len, causal, fixed):.2f}")
