@@ -173,3 +173,33 @@ def test_settle_flags_rows_with_non_finite_logits():
     assert packed[0, 1] == 0 and packed[0, 2] == logits[0, 0].argmax().item()  # greedy, no drafts
     nxt = backend.bufs.next[:, :3].cpu()
     assert nxt[0, 0] == packed[0, 2] and nxt[1, 0] == reqs[0].seq_len
+
+
+def test_branch_work_is_done_at_the_join_eagerly_and_in_a_graph():
+    """overlap.Branch: what runs under fork() is done once the step's stream passes join(), in
+    a captured graph too; a join with nothing forked leaves a capture intact (a verify step
+    without a drafter joins, and waiting on the side stream's earlier uncaptured work would
+    break the capture)."""
+    from backends.cuda.overlap import Branch
+
+    branch, x = Branch(torch.device(DEV)), torch.arange(8.0, device=DEV)
+    side, main = torch.zeros(8, device=DEV), torch.zeros(8, device=DEV)
+
+    def step():
+        branch.join()  # nothing forked yet: must not touch the side stream
+        with branch.fork():
+            side.copy_(x * x + 1)
+        main.copy_(x * 2)
+        branch.join()
+
+    step()
+    assert torch.equal(side, x * x + 1) and torch.equal(main, x * 2)
+    if DEV == "cuda":
+        side.zero_(), main.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        x.add_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(side, x * x + 1) and torch.equal(main, x * 2)

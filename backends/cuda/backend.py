@@ -25,6 +25,7 @@ from core.models.target import TargetModel
 from core.request import Request
 from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 
+from . import overlap
 from . import sampling as kernels
 from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, inverse_temperature, rows_key
 from .fused import head_argmax, lm_logits
@@ -119,6 +120,7 @@ class CudaBackend:
             taps = len(plan.target_layer_ids) * cfg.hidden_size
             self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)  # two rounds ahead
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
+        self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
         self.buckets = buckets_for(capacity.max_batch)
         self._decided: tuple[tuple, Tensor] | None = None  # the round verify() already decided
         self._flights: deque[Flight] = deque()  # rounds launched ahead, oldest first (at most two)
@@ -237,13 +239,14 @@ class CudaBackend:
         attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
         if self.drafter is not None and self.drafter.graph_safe and features is not None:
-            self.drafter.extend_rows(self._rows(bucket), features, ids)  # reads the ring before it moves on
+            with self.branch.fork():  # beside the LM head: only the next round reads the drafter's cache
+                self.drafter.extend_rows(self._rows(bucket), features, ids)  # ring row start - 1: not written below
         if self.ring is not None:
             self.ring.write(b.row(SLOT, bucket), b.row(START, bucket), features)
         logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
-        if not decide:
-            return logits, features, None
-        return logits, features, self._settle(bucket, width, logits)
+        packed = self._settle(bucket, width, logits) if decide else None
+        self.branch.join()
+        return logits, features, packed
 
     def _settle(self, bucket: int, width: int, logits: Tensor) -> Tensor:
         """Decide the round on the device -> packed [bucket, 2W + 1] for the one copy back; each

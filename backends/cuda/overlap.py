@@ -14,12 +14,18 @@ is attention's L2 prefetch of its split's cached keys: it trusts nothing it read
 
 Off in the Triton interpreter (no such hardware) and before Hopper; ``DRAFTLINE_PDL=0``
 turns it off for comparison.
+
+Work that nothing after it in a step reads (the DFlash drafter's context update in the verify
+step) goes on a ``Branch``: a side stream forked from the step's stream and joined at its end,
+so a captured graph runs it beside the LM head instead of before it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import triton
@@ -52,3 +58,30 @@ def gate(MODE: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if MODE == 2:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+class Branch:
+    """A side stream for work the rest of a step does not read: ``fork()`` runs its block there
+    (after everything already on the step's stream), ``join()`` makes the step's stream wait
+    for it. High priority, so its small launches take multiprocessors as the long kernel beside
+    them frees them. Off a GPU the block runs in line and ``join`` does nothing."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self._forked = False  # a join without a fork would tie a graph capture to work outside it
+
+    @contextmanager
+    def fork(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        self._forked = True
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """Make the current stream wait for what ``fork`` ran since the last join, if anything."""
+        if self._forked:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self._forked = False
