@@ -195,7 +195,8 @@ def test_branch_work_is_done_at_the_join_eagerly_and_in_a_graph():
     step()
     assert torch.equal(side, x * x + 1) and torch.equal(main, x * 2)
     if DEV == "cuda":
-        side.zero_(), main.zero_()
+        side.zero_()
+        main.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
