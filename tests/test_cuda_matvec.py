@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from backends.cuda.fused import add_norm, head_argmax, linear, lm_logits, norm  # noqa: E402
-from backends.cuda.matvec import Tiling, choose_tiling, matvec, matvec_argmax  # noqa: E402
+from backends.cuda.matvec import EMPTY, ArgmaxScratch, Tiling, choose_tiling, matvec, matvec_argmax  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,6 +113,18 @@ def test_argmax_counts_nan_as_largest():
     w[250] = float("nan")
     got = matvec_argmax(torch.randn(1, 64, device=DEV), w, Tiling(32, 32, 1, 4, 2))
     assert got.tolist() == [250]
+
+
+def test_argmax_scratch_is_left_as_found_so_launches_can_share_it():
+    """One persistent scratch across launches of different rows and weights (as a replayed
+    graph reuses it): each result is right, and each launch resets what it used."""
+    torch.manual_seed(3)
+    scratch = ArgmaxScratch(DEV)
+    for m, n in ((3, 300), (1, 257), (5, 300)):
+        x, w = torch.randn(m, 64, device=DEV), torch.randn(n, 64, device=DEV)
+        got = matvec_argmax(x, w, Tiling(32, 32, 1, 4, 2), scratch)
+        assert torch.equal(got, (x @ w.T).argmax(-1))
+        assert bool((scratch.best == EMPTY).all()) and scratch.ticket.item() == 0
 
 
 def test_lm_logits_match_the_head():

@@ -10,6 +10,7 @@ which is how CI holds it to the reference backend.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -171,7 +172,7 @@ class CudaBackend:
                          caches=Rows(b.row(DRAFT_SLOT, bucket), start),
                          target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start - 1),
-                         head_argmax=head_argmax)
+                         head_argmax=functools.partial(head_argmax, scratch=b.argmax))
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:

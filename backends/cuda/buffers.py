@@ -12,6 +12,8 @@ from torch import Tensor
 from core.request import Request
 from core.sampling import SamplingBatch
 
+from .matvec import ArgmaxScratch
+
 # rows of Buffers.meta (int64) and Buffers.fmeta (float32); LAST and START are adjacent (step_on copies both)
 LAST, START, SLOT, DRAFT_SLOT, SEED, TOP_K = range(6)
 TEMPERATURE, TOP_P, INV_TEMP = range(3)
@@ -24,6 +26,7 @@ class Buffers:
         self.fmeta = torch.zeros(3, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
         self.next = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # [LAST/START, max_batch] after the round
+        self.argmax = ArgmaxScratch(device)  # the greedy head readouts' state between launches (one stream)
         pinned = device.type == "cuda"
         self._host_i = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned)  # staging, reused
         self._host_f = torch.zeros(3, max_batch, dtype=torch.float32, pin_memory=pinned)

@@ -29,7 +29,7 @@ from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import choose_tiling, matvec, matvec_argmax
+from .matvec import ArgmaxScratch, choose_tiling, matvec, matvec_argmax
 
 if TYPE_CHECKING:
     from .kv import StaticKV
@@ -175,14 +175,15 @@ def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor) -> Tensor:
     return out.float().view(*hidden.shape[:-1], -1)
 
 
-def head_argmax(head: torch.nn.Linear, hidden: Tensor) -> Tensor:
+def head_argmax(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch | None = None) -> Tensor:
     """hidden [..., H] -> [...] int64: argmax of head(hidden) (the first on ties), the products
-    rounded to the model dtype as the eager head gives them; no logits are written."""
+    rounded to the model dtype as the eager head gives them; no logits are written. The cuda
+    backend binds its persistent ``scratch`` (matvec.ArgmaxScratch)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     tiling = choose_tiling(flat.shape[0], head.weight.shape[0], flat.shape[1])
     if head.bias is not None or tiling is None or tiling.split != 1:
         return plain_head_argmax(head, hidden)
-    return matvec_argmax(flat, head.weight, tiling).view(hidden.shape[:-1])
+    return matvec_argmax(flat, head.weight, tiling, scratch).view(hidden.shape[:-1])
 
 
 def silu_mul(gu: Tensor) -> Tensor:

@@ -12,9 +12,9 @@ The K range may be split over SPLIT programs per output block: each writes a flo
 small matrix still spreads over the whole chip without a reduction launch of its own. With
 ``GATED`` the weight is [gate; up] stacked and each program computes both halves of its
 columns, writing silu(gate) * up: the MLP's activation costs no launch either. With ``ARGMAX``
-each program keeps only its columns' largest (rounded) value per row and where it sits, and a
-one-program-per-row pass picks the winner: a greedy readout through an LM head never writes
-its logits.
+each program folds its columns' largest (rounded) value per row and where it sits into one
+int64 per row by an atomic max, and the last program to finish (a ticket) reads the winners
+out: a greedy readout through an LM head never writes its logits and needs no second launch.
 """
 
 from __future__ import annotations
@@ -59,22 +59,16 @@ def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, out, idx, rm, rn, M, N, pk, pn, dt, GATED: tl.constexpr, SPLIT: tl.constexpr,
+def _epilogue(acc_g, acc_u, out, idx, ticket, rm, rn, M, N, pk, pn, dt, GATED: tl.constexpr, SPLIT: tl.constexpr,
               ARGMAX: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (rows x output columns) -> out: partial sums, or final values
     rounded to the model dtype ``dt`` (then stored as out's dtype: float32 logits need no copy).
-    ARGMAX: each row's largest rounded value here (NaN counting as largest, as torch.argmax
-    has it) to out [M, column blocks] and its first column to idx."""
+    ARGMAX: see _argmax_fold."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if GATED:
         acc_g = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     if ARGMAX:
-        v = acc_g.to(dt).to(tl.float32)
-        v = tl.where(mask, tl.where(v != v, float("inf"), v), float("-inf"))
-        best = tl.max(v, axis=1)
-        first = tl.min(tl.where(v == best[:, None], rn[None, :], N), axis=1)
-        tl.store(out + rm * tl.num_programs(0) + pn, best, mask=rm < M)
-        tl.store(idx + rm * tl.num_programs(0) + pn, first, mask=rm < M)
+        _argmax_fold(acc_g.to(dt).to(tl.float32), mask, out, idx, ticket, rm, rn, M, N)
     elif SPLIT == 1:
         tl.store(out + rm[:, None] * N + rn[None, :], acc_g.to(dt).to(out.dtype.element_ty), mask=mask)
     else:
@@ -82,7 +76,7 @@ def _epilogue(acc_g, acc_u, out, idx, rm, rn, M, N, pk, pn, dt, GATED: tl.conste
 
 
 @triton.jit
-def _mv_rows(x, w, out, idx, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr,
+def _mv_rows(x, w, out, idx, ticket, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
              PDL: tl.constexpr):
     """Program (column block, K chunk): BLOCK_N outputs of rows [0, M) over K [pk*CHUNK, +CHUNK)."""
@@ -105,25 +99,49 @@ def _mv_rows(x, w, out, idx, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.cons
         xp += BLOCK_K
         wp += BLOCK_K
         up += BLOCK_K
-    _epilogue(acc_g, acc_u, out, idx, rm, rn, M, N, pk, pn, x.dtype.element_ty, GATED, SPLIT, ARGMAX)
+    _epilogue(acc_g, acc_u, out, idx, ticket, rm, rn, M, N, pk, pn, x.dtype.element_ty, GATED, SPLIT, ARGMAX)
+
+
+EMPTY = -(2**63)  # ArgmaxScratch.best between launches: below every packed (value, column)
+_EMPTY = tl.constexpr(EMPTY)  # the same, readable inside kernels
 
 
 @triton.jit
-def _argmax_kernel(best, idx, tokens, B, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Row r: the first column holding the largest of its B column blocks' bests."""
-    overlap.gate(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    b = tl.arange(0, BLOCK)
-    v = tl.load(best + r * B + b, mask=b < B, other=float("-inf"))
-    top = tl.max(v, axis=0)
-    at = tl.load(idx + r * B + b, mask=b < B, other=0)
-    tl.store(tokens + r, tl.min(tl.where((v == top) & (b < B), at, 2147483647), axis=0).to(tl.int64))
+def _argmax_fold(v, mask, best, tokens, ticket, rm, rn, M, N):
+    """v [BLOCK_M, BLOCK_N] rounded products -> each row's largest here (NaN counting as
+    largest, as torch.argmax has it) and its first column, packed as (order-keyed
+    value bits << 32) | (2^32 - 1 - column) so that one int64 atomic max per row keeps the
+    largest value and, on ties, the first column. The last program to finish unpacks each
+    row's winner into tokens [M] and leaves ``best`` and ``ticket`` as it found them."""
+    v = tl.where(mask, tl.where(v != v, float("inf"), v), float("-inf"))  # sums from +0: never -0
+    top = tl.max(v, axis=1)
+    first = tl.min(tl.where(v == top[:, None], rn[None, :], N), axis=1)
+    bits = top.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # float order as signed int order
+    packed = (key << 32) | (0xFFFFFFFF - first.to(tl.int64))
+    tl.atomic_max(best + rm, packed, mask=rm < M, sem="relaxed", scope="gpu")
+    tl.debug_barrier()  # every thread's atomic above comes before this program's arrival (a release)
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        empty = tl.full((rm.shape[0],), _EMPTY, tl.int64)
+        won = tl.atomic_xchg(best + rm, empty, mask=rm < M, sem="relaxed", scope="gpu")
+        tl.store(tokens + rm, 0xFFFFFFFF - (won & 0xFFFFFFFF), mask=rm < M)
+        tl.store(ticket, 0)
 
 
-def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, idx: Tensor, n: int, chunk: int,
-            tiling: Tiling, gated: bool, argmax: bool) -> None:
+class ArgmaxScratch:
+    """What the one-launch argmax keeps between launches: each row's packed best (EMPTY) and a
+    count of finished programs (0). Every launch leaves them so, hence a graph replays them;
+    launches sharing one must run one after another (one stream)."""
+
+    def __init__(self, device: torch.device | str):
+        self.best = torch.full((MAX_ROWS,), EMPTY, dtype=torch.int64, device=device)  # [MAX_ROWS]
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, idx: Tensor, ticket: Tensor, n: int,
+            chunk: int, tiling: Tiling, gated: bool, argmax: bool) -> None:
     m, k = x.shape
-    _mv_rows[grid](x, w, out, idx, m, n, k, chunk, GATED=gated, SPLIT=tiling.split, ARGMAX=argmax,
+    _mv_rows[grid](x, w, out, idx, ticket, m, n, k, chunk, GATED=gated, SPLIT=tiling.split, ARGMAX=argmax,
                    BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact for tests
                    num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
@@ -148,23 +166,22 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, out, n, chunk, tiling, gated, argmax=False)
+    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, out, out, n, chunk, tiling, gated,
+            argmax=False)
     return out
 
 
-def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling) -> Tensor:
+def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch | None = None) -> Tensor:
     """argmax over N of x [M, K] @ w.T rounded to x's dtype (the first on ties) -> [M] int64,
-    without writing the [M, N] products: two launches."""
+    in one launch, without writing the [M, N] products. ``scratch`` is the caller's persistent
+    ArgmaxScratch (a graph replays it); without one a fresh one is made."""
     m, k = x.shape
     n = w.shape[0]
-    if w.shape[1] != k or tiling.split != 1 or k % tiling.block_k:
+    if w.shape[1] != k or tiling.split != 1 or k % tiling.block_k or m > MAX_ROWS:
         raise ValueError(f"matvec_argmax: x [{m}, {k}] and weight {tuple(w.shape)} need whole sums in "
-                         f"{tiling.block_k}-wide steps")
-    blocks = triton.cdiv(n, tiling.block_n)
-    best = torch.empty(m, blocks, dtype=torch.float32, device=x.device)
-    idx = torch.empty(m, blocks, dtype=torch.int32, device=x.device)
-    _launch((blocks, 1), x.contiguous(), w, best, idx, n, k, tiling, gated=False, argmax=True)
+                         f"{tiling.block_k}-wide steps and at most {MAX_ROWS} rows")
+    scratch = scratch or ArgmaxScratch(x.device)
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    _argmax_kernel[(m,)](best, idx, tokens, blocks, BLOCK=triton.next_power_of_2(blocks),
-                         **overlap.launch(release=False))
+    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, scratch.best, tokens, scratch.ticket, n, k,
+            tiling, gated=False, argmax=True)
     return tokens
