@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from core.models.layers import AttentionFn
@@ -49,6 +50,14 @@ def head_argmax(head: nn.Linear, hidden: Tensor) -> Tensor:
     return head(hidden).argmax(-1)
 
 
+def block_window(last_token: Tensor, start: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
+    """A block drafter's inputs (DFlash): ids [N, width], each row's last token then ``fill``
+    (the mask token), and positions start .. start + width - 1."""
+    offsets = torch.arange(width, device=start.device)
+    ids = torch.where(offsets == 0, last_token[:, None], fill)  # [N, width]
+    return ids, start[:, None] + offsets
+
+
 @dataclass(frozen=True)
 class DraftRows:
     """The rows a drafter drafts for, as device tensors: what a graph-captured draft step reads."""
@@ -61,6 +70,8 @@ class DraftRows:
     features: Tensor | None = None  # [N, taps*H] target features at position start - 1 (Drafter.reads_last_features)
     # the backend's greedy readout through an LM head (the cuda backend's never writes logits)
     head_argmax: Callable[[nn.Linear, Tensor], Tensor] = head_argmax
+    # the backend's block_window (the cuda backend's is one launch)
+    block_window: Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]] = block_window
 
 
 class TargetKV(Protocol):

@@ -122,3 +122,20 @@ def test_rejection_kernel_matches_the_oracle(temperature):
              for r in range(n)]
     assert sum(agree) >= (n if temperature == 0 else n - 1)
     assert 0 < int(want.num_accepted.sum()) < n * k  # accepts and rejections both happened
+
+
+def test_window_kernels_match_their_pytorch_forms():
+    """The DFlash block and the verify window built in one launch each, against plain PyTorch:
+    rows of different lengths, a width that is not a power of two."""
+    from backends.base import block_window as plain_block
+    from backends.cuda.windows import block_window, verify_window
+
+    last, start = torch.tensor([5, 17, 2], device=DEV), torch.tensor([0, 40, 9], device=DEV)
+    for width in (16, 5):
+        got, want = block_window(last, start, 99, width), plain_block(last, start, 99, width)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    meta = torch.stack([last, start, torch.zeros_like(last)])  # rows: last token, start, (unused)
+    drafts = torch.arange(12, device=DEV).view(3, 4) + 100  # [N, K]
+    ids, positions = verify_window(meta, drafts, 3, 4, 0, 1)  # W = 4 < K + 1: the last draft is not read
+    assert torch.equal(ids, torch.cat([last[:, None], drafts[:, :3]], dim=1))
+    assert torch.equal(positions, start[:, None] + torch.arange(4, device=DEV))

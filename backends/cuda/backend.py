@@ -32,19 +32,7 @@ from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, Fea
 from .fused import head_argmax, lm_logits
 from .graphs import Graphs
 from .kv import FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
-
-
-@triton.jit
-def _window_kernel(meta, drafts, ids, positions, stride_meta, K, W, LAST_ROW: tl.constexpr,
-                   START_ROW: tl.constexpr, BLOCK: tl.constexpr):
-    """Row n's verify window: ids [last token, drafts], positions start .. start + W - 1."""
-    n = tl.program_id(0)
-    t = tl.arange(0, BLOCK)
-    last = tl.load(meta + LAST_ROW * stride_meta + n)
-    start = tl.load(meta + START_ROW * stride_meta + n)
-    draft = tl.load(drafts + n * K + t - 1, mask=(t > 0) & (t < W), other=0)
-    tl.store(ids + n * W + t, tl.where(t == 0, last, draft), mask=t < W)
-    tl.store(positions + n * W + t, start + t, mask=t < W)
+from .windows import block_window, verify_window
 
 
 @triton.jit
@@ -172,7 +160,7 @@ class CudaBackend:
                          caches=Rows(b.row(DRAFT_SLOT, bucket), start),
                          target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start - 1),
-                         head_argmax=functools.partial(head_argmax, scratch=b.argmax))
+                         head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window)
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:
@@ -233,10 +221,7 @@ class CudaBackend:
 
     def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         b = self.bufs
-        ids = torch.empty(bucket, width, dtype=torch.int64, device=self.device)  # [bucket, W]
-        positions = torch.empty_like(ids)  # [bucket, W]
-        _window_kernel[(bucket,)](b.meta, b.drafts, ids, positions, b.meta.stride(0), b.drafts.shape[1], width,
-                                  LAST_ROW=LAST, START_ROW=START, BLOCK=triton.next_power_of_2(width))
+        ids, positions = verify_window(b.meta, b.drafts, bucket, width, LAST, START)  # [bucket, W] each
         attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
         if self.drafter is not None and self.drafter.graph_safe and features is not None:

@@ -170,10 +170,8 @@ class DFlashDrafter(Drafter):
                                 hidden_norm=m.hidden_norm)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        n, b = rows.last_token.shape[0], self.plan.block_size
-        offsets = torch.arange(b, device=rows.start.device)
-        ids = torch.where(offsets == 0, rows.last_token[:, None], self.mask_token_id)  # [N, B]: anchor, MASK...
-        positions = rows.start[:, None] + offsets  # [N, B]
+        n = rows.last_token.shape[0]
+        ids, positions = rows.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
         attn = self.kv.attention(rows.caches, causal=False, persist=False)
         hidden = self.model(self.target.embed(ids), positions, attn)
         if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
