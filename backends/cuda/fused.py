@@ -8,10 +8,10 @@ then a combine kernel, or the last split merging them when there are four or few
 output matvec, add+RMSNorm, the gate-up matvec writing SiLU·up, the down matvec (matvec.py;
 the matrix library past its row limit). A matvec may leave float32 partial sums; the norm and
 q/k/v kernels add them as they load. The residual add of each block is deferred into the next
-norm, whose kernel also writes the sum: that sum is the layer's output hidden state, so tapped
-features cost nothing extra. q/k/v and gate/up weights are concatenated once, and the
-modules' own weights become views into them, so the eager modules (prefill) and this path
-share one copy.
+norm, whose kernel also writes the sum: that sum is the layer's output hidden state, so a
+tapped layer's norm writes it straight into its columns of the features (no concatenation).
+q/k/v and gate/up weights are concatenated once, and the modules' own weights become views
+into them, so the eager modules (prefill) and this path share one copy.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
+def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, sh, so, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
                      PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w.
-    Without HAS_H, s = a (its partial sums added and rounded), and h_out is not written."""
+    Without HAS_H, s = a (its partial sums added and rounded), and h_out is not written. h and
+    h_out rows are ``sh`` and ``so`` apart (a tapped layer's output goes into the features)."""
     overlap.gate(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -57,11 +58,11 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, HAS_ADD: tl.constexpr,
     if not HAS_H:
         s = _summed(a, r * H + cols, inside, rows * H, y_out.dtype.element_ty, PARTS)
     else:
-        s = tl.load(h + r * H + cols, mask=inside, other=0.0).to(tl.float32)
+        s = tl.load(h + r * sh + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_ADD and HAS_H:
         s = s + _summed(a, r * H + cols, inside, rows * H, h_out.dtype.element_ty, PARTS)
         s = s.to(h_out.dtype.element_ty)
-        tl.store(h_out + r * H + cols, s, mask=inside)
+        tl.store(h_out + r * so + cols, s, mask=inside)
         s = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
     normed = (s * rstd).to(y_out.dtype.element_ty)
@@ -124,26 +125,32 @@ def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(out + r * I + cols, silu * u, mask=inside)
 
 
-def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tensor | None = None
+             ) -> tuple[Tensor, Tensor]:
     """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h)).
-    ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read."""
-    flat = h.reshape(-1, h.shape[-1])
+    ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read. The
+    sum goes to ``out`` [rows, H] when given (rows may be strided, as h's may), else a new tensor."""
+    flat = h.reshape(-1, h.shape[-1]) if h.dim() != 2 else h  # a 2-D h keeps its row stride
     rows, width = flat.shape
     parts = 1 if a is None else a.numel() // flat.numel()
-    total = torch.empty_like(flat) if a is not None else flat
-    normed = torch.empty_like(flat)
+    total = flat  # with nothing to add, h is the sum
+    if a is not None:
+        total = out if out is not None else torch.empty(rows, width, dtype=h.dtype, device=h.device)
+    normed = torch.empty(rows, width, dtype=h.dtype, device=h.device)
     _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows,
-                              HAS_ADD=a is not None, HAS_H=True, PARTS=parts, BLOCK=triton.next_power_of_2(width),
+                              flat.stride(0), total.stride(0), HAS_ADD=a is not None, HAS_H=True, PARTS=parts,
+                              BLOCK=triton.next_power_of_2(width),
                               num_warps=16 if rows > 1 else 4,  # rows of partial sums: more loads in flight
                               **overlap.launch(release=True))
-    return total.view(h.shape), normed.view(h.shape)
+    return (total, normed) if h.dim() == 2 else (total.view(h.shape), normed.view(h.shape))
 
 
 def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
     """rmsnorm(a) * weight -> [rows, H], where ``a`` is a linear's result [rows, H] or its
     float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read)."""
     out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
-    _add_norm_kernel[(rows,)](a, a, weight, out, out, weight.shape[0], eps, rows, HAS_ADD=True, HAS_H=False,
+    _add_norm_kernel[(rows,)](a, a, weight, out, out, weight.shape[0], eps, rows, weight.shape[0], weight.shape[0],
+                              HAS_ADD=True, HAS_H=False,
                               PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
                               num_warps=16 if rows > 1 else 4, **overlap.launch(release=True))
     return out
@@ -224,22 +231,25 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
     hidden [N, W, H], the tapped layers' outputs [N, W, len(taps)*H] or None)."""
     n, w = positions.shape
     h = h.reshape(n * w, -1)
-    pending, tapped = None, {}
+    width = h.shape[1]
+    features = torch.empty(n * w, len(taps) * width, dtype=h.dtype, device=h.device) if taps else None
+    cols = [features[:, j * width : (j + 1) * width] for j in range(len(taps))] if taps else []  # [N*W, H] views
+    tap_out = {t: cols[taps.index(t)] for t in taps}  # a layer's output is written where it is first tapped
+    pending = None
     for i, layer in enumerate(layers):
         qkv_w, gate_up_w = fused_weights(layer)
-        h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        if i - 1 in taps:
-            tapped[i - 1] = h
+        h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps, out=tap_out.get(i - 1))
         q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
         out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
                      tickets=cache.tickets)  # [N, Hq, W, D] view
         a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)  # [N, W, Hq, D] memory
         h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
-    h, x = add_norm(pending, h, final_norm.weight, final_norm.eps)
-    tapped[len(layers) - 1] = h
-    features = torch.cat([tapped[t] for t in taps], dim=-1).view(n, w, -1) if taps else None
-    return x.view(n, w, -1), features
+    h, x = add_norm(pending, h, final_norm.weight, final_norm.eps, out=tap_out.get(len(layers) - 1))
+    for j, t in enumerate(taps):
+        if taps.index(t) != j:  # a layer tapped twice
+            cols[j].copy_(tap_out[t])
+    return x.view(n, w, -1), None if features is None else features.view(n, w, -1)
 
 
 def project_kv_stack(layers, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, slots: Tensor,
