@@ -130,7 +130,7 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tenso
     """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h)).
     ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read. The
     sum goes to ``out`` [rows, H] when given (rows may be strided, as h's may), else a new tensor."""
-    flat = h.reshape(-1, h.shape[-1]) if h.dim() != 2 else h  # a 2-D h keeps its row stride
+    flat = h.reshape(-1, h.shape[-1])  # a view: a 2-D h keeps its row stride
     rows, width = flat.shape
     parts = 1 if a is None else a.numel() // flat.numel()
     total = flat  # with nothing to add, h is the sum
@@ -142,7 +142,7 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tenso
                               BLOCK=triton.next_power_of_2(width),
                               num_warps=16 if rows > 1 else 4,  # rows of partial sums: more loads in flight
                               **overlap.launch(release=True))
-    return (total, normed) if h.dim() == 2 else (total.view(h.shape), normed.view(h.shape))
+    return total.view(h.shape), normed.view(h.shape)
 
 
 def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
@@ -233,7 +233,7 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
     h = h.reshape(n * w, -1)
     width = h.shape[1]
     features = torch.empty(n * w, len(taps) * width, dtype=h.dtype, device=h.device) if taps else None
-    cols = [features[:, j * width : (j + 1) * width] for j in range(len(taps))] if taps else []  # [N*W, H] views
+    cols = [features[:, j * width : (j + 1) * width] for j in range(len(taps))]  # [N*W, H] views
     tap_out = {t: cols[taps.index(t)] for t in taps}  # a layer's output is written where it is first tapped
     pending = None
     for i, layer in enumerate(layers):
