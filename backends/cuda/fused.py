@@ -16,7 +16,7 @@ into them, so the eager modules (prefill) and this path share one copy.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import ArgmaxScratch, choose_tiling, matvec, matvec_argmax
+from .matvec import ArgmaxScratch, Draw, choose_tiling, matvec, matvec_argmax, matvec_draw
 
 if TYPE_CHECKING:
     from .kv import StaticKV
@@ -193,6 +193,18 @@ def head_argmax(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch | 
     return matvec_argmax(flat, head.weight, tiling, scratch).view(hidden.shape[:-1])
 
 
+def head_draw(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch, draw: Draw) -> Tensor | None:
+    """hidden [N, W, H] -> float32 logits [N, W, V], as lm_logits gives them, in one launch
+    that also leaves each row's draw from them (as sampling.accept_matching makes it) and its
+    count of non-finite logits in ``scratch`` for the next kernel (matvec.take_draws); None
+    where the head is not one whole-sum matvec (the caller then draws from lm_logits)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    tiling = choose_tiling(flat.shape[0], head.weight.shape[0], flat.shape[1])
+    if head.bias is not None or tiling is None or tiling.split != 1:
+        return None
+    return matvec_draw(flat, head.weight, tiling, scratch, draw).view(*hidden.shape[:-1], -1)
+
+
 def silu_mul(gu: Tensor) -> Tensor:
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype, device=gu.device)
@@ -226,19 +238,25 @@ def fused_weights(layer: DecoderLayer) -> tuple[Tensor, Tensor]:
 
 
 def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor, cache: StaticKV,
-              slots: Tensor, kv_len: Tensor, causal: bool, taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
+              slots: Tensor, kv_len: Tensor, causal: bool, taps: tuple[int, ...] = (),
+              tapped: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor | None]:
     """Decoder layers over a static cache: h [N, W, H] at positions [N, W] -> (final-normed
-    hidden [N, W, H], the tapped layers' outputs [N, W, len(taps)*H] or None)."""
+    hidden [N, W, H], the tapped layers' outputs [N, W, len(taps)*H] or None). ``tapped`` is
+    called with those outputs as soon as the last tapped layer's is written, while the layers
+    after it are still to be launched (work that reads only the taps can start there)."""
     n, w = positions.shape
     h = h.reshape(n * w, -1)
     width = h.shape[1]
     features = torch.empty(n * w, len(taps) * width, dtype=h.dtype, device=h.device) if taps else None
     cols = [features[:, j * width : (j + 1) * width] for j in range(len(taps))]  # [N*W, H] views
     tap_out = {t: cols[taps.index(t)] for t in taps}  # a layer's output is written where it is first tapped
+    done = max(taps, default=-1) + 1  # the add+norm opening this layer writes the last tapped output
     pending = None
     for i, layer in enumerate(layers):
         qkv_w, gate_up_w = fused_weights(layer)
         h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps, out=tap_out.get(i - 1))
+        if i == done:
+            _all_tapped(features, cols, taps, tap_out, tapped, n, w)
         q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
         out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
                      tickets=cache.tickets)  # [N, Hq, W, D] view
@@ -246,10 +264,22 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
         h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
     h, x = add_norm(pending, h, final_norm.weight, final_norm.eps, out=tap_out.get(len(layers) - 1))
+    if done == len(layers):
+        _all_tapped(features, cols, taps, tap_out, tapped, n, w)
+    return x.view(n, w, -1), None if features is None else features.view(n, w, -1)
+
+
+def _all_tapped(features: Tensor | None, cols: list[Tensor], taps: tuple[int, ...], tap_out: dict[int, Tensor],
+                tapped: Callable[[Tensor], None] | None, n: int, w: int) -> None:
+    """Every tapped layer's output is written: fill the columns of a layer tapped twice, then
+    hand the features [N, W, len(taps)*H] to ``tapped``."""
+    if features is None:
+        return
     for j, t in enumerate(taps):
         if taps.index(t) != j:  # a layer tapped twice
             cols[j].copy_(tap_out[t])
-    return x.view(n, w, -1), None if features is None else features.view(n, w, -1)
+    if tapped is not None:
+        tapped(features.view(n, w, -1))
 
 
 def project_kv_stack(layers, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, slots: Tensor,

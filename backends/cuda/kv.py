@@ -9,6 +9,7 @@ padding rows of a graph bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,10 +102,11 @@ class Rows:
 
 
 class RowsAttention:
-    """Attention for Rows: each row's W new tokens at positions start .. start + W - 1."""
+    """Attention for Rows: each row's W new tokens at positions start .. start + W - 1.
+    ``tapped``: see run_stack (the verify step starts the drafter's context update there)."""
 
-    def __init__(self, cache: StaticKV, rows: Rows, causal: bool):
-        self.cache, self.rows, self.causal = cache, rows, causal
+    def __init__(self, cache: StaticKV, rows: Rows, causal: bool, tapped: Callable[[Tensor], None] | None = None):
+        self.cache, self.rows, self.causal, self.tapped = cache, rows, causal, tapped
         self._lengths: dict[int, Tensor] = {}  # W -> kv_len, computed once per forward
 
     def kv_len(self, width: int) -> Tensor:
@@ -119,7 +121,7 @@ class RowsAttention:
                       ) -> tuple[Tensor, Tensor | None]:
         """Run whole decoder stacks with fused kernels (see fused.py) instead of layer by layer."""
         return run_stack(layers, final_norm, rotary, h, positions, self.cache, self.rows.slots,
-                         self.kv_len(positions.shape[1]), self.causal, taps)
+                         self.kv_len(positions.shape[1]), self.causal, taps, self.tapped)
 
 
 class StaticStore:
