@@ -168,11 +168,51 @@ def test_settle_flags_rows_with_non_finite_logits():
     logits = torch.randn(4, 1, vocab, generator=torch.Generator().manual_seed(0)).to(DEV)
     logits[1, 0, vocab - 2] = float("nan")  # in the last chunk
     logits[2, 0, 0] = float("-inf")
-    packed = backend._settle(4, 1, logits).cpu()
+    packed = backend._settle(4, 1, logits, False).cpu()
     assert packed[:3, 0].tolist() == [1, 0, 0]
     assert packed[0, 1] == 0 and packed[0, 2] == logits[0, 0].argmax().item()  # greedy, no drafts
     nxt = backend.bufs.next[:, :3].cpu()
     assert nxt[0, 0] == packed[0, 2] and nxt[1, 0] == reqs[0].seq_len
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_settle_accepts_from_the_heads_draws_as_from_the_logits(temperature):
+    """A head that folded its draws (matvec_draw) leaves raw draws and non-finite counts in the
+    scratch; the settle takes them and accepts drafts while they match. The packed result and
+    each row's next token and start are those of the draw kernels' path."""
+    from backends.cuda import sampling as kernels
+    from backends.cuda.buffers import INV_TEMP, SEED, START
+    from backends.cuda.matvec import EMPTY
+
+    eng = _engine("none", "cuda")
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=temperature, seed=i))
+            for i, p in enumerate(PROMPTS[:3])]
+    eng.step()
+    backend, b = eng.backend, eng.backend.bufs
+    width = b.drafts.shape[1] + 1
+    b.load(reqs, 4)
+    vocab = backend.target.lm_head.weight.shape[0]
+    logits = torch.randn(4, width, vocab, generator=torch.Generator().manual_seed(1)).to(DEV)
+    logits[2, width - 1, 5] = float("inf")
+    rows = torch.arange(4 * width, device=DEV)
+    req, t = rows // width, rows % width
+    draws = kernels.sample(logits.view(4 * width, vocab), b.row(SEED, 4)[req], b.row(START, 4)[req] + 1 + t,
+                           inv_temp=b.fmeta[INV_TEMP, :4][req]).view(4, width)
+    drafts = draws[:, : width - 1].clone()
+    drafts[0, -1] += 1  # row 0 accepts all but its last draft, row 1 all of them, row 2 none
+    drafts[2, 0] += 1
+    b.drafts[:4, : width - 1] = drafts
+    counts = (~torch.isfinite(logits)).sum(-1).view(-1)
+    outcomes = []
+    for drawn in (False, True):
+        if drawn:  # as the head's matvec_draw leaves them
+            b.argmax.best[: 4 * width] = (1 << 32) - 1 - draws.view(-1)  # a winner's value bits are not read
+            b.argmax.bad[: 4 * width] = counts.int()
+        packed = backend._settle(4, width, logits, drawn).cpu()
+        outcomes.append((packed, b.next[:, :4].cpu().clone()))
+    assert bool((b.argmax.best == EMPTY).all()) and not bool(b.argmax.bad.any())  # taken
+    assert torch.equal(*[o[0] for o in outcomes]) and torch.equal(*[o[1] for o in outcomes])
+    assert outcomes[0][0][:3, :2].tolist() == [[1, width - 2], [1, width - 1], [0, 0]]
 
 
 def test_branch_work_is_done_at_the_join_eagerly_and_in_a_graph():

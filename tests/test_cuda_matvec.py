@@ -12,7 +12,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from backends.cuda.fused import add_norm, head_argmax, linear, lm_logits, norm  # noqa: E402
-from backends.cuda.matvec import EMPTY, ArgmaxScratch, Tiling, choose_tiling, matvec, matvec_argmax  # noqa: E402
+from backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, matvec, matvec_argmax,  # noqa: E402
+                                  matvec_draw)
+from backends.cuda.sampling import sample  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -125,6 +127,34 @@ def test_argmax_scratch_is_left_as_found_so_launches_can_share_it():
         got = matvec_argmax(x, w, Tiling(32, 32, 1, 4, 2), scratch)
         assert torch.equal(got, (x @ w.T).argmax(-1))
         assert bool((scratch.best == EMPTY).all()) and scratch.ticket.item() == 0
+
+
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.0, 0.7), (1.3, 0.5)])
+def test_folded_draw_is_the_sampling_kernels_draw(temperatures):
+    """The verify head's draw folded into its matvec: the logits it writes are the plain
+    matvec's, each row's token is the sampling kernel's draw from them (greedy rows and
+    Gumbel rows keyed by (seed, start + shift + t)), with the row's non-finite count; and the
+    scratch is as found once they are taken."""
+    torch.manual_seed(7)
+    n, w, k, v = 2, 3, 64, 300
+    x, weight = torch.randn(n * w, k, device=DEV), torch.randn(v, k, device=DEV)
+    weight[40:43] = weight[17]  # ties: the first column wins
+    x[4, 0] = float("inf")  # row 4 (request 1, t 1): non-finite logits
+    seed = torch.tensor([11, 2**40 + 3], device=DEV)
+    start = torch.tensor([5, 900], device=DEV)
+    inv_temp = torch.tensor([1 / t if t > 0 else 0.0 for t in temperatures], device=DEV)
+    scratch = ArgmaxScratch(DEV)
+    tiling = Tiling(32, 32, 1, 4, 2)
+    for _ in range(2):  # the second launch reuses the scratch the first left
+        values = matvec_draw(x, weight, tiling, scratch, Draw(seed, start, inv_temp, w, shift=1))
+        out = scratch.take(n * w)
+        assert torch.equal(values, matvec(x, weight, tiling))
+        rows = torch.arange(n * w, device=DEV)
+        want = sample(values, seed[rows // w], start[rows // w] + 1 + rows % w, inv_temp=inv_temp[rows // w])
+        ok = torch.isfinite(values).all(1)
+        assert torch.equal(out[0][ok], want[ok]) and not bool(ok[4]) and bool(ok[:4].all())
+        assert torch.equal(out[1], (~torch.isfinite(values)).sum(1))
+        assert bool((scratch.best == EMPTY).all()) and scratch.ticket.item() == 0 and not bool(scratch.bad.any())
 
 
 def test_lm_logits_match_the_head():

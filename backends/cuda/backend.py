@@ -29,33 +29,47 @@ from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
 from . import overlap
 from . import sampling as kernels
 from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, inverse_temperature, rows_key
-from .fused import head_argmax, lm_logits
+from .fused import head_argmax, head_draw, lm_logits
 from .graphs import Graphs
 from .kv import FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
+from .matvec import Draw, take_draws
 from .windows import block_window, verify_window
 
 
 @triton.jit
 def _settle_kernel(meta, drafts, num, tokens, bad, packed, nxt, stride_meta, stride_next, K, W, scratch,
                    LAST_ROW: tl.constexpr, START_ROW: tl.constexpr, SLOT_ROW: tl.constexpr, REAL: tl.constexpr,
-                   CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+                   CHUNKS: tl.constexpr, BLOCK: tl.constexpr, DRAWN: tl.constexpr):
     """Row n of a decided round: packed [finite, accepted, tokens (W), drafts (W - 1)] for the
-    host (finite: no chunk of its W draws counted a non-finite logit), and the row's next last
-    token and start into ``nxt`` (padding rows keep theirs)."""
+    host (finite: none of its W draws counted a non-finite logit), and the row's next last
+    token and start into ``nxt`` (padding rows keep theirs). ``num``, ``tokens`` and ``bad``
+    [rows, CHUNKS] are accept_matching's; with DRAWN, ``tokens`` and ``bad`` are the scratch the
+    head's matvec_draw left its draws in (taken here), and the acceptance is made here: drafts
+    are accepted while they match the draws."""
     n = tl.program_id(0)
     t = tl.arange(0, BLOCK)
-    c = tl.arange(0, CHUNKS)
-    counts = tl.load(bad + (n * W + t[:, None]) * CHUNKS + c[None, :], mask=(t[:, None] < W) & (c[None, :] < REAL),
-                     other=0)  # [BLOCK, CHUNKS] in one load: a loop over W paid a load's latency per token
-    count = tl.sum(tl.sum(counts, axis=1), axis=0)
-    accepted = tl.load(num + n)
+    drafted = tl.load(drafts + n * K + t, mask=t < W - 1, other=0)
+    if DRAWN:
+        drawn, counts = take_draws(tokens, bad, n * W + t, t < W)
+        count = tl.sum(tl.where(t < W, counts, 0), axis=0)
+        accepted = tl.min(tl.where((t >= W - 1) | (drawn != drafted), t, BLOCK), axis=0).to(tl.int64)
+        last = tl.sum(tl.where(t == accepted, drawn, 0), axis=0)
+        drawn = tl.where(t <= accepted, drawn, -1)  # -1 past the emitted token, as accept_matching leaves it
+    else:
+        c = tl.arange(0, CHUNKS)
+        counts = tl.load(bad + (n * W + t[:, None]) * CHUNKS + c[None, :],
+                         mask=(t[:, None] < W) & (c[None, :] < REAL), other=0)  # [BLOCK, CHUNKS] in one load
+        count = tl.sum(tl.sum(counts, axis=1), axis=0)
+        accepted = tl.load(num + n)
+        drawn = tl.load(tokens + n * W + t, mask=t < W, other=-1)
+        last = tl.load(tokens + n * W + accepted)
     out = packed + n * (2 * W + 1)
     tl.store(out, (count == 0).to(tl.int64))
     tl.store(out + 1, accepted)
-    tl.store(out + 2 + t, tl.load(tokens + n * W + t, mask=t < W, other=-1), mask=t < W)
-    tl.store(out + 2 + W + t, tl.load(drafts + n * K + t, mask=t < W - 1, other=0), mask=t < W - 1)
+    tl.store(out + 2 + t, drawn, mask=t < W)
+    tl.store(out + 2 + W + t, drafted, mask=t < W - 1)
     live = tl.load(meta + SLOT_ROW * stride_meta + n) != scratch
-    last = tl.where(live, tl.load(tokens + n * W + accepted), tl.load(meta + LAST_ROW * stride_meta + n))
+    last = tl.where(live, last, tl.load(meta + LAST_ROW * stride_meta + n))
     tl.store(nxt + n, last)
     tl.store(nxt + stride_next + n, tl.load(meta + START_ROW * stride_meta + n) + tl.where(live, accepted + 1, 0))
 
@@ -222,33 +236,52 @@ class CudaBackend:
     def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         b = self.bufs
         ids, positions = verify_window(b.meta, b.drafts, bucket, width, LAST, START)  # [bucket, W] each
-        attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True)
+        started = False
+
+        def extend(features: Tensor) -> None:  # [bucket, W, taps*H], once the last tapped layer is done
+            nonlocal started
+            if self.drafter is not None and self.drafter.graph_safe and not started:
+                started = True  # beside the layers after the last tap and the LM head: only the next round
+                with self.branch.fork():  # reads the drafter's cache; ring row start - 1 is not written below
+                    self.drafter.extend_rows(self._rows(bucket), features, ids)
+
+        attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True, tapped=extend)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
-        if self.drafter is not None and self.drafter.graph_safe and features is not None:
-            with self.branch.fork():  # beside the LM head: only the next round reads the drafter's cache
-                self.drafter.extend_rows(self._rows(bucket), features, ids)  # ring row start - 1: not written below
+        if features is not None:
+            extend(features)  # a stack that did not call it (unfused) has no earlier point
         if self.ring is not None:
             self.ring.write(b.row(SLOT, bucket), b.row(START, bucket), features)
-        logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
-        packed = self._settle(bucket, width, logits) if decide else None
+        logits = None
+        if decide:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
+            draw = Draw(b.row(SEED, bucket), b.row(START, bucket), b.fmeta[INV_TEMP, :bucket], width, shift=1)
+            logits = head_draw(self.target.lm_head, hidden, b.argmax, draw)
+        drawn = logits is not None
+        if not drawn:
+            logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
+        packed = self._settle(bucket, width, logits, drawn) if decide else None
         self.branch.join()
         return logits, features, packed
 
-    def _settle(self, bucket: int, width: int, logits: Tensor) -> Tensor:
+    def _settle(self, bucket: int, width: int, logits: Tensor, drawn: bool) -> Tensor:
         """Decide the round on the device -> packed [bucket, 2W + 1] for the one copy back; each
         live row's last token and start after it go to ``bufs.next``, so the next round can be
-        launched before the host has read this one."""
+        launched before the host has read this one. With ``drawn`` the head folded the draws
+        into ``bufs.argmax`` (head_draw); otherwise they are made here from the logits."""
         b = self.bufs
-        _, real, chunks = kernels.chunking(logits.shape[-1])
-        bad = torch.empty(bucket * width, chunks, dtype=torch.int32, device=self.device)  # [bucket * W, chunks]
-        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
-                                              b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket], bad=bad,
-                                              shift=1)
+        real = chunks = 1
+        if drawn:
+            num, tokens, bad = b.argmax.best, b.argmax.best, b.argmax.bad  # num: not read
+        else:
+            _, real, chunks = kernels.chunking(logits.shape[-1])
+            bad = torch.empty(bucket * width, chunks, dtype=torch.int32, device=self.device)  # [bucket * W, chunks]
+            num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
+                                                  b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket],
+                                                  bad=bad, shift=1)
         packed = torch.empty(bucket, 2 * width + 1, dtype=torch.int64, device=self.device)
         _settle_kernel[(bucket,)](b.meta, b.drafts, num, tokens, bad, packed, b.next, b.meta.stride(0),
                                   b.next.stride(0), b.drafts.shape[1], width, self.cache.scratch, LAST_ROW=LAST,
                                   START_ROW=START, SLOT_ROW=SLOT, REAL=real, CHUNKS=chunks,
-                                  BLOCK=triton.next_power_of_2(width))
+                                  BLOCK=triton.next_power_of_2(width), DRAWN=drawn)
         return packed
 
     # ------------------------------------------------------------------ accept

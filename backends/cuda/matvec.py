@@ -27,6 +27,20 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
+from .sampling import keyed_scores
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What a row's draw is keyed by (sampling.accept_matching): row m = request * width + t
+    draws at position start[request] + shift + t with seed[request], at inverse temperature
+    inv_temp[request] (0: greedy)."""
+
+    seed: Tensor  # [requests] int64
+    start: Tensor  # [requests] int64
+    inv_temp: Tensor  # [requests] float32
+    width: int
+    shift: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,24 +73,30 @@ def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, out, idx, ticket, rm, rn, M, N, pk, pn, dt, GATED: tl.constexpr, SPLIT: tl.constexpr,
-              ARGMAX: tl.constexpr):
+def _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_temp, rm, rn, M, N, W, SHIFT, pk, dt,
+              GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr, DRAW: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] (rows x output columns) -> out: partial sums, or final values
     rounded to the model dtype ``dt`` (then stored as out's dtype: float32 logits need no copy).
-    ARGMAX: see _argmax_fold."""
+    ARGMAX: see _fold. DRAW: the values are stored, and each row's draw is folded (_fold) from
+    them as the sampling kernels score them (sampling.keyed_scores), with its non-finite count."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if GATED:
         acc_g = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     if ARGMAX:
-        _argmax_fold(acc_g.to(dt).to(tl.float32), mask, out, idx, ticket, rm, rn, M, N)
+        _fold(acc_g.to(dt).to(tl.float32), mask, best, tokens, ticket, rm, M, rn, N, bad)
     elif SPLIT == 1:
         tl.store(out + rm[:, None] * N + rn[None, :], acc_g.to(dt).to(out.dtype.element_ty), mask=mask)
+        if DRAW:
+            v = acc_g.to(dt).to(tl.float32)
+            scores, count = keyed_scores(v, mask, rm, rn, M, W, SHIFT, seed, start, inv_temp)
+            _fold(scores, mask, best, tokens, ticket, rm, M, rn, N, bad, count, DRAW=True)
     else:
         tl.store(out + (pk * M + rm[:, None]) * N + rn[None, :], acc_g, mask=mask)
 
 
 @triton.jit
-def _mv_rows(x, w, out, idx, ticket, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr,
+def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, K, CHUNK, W, SHIFT,
+             GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr, DRAW: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
              PDL: tl.constexpr):
     """Program (column block, K chunk): BLOCK_N outputs of rows [0, M) over K [pk*CHUNK, +CHUNK)."""
@@ -99,7 +119,8 @@ def _mv_rows(x, w, out, idx, ticket, M, N, K, CHUNK, GATED: tl.constexpr, SPLIT:
         xp += BLOCK_K
         wp += BLOCK_K
         up += BLOCK_K
-    _epilogue(acc_g, acc_u, out, idx, ticket, rm, rn, M, N, pk, pn, x.dtype.element_ty, GATED, SPLIT, ARGMAX)
+    _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_temp, rm, rn, M, N, W, SHIFT, pk,
+              x.dtype.element_ty, GATED, SPLIT, ARGMAX, DRAW)
 
 
 EMPTY = -(2**63)  # ArgmaxScratch.best between launches: below every packed (value, column)
@@ -107,41 +128,72 @@ _EMPTY = tl.constexpr(EMPTY)  # the same, readable inside kernels
 
 
 @triton.jit
-def _argmax_fold(v, mask, best, tokens, ticket, rm, rn, M, N):
-    """v [BLOCK_M, BLOCK_N] rounded products -> each row's largest here (NaN counting as
-    largest, as torch.argmax has it) and its first column, packed as (order-keyed
-    value bits << 32) | (2^32 - 1 - column) so that one int64 atomic max per row keeps the
-    largest value and, on ties, the first column. The last program to finish unpacks each
-    row's winner into tokens [M] and leaves ``best`` and ``ticket`` as it found them."""
-    v = tl.where(mask, tl.where(v != v, float("inf"), v), float("-inf"))  # sums from +0: never -0
+def _fold(v, mask, best, tokens, ticket, rm, M, rn, N, bad, count=0, DRAW: tl.constexpr = False):
+    """v [BLOCK_M, BLOCK_N] scores -> each row's largest here (NaN counting as largest, as
+    torch.argmax has it) and its first column, packed as (order-keyed value bits << 32) |
+    (2^32 - 1 - column) so that one int64 atomic max per row keeps the largest value and, on
+    ties, the first column. The last program to finish (a ticket) unpacks each row's winner
+    into tokens [M] and leaves ``best`` and ``ticket`` as it found them. A DRAW adds each
+    row's ``count`` [BLOCK_M] into bad [M] and leaves both for the kernel after it to take
+    (take_draws): no program waits on a ticket's round trip."""
+    v = tl.where(mask, tl.where(v != v, float("inf"), v), float("-inf")) + 0.0  # +0.0: no -0 to order below +0
     top = tl.max(v, axis=1)
     first = tl.min(tl.where(v == top[:, None], rn[None, :], N), axis=1)
     bits = top.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # float order as signed int order
     packed = (key << 32) | (0xFFFFFFFF - first.to(tl.int64))
     tl.atomic_max(best + rm, packed, mask=rm < M, sem="relaxed", scope="gpu")
-    tl.debug_barrier()  # every thread's atomic above comes before this program's arrival (a release)
-    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        empty = tl.full((rm.shape[0],), _EMPTY, tl.int64)
-        won = tl.atomic_xchg(best + rm, empty, mask=rm < M, sem="relaxed", scope="gpu")
-        tl.store(tokens + rm, 0xFFFFFFFF - (won & 0xFFFFFFFF), mask=rm < M)
-        tl.store(ticket, 0)
+    if DRAW:
+        tl.atomic_add(bad + rm, count, mask=(rm < M) & (count > 0), sem="relaxed", scope="gpu")
+    else:
+        tl.debug_barrier()  # every thread's atomic above comes before this program's arrival (a release)
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.store(tokens + rm, _taken(best, rm, rm < M), mask=rm < M)
+            tl.store(ticket, 0)
+
+
+@triton.jit
+def _taken(best, rows, mask):
+    """The winners' columns at ``rows`` of ``best``, which is left EMPTY there."""
+    won = tl.atomic_xchg(best + rows, tl.full(rows.shape, _EMPTY, tl.int64), mask=mask, sem="relaxed", scope="gpu")
+    return 0xFFFFFFFF - (won & 0xFFFFFFFF)
+
+
+@triton.jit
+def take_draws(best, bad, rows, mask):
+    """For the kernel after a matvec_draw: (each row's draw, its non-finite count) at ``rows``,
+    leaving the scratch's best EMPTY and bad 0 there for the next launch."""
+    counted = tl.atomic_xchg(bad + rows, tl.zeros(rows.shape, tl.int32), mask=mask, sem="relaxed", scope="gpu")
+    return _taken(best, rows, mask), counted
 
 
 class ArgmaxScratch:
-    """What the one-launch argmax keeps between launches: each row's packed best (EMPTY) and a
-    count of finished programs (0). Every launch leaves them so, hence a graph replays them;
-    launches sharing one must run one after another (one stream)."""
+    """What the one-launch argmax and draw keep between launches: each row's packed best
+    (EMPTY), a count of finished programs (0) and each row's count of non-finite values (0).
+    Every argmax launch, and every draw with the take after it, leaves them so, hence a graph
+    replays them; launches sharing one must run one after another (one stream)."""
 
     def __init__(self, device: torch.device | str):
         self.best = torch.full((MAX_ROWS,), EMPTY, dtype=torch.int64, device=device)  # [MAX_ROWS]
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
+        self.bad = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)  # [MAX_ROWS]
+
+    def take(self, rows: int) -> Tensor:
+        """take_draws eagerly: [2, rows] int64 (draws, non-finite counts), the scratch reset."""
+        drawn = torch.stack([0xFFFFFFFF - (self.best[:rows] & 0xFFFFFFFF), self.bad[:rows].long()])
+        self.best[:rows] = EMPTY
+        self.bad[:rows] = 0
+        return drawn
 
 
-def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, idx: Tensor, ticket: Tensor, n: int,
-            chunk: int, tiling: Tiling, gated: bool, argmax: bool) -> None:
+def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tiling, gated: bool,
+            scratch: ArgmaxScratch | None = None, tokens: Tensor | None = None, draw: Draw | None = None) -> None:
     m, k = x.shape
-    _mv_rows[grid](x, w, out, idx, ticket, m, n, k, chunk, GATED=gated, SPLIT=tiling.split, ARGMAX=argmax,
+    best, ticket, bad = (out, out, out) if scratch is None else (scratch.best, scratch.ticket, scratch.bad)
+    d = draw or Draw(out, out, out, 1)  # read only by a draw
+    _mv_rows[grid](x, w, out, best, out if tokens is None else tokens, ticket, bad, d.seed, d.start, d.inv_temp, m,
+                   n, k, chunk, d.width, d.shift, GATED=gated, SPLIT=tiling.split,
+                   ARGMAX=draw is None and tokens is not None, DRAW=draw is not None,
                    BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact for tests
                    num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
@@ -166,8 +218,7 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, out, out, n, chunk, tiling, gated,
-            argmax=False)
+    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, n, chunk, tiling, gated)
     return out
 
 
@@ -182,6 +233,20 @@ def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch |
                          f"{tiling.block_k}-wide steps and at most {MAX_ROWS} rows")
     scratch = scratch or ArgmaxScratch(x.device)
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, scratch.best, tokens, scratch.ticket, n, k,
-            tiling, gated=False, argmax=True)
+    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, tokens, n, k, tiling, False, scratch, tokens)
     return tokens
+
+
+def matvec_draw(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch, draw: Draw) -> Tensor:
+    """x [M, K] @ w.T rounded to x's dtype -> those values as float32 [M, N], in one launch
+    that also folds each row's draw (sampling.accept_matching's, for row m = request * width
+    + t at position start + shift + t) and its count of non-finite values into ``scratch``,
+    where the next kernel takes them (take_draws; eagerly, ArgmaxScratch.take)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or tiling.split != 1 or k % tiling.block_k or m > MAX_ROWS or m % draw.width:
+        raise ValueError(f"matvec_draw: x [{m}, {k}] and weight {tuple(w.shape)} need whole sums in "
+                         f"{tiling.block_k}-wide steps, at most {MAX_ROWS} rows, whole windows of {draw.width}")
+    values = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, values, n, k, tiling, False, scratch, values, draw)
+    return values

@@ -44,6 +44,8 @@ def _uniform(key):
     return ((_hash32(key) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
+_SAMPLE = tl.constexpr(1)  # core.sampling.Stream.SAMPLE, readable inside kernels
+
 # what _gumbel_argmax reads from its rows (constexpr: jit functions may read such globals)
 LOGP, PROBS, RESIDUAL, LOGITS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
@@ -93,6 +95,24 @@ def _best(row, q_row, key, lo, hi, BLOCK: tl.constexpr, MODE: tl.constexpr, use_
         best_idx = tl.where(better, blk_idx, best_idx)
         best_val = tl.where(better, blk_val, best_val)
     return best_val, best_idx, bad
+
+
+@triton.jit
+def keyed_scores(v, mask, rm, rn, M, W, SHIFT, seed, start, inv_temp):
+    """Raw logits v [BLOCK_M, BLOCK_N] of rows rm (row m: request m // W, position
+    start + SHIFT + m % W) at columns rn -> (what _best draws from them in LOGITS mode, bit for
+    bit, and each row's count of non-finite values where ``mask``): a matvec's epilogue folds
+    a draw with these (matvec.matvec_draw), so the logits need no second pass."""
+    req = rm // W
+    live = rm < M
+    temp = tl.load(inv_temp + req, mask=live, other=0.0)  # [BLOCK_M]
+    count = tl.sum((mask & ((v != v) | (tl.abs(v) == float("inf")))).to(tl.int32), axis=1)
+    noise = tl.zeros(v.shape, tl.float32)
+    if tl.max(temp, axis=0) > 0:  # greedy rows skip the noise; an all-greedy batch hashes nothing
+        position = tl.load(start + req, mask=live, other=0) + SHIFT + rm % W
+        key = _row_key(tl.load(seed + req, mask=live, other=0), position, _SAMPLE)
+        noise = tl.where((temp > 0)[:, None], _gumbel(key[:, None], rn[None, :]), 0.0)
+    return v * tl.where(temp > 0, temp, 1.0)[:, None] + noise, count
 
 
 @triton.jit
