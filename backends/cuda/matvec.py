@@ -15,6 +15,9 @@ columns, writing silu(gate) * up: the MLP's activation costs no launch either. W
 each program folds its columns' largest (rounded) value per row and where it sits into one
 int64 per row by an atomic max, and the last program to finish (a ticket) reads the winners
 out: a greedy readout through an LM head never writes its logits and needs no second launch.
+With ``DRAW`` (the verify head) the logits are written and each row's draw is folded the same
+way from them as the sampling kernels score them, with its count of non-finite logits; the
+kernel after it (the settle) takes them, so no program waits on a ticket.
 """
 
 from __future__ import annotations
