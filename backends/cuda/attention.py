@@ -224,6 +224,16 @@ def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
     return Splits(count, least, merge=count <= 4)
 
 
+def _combine_warps(elements: int, query_rows: int) -> int:
+    """Warps for a combine program merging ``elements`` partial values of one query row, with
+    ``query_rows`` such programs per (row, kv head). Many short programs (a 16-token window)
+    finish sooner with 2 warps: DFlash b1 graphs 13 µs a round faster on an H200; one token
+    (4 query rows) keeps 4, where 2 had been 10 µs slower (docs/RESULTS.md)."""
+    if elements > 8192:
+        return 8
+    return 2 if query_rows > 4 else 4
+
+
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor, causal: bool,
            splits: Splits, out: Tensor | None = None, tickets: Tensor | None = None) -> Tensor:
     """q [N, Hq, W, D] over each row's cached keys -> out [N, Hq, W, D] in q's dtype. q and out
@@ -263,7 +273,7 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
     _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, out.stride(0),
                                       out.stride(1), out.stride(2), *plan, SPLITS=padded,
                                       BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
-                                      num_warps=4 if padded * d <= 8192 else 8,
+                                      num_warps=_combine_warps(padded * d, g * w),
                                       **overlap.launch(release=False))
     return out
 
