@@ -29,7 +29,7 @@ from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import ArgmaxScratch, Draw, choose_tiling, matvec, matvec_argmax, matvec_draw
+from .matvec import ArgmaxScratch, Draw, Tiling, choose_tiling, matvec, matvec_argmax, matvec_draw
 
 if TYPE_CHECKING:
     from .kv import StaticKV
@@ -187,8 +187,8 @@ def head_argmax(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch | 
     rounded to the model dtype as the eager head gives them; no logits are written. The cuda
     backend binds its persistent ``scratch`` (matvec.ArgmaxScratch)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    tiling = choose_tiling(flat.shape[0], head.weight.shape[0], flat.shape[1])
-    if head.bias is not None or tiling is None or tiling.split != 1:
+    tiling = _head_tiling(head, flat)
+    if tiling is None:
         return plain_head_argmax(head, hidden)
     return matvec_argmax(flat, head.weight, tiling, scratch).view(hidden.shape[:-1])
 
@@ -199,10 +199,19 @@ def head_draw(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch, dra
     count of non-finite logits in ``scratch`` for the next kernel (matvec.take_draws); None
     where the head is not one whole-sum matvec (the caller then draws from lm_logits)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
+    tiling = _head_tiling(head, flat)
+    if tiling is None:
+        return None
+    return matvec_draw(flat, head.weight, tiling, scratch, draw).view(*hidden.shape[:-1], -1)
+
+
+def _head_tiling(head: torch.nn.Linear, flat: Tensor) -> Tiling | None:
+    """The tiling of an LM head over rows flat [M, H] when one whole-sum matvec launch can fold
+    its readout (no bias, the decode matvec applies, no K split), else None."""
     tiling = choose_tiling(flat.shape[0], head.weight.shape[0], flat.shape[1])
     if head.bias is not None or tiling is None or tiling.split != 1:
         return None
-    return matvec_draw(flat, head.weight, tiling, scratch, draw).view(*hidden.shape[:-1], -1)
+    return tiling
 
 
 def silu_mul(gu: Tensor) -> Tensor:

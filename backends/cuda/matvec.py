@@ -251,5 +251,5 @@ def matvec_draw(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch, dr
         raise ValueError(f"matvec_draw: x [{m}, {k}] and weight {tuple(w.shape)} need whole sums in "
                          f"{tiling.block_k}-wide steps, at most {MAX_ROWS} rows, whole windows of {draw.width}")
     values = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, values, n, k, tiling, False, scratch, values, draw)
+    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, values, n, k, tiling, False, scratch, draw=draw)
     return values

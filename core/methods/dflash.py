@@ -171,8 +171,8 @@ class DFlashDrafter(Drafter):
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
         n = rows.last_token.shape[0]
-        block = rows.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
-        ids, positions = block  # [N, B] each: anchor, MASK...; start .. start + B - 1
+        # [N, B] each: ids anchor, MASK, ...; positions start .. start + B - 1
+        ids, positions = rows.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
         attn = self.kv.attention(rows.caches, causal=False, persist=False)
         hidden = self.model(self.target.embed(ids), positions, attn)
         if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
