@@ -1,5 +1,6 @@
-"""Where the host's time goes in a decode round: cProfile over steady-state engine steps
-(CUDA machine). `python bench/host_profile.py SPEC [BATCH]`."""
+"""Where the host's time goes: cProfile over `Engine.generate` with the shipped trained pair on
+the cuda backend (CUDA machine), and the prefill's share.
+`python bench/host_profile.py [SPEC] [BATCH] [DEPTH]`."""
 import cProfile
 import pstats
 import sys
@@ -7,31 +8,36 @@ import time
 
 import torch
 
-from core.benchmark import _prompts
 from core.engine import Engine
 from core.sampling import SamplingParams
+from core.spec import load_spec
+from core.training.corpus import read_prompts
 
 
 def main():
-    spec, batch = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    engine = Engine.from_spec(spec, draft_policy="always")
-    for _ in range(2):
-        for p in _prompts(engine, batch, 512, 0):
-            engine.add_request(p, SamplingParams(max_new_tokens=96, ignore_eos=True))
-        engine.step()
-        for _ in range(16):
-            engine.step()
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        start, steps = time.perf_counter(), 0
-        prof.enable()
-        while engine.scheduler.has_work():
-            engine.step()
-            steps += 1
-        prof.disable()
-        torch.cuda.synchronize()
-    print(f"{steps} steps, {1e3 * (time.perf_counter() - start) / steps:.3f} ms per step under the profiler")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    path = sys.argv[1] if len(sys.argv) > 1 else "specs/tiny-dflash.yaml"
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    depth = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    data = load_spec(path).model_dump(mode="python")
+    data["backend"], data["model"]["device"] = "cuda", "cuda"
+    data["server"].update(max_batch_size=max(batch, 2), pipeline_depth=depth)
+    engine = Engine(type(load_spec(path)).model_validate(data), draft_policy="always")
+    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: 4 * batch]
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    engine.generate(prompts[:batch], params)
+    torch.cuda.synchronize()
+    prof, clock = cProfile.Profile(), engine.machine.clock
+    rounds, start = clock.rounds, time.perf_counter()
+    prof.enable()
+    for i in range(0, len(prompts), batch):
+        engine.generate(prompts[i : i + batch], params)
+    prof.disable()
+    torch.cuda.synchronize()
+    seconds, rounds = time.perf_counter() - start, clock.rounds - rounds
+    print(f"{path} batch {batch} depth {depth}: {1e3 * seconds / rounds:.3f} ms per round under the profiler "
+          f"({rounds} rounds); host work {clock.host_us_per_round:.0f} us/round")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ class Row:
     graph_ms: float  # the round's captured graphs replayed back to back: its GPU time
     throughput: float  # output tokens per second, all requests
     idle_ms: float  # per round, the GPU's time outside the rounds' graphs: what the host leaves
+    host_us: float = 0.0  # per round, the engine's own host work (its step time less waiting on the device)
 
     @property
     def ratio(self) -> float:
@@ -115,17 +116,18 @@ def _prompts(engine: Engine, batch: int, length: int, seed: int) -> list[list[in
 
 
 def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
-    """Prefill, then time every following step: (seconds, steps, tokens emitted in them)."""
+    """Prefill, then time every following round: (seconds, rounds, tokens emitted in them)."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
-    engine.step()  # admits and prefills everything (the batch fits), runs the first round
+    engine.step()  # admits and prefills everything (the batch fits), launches the first rounds
     torch.cuda.synchronize()
-    before, steps, start = sum(len(r.output_ids) for r in reqs), 0, time.perf_counter()
+    before, start = sum(len(r.output_ids) for r in reqs), time.perf_counter()
+    rounds = engine.machine.clock.rounds
     while engine.scheduler.has_work():
         engine.step()
-        steps += 1
     torch.cuda.synchronize()
-    return time.perf_counter() - start, steps, sum(len(r.output_ids) for r in reqs) - before
+    seconds, rounds = time.perf_counter() - start, engine.machine.clock.rounds - rounds
+    return seconds, rounds, sum(len(r.output_ids) for r in reqs) - before
 
 
 def idle_ms(timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
@@ -135,28 +137,98 @@ def idle_ms(timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
 
 
 def graph_ms(engine: Engine, batch: int) -> float:
-    """GPU time of one round's graphs at this batch (draft, then verify deciding the round),
-    replayed back to back."""
+    """GPU time of one deciding round's graph at this batch (its draft step inside), replayed
+    back to back over padding rows."""
     backend, bucket = engine.backend, engine.backend.bucket(batch)
-    wanted = {("draft", bucket), ("verify", backend.width, bucket, True)}
-    graphs = [g for key, (g, _) in getattr(backend.graphs, "_graphs", {}).items() if key in wanted]
-    return median_ms(lambda: [g.replay() for g in graphs], repeats=20) if graphs else 0.0
+    graphs = [g for key, (g, _) in getattr(backend.graphs, "_graphs", {}).items()
+              if key[:4] == ("round", bucket, backend.width, True)]
+    if not graphs:
+        return 0.0
+    backend.bufs.load([], bucket)  # padding rows: replays move no request's state
+    return median_ms(lambda: [g.replay() for g in graphs], repeats=20)
 
 
-def bench_method(engine: Engine, batches: list[int], prompt_len: int, new_tokens: int, bandwidth: float) -> list[Row]:
+def bench_method(engine: Engine, batches: list[int], prompt_len: int, new_tokens: int, bandwidth: float
+                 ) -> list[Row]:
     geo, rows = geometry(engine), []
     for b in batches:
         prompts = _prompts(engine, b, prompt_len, seed=b)
-        _decode(engine, prompts, min(new_tokens, 32))  # capture this bucket's graphs, warm the kernels
+        _decode(engine, prompts, min(new_tokens, 32))  # warm the kernels and the allocator at this batch
         timeline = engine.backend.timeline = []
-        seconds, steps, tokens = _decode(engine, prompts, new_tokens)
+        clock = engine.machine.clock
+        host0, wait0 = clock.step_s, clock.wait_s
+        seconds, rounds, tokens = _decode(engine, prompts, new_tokens)
+        host_us = 1e6 * ((clock.step_s - host0) - (clock.wait_s - wait0)) / max(1, rounds)
         engine.backend.timeline = None
-        ms_round = 1e3 * seconds / steps
+        ms_round = 1e3 * seconds / rounds
         floor = 1e3 * geo.bytes(b, prompt_len + new_tokens // 2) / bandwidth
-        tau = tokens / (steps * b)
+        tau = tokens / (rounds * b)
         rows.append(Row(engine.plan.method, b, ms_round, tau, ms_round / tau, floor, graph_ms(engine, b),
-                        tokens / seconds, idle_ms(timeline) / steps))
+                        tokens / seconds, idle_ms(timeline) / rounds, host_us))
     return rows
+
+
+@dataclass
+class SimRow:
+    """One method at one batch under simulated acceptance, against `none` in the same run."""
+
+    method: str
+    batch: int
+    tau: float  # measured
+    tau_profile: float
+    ms_round: float
+    throughput: float
+    speedup: float  # over none's output tokens/s
+    predicted: float  # tau x t(none round) / t(this method's round at tau = 1)
+    host_us: float
+    idle_us: float
+
+    @property
+    def efficiency(self) -> float:
+        return self.speedup / self.predicted if self.predicted else 0.0
+
+
+def bench_acceptance(base: Engine, specs: list, batches: list[int], prompt_len: int, new_tokens: int,
+                     rate: float) -> list[SimRow]:
+    """Per method and batch: a round at tau = 1 (its own drafts, never accepted on random
+    weights), then the same rounds with drafts replaced per core.simulated, against `none`."""
+    from .simulated import SimulatedAcceptance, expected_tau
+
+    none = base if base.plan.method == "none" else base.with_method({"method": "none"})
+    beyond = min(64, none.spec.model.max_model_len - prompt_len - new_tokens)  # drafts past the last token
+    continuations, baseline = {}, {}
+    for b in batches:
+        prompts = _prompts(none, b, prompt_len, seed=b)
+        outs = none.generate(prompts, SamplingParams(max_new_tokens=new_tokens + beyond, ignore_eos=True))
+        continuations.update({tuple(p): o.output_ids for p, o in zip(prompts, outs)})
+        baseline[b] = bench_method(none, [b], prompt_len, new_tokens, 1.0)[0]
+    rows = []
+    for speculative in specs:
+        engine = base.with_method(speculative)
+        k = engine.plan.num_speculative_tokens
+        plain = {r.batch: r for r in bench_method(engine, batches, prompt_len, new_tokens, 1.0)}
+        engine.backend.set_draft_override(SimulatedAcceptance(
+            rate, continuations, engine.spec.server.max_batch_size, engine.backend.cache.max_len,
+            engine.target.config.vocab_size, engine.device))
+        for r in bench_method(engine, batches, prompt_len, new_tokens, 1.0):
+            none_row, one = baseline[r.batch], plain[r.batch]
+            rows.append(SimRow(r.method, r.batch, r.tokens_round, expected_tau(rate, k), r.ms_round, r.throughput,
+                               r.throughput / none_row.throughput, r.tokens_round * none_row.ms_round / one.ms_round,
+                               r.host_us, 1e3 * r.idle_ms))
+        del engine
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_sim(rows: list[SimRow], profile: str) -> str:
+    lines = [f"SIMULATED acceptance (--acceptance {profile}): drafts replaced by each row's greedy continuation",
+             f"{'method':<11}{'batch':>6}{'tau':>7}{'profile':>8}{'ms/round':>10}{'tok/s':>9}{'speedup':>9}"
+             f"{'predicted':>10}{'effic.':>8}{'host us':>9}{'idle us':>9}"]
+    for r in rows:
+        lines.append(f"{r.method:<11}{r.batch:>6}{r.tau:>7.2f}{r.tau_profile:>8.2f}{r.ms_round:>10.3f}"
+                     f"{r.throughput:>9.0f}{r.speedup:>8.2f}x{r.predicted:>9.2f}x{r.efficiency:>8.2f}"
+                     f"{r.host_us:>9.0f}{r.idle_us:>9.0f}")
+    return "\n".join(lines)
 
 
 def hf_peer(engine: Engine, prompt_len: int, new_tokens: int) -> float:
@@ -191,10 +263,11 @@ def hf_peer(engine: Engine, prompt_len: int, new_tokens: int) -> float:
 def format_rows(rows: list[Row], bandwidth: float) -> str:
     lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)",
              f"{'method':<11}{'batch':>6}{'ms/round':>10}{'tok/round':>10}{'ms/token':>10}{'floor ms':>10}"
-             f"{'x floor':>9}{'graphs ms':>11}{'idle ms':>9}{'tok/s':>9}"]
+             f"{'x floor':>9}{'graphs ms':>11}{'idle ms':>9}{'host us':>9}{'tok/s':>9}"]
     for r in rows:
         lines.append(f"{r.method:<11}{r.batch:>6}{r.ms_round:>10.3f}{r.tokens_round:>10.2f}{r.ms_token:>10.3f}"
-                     f"{r.floor_ms:>10.3f}{r.ratio:>9.2f}{r.graph_ms:>11.3f}{r.idle_ms:>9.3f}{r.throughput:>9.0f}")
+                     f"{r.floor_ms:>10.3f}{r.ratio:>9.2f}{r.graph_ms:>11.3f}{r.idle_ms:>9.3f}{r.host_us:>9.0f}"
+                     f"{r.throughput:>9.0f}")
     return "\n".join(lines)
 
 

@@ -204,6 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     too_big = [b for b in batches if b > engine.spec.server.max_batch_size]
     if too_big:
         raise ConfigError(f"--batch-sizes {too_big} exceed server.max_batch_size {engine.spec.server.max_batch_size}")
+    if args.acceptance:
+        return _bench_acceptance(args, engine, batches)
     bandwidth = benchmark.copy_bandwidth(engine.device)
     methods = [] if engine.plan.method == "none" or args.no_baseline else [{"method": "none"}]
     methods += [None] + [_same_target(load_spec(path), engine.spec, path).speculative
@@ -225,6 +227,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ours = next(r.ms_token for r in rows if r.method == "none" and r.batch == 1) if 1 in batches else float("nan")
         print(f"transformers static cache + torch.compile, batch 1: {ms:.3f} ms/token; draftline none: {ours:.3f} "
               f"ms/token ({ms / ours:.2f}x faster)")
+    return 0
+
+
+def _bench_acceptance(args: argparse.Namespace, engine, batches: list[int]) -> int:
+    from . import benchmark
+    from .simulated import profile_rate
+    from .spec import load_spec
+
+    try:
+        rate = profile_rate(args.acceptance)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    specs = [engine.spec.speculative] + [_same_target(load_spec(path), engine.spec, path).speculative
+                                         for path in filter(None, args.also.split(","))]
+    specs = [s for s in specs if s.method != "none"]
+    if rate is None or not specs:
+        raise ConfigError("--acceptance needs a drafting method (--spec or --also) and a profile other than "
+                          "'random' (plain `draftline bench` measures the drafter's own drafts)")
+    rows = benchmark.bench_acceptance(engine, specs, batches, args.prompt_len, args.new_tokens, rate)
+    import torch
+
+    print(f"{args.spec}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.cuda.get_device_name()}")
+    print(benchmark.format_sim(rows, args.acceptance))
     return 0
 
 
@@ -332,6 +357,9 @@ def _generation_commands(sub) -> None:
     bn.add_argument("--no-baseline", action="store_true", help="skip the `none` rows of a speculative spec")
     bn.add_argument("--also", default="", help="comma-separated specs whose methods to bench too, over the same target")
     bn.add_argument("--attention", action="store_true", help="also time the verify attention kernel at long context")
+    bn.add_argument("--acceptance", metavar="PROFILE",
+                    help="SIMULATED acceptance: drafts replaced by greedy continuations, accepted per position with "
+                         "probability PROFILE (random, dflash-paper 0.86, chain-paper 0.70, or a number)")
     bn.set_defaults(func=cmd_bench)
 
 

@@ -12,9 +12,8 @@ from typing import Any, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from backends.base import Capacity
-
-from .machine import Machine, Phase, Plan, abort, advance
+from .contract import Capacity
+from .machine import Machine, Plan
 from .policy import DraftPolicy
 from .models.config import ConfigError
 from .models.loader import load_target, place, random_target
@@ -24,6 +23,7 @@ from .registry import BACKENDS, METHODS
 from .request import Request, Round, SpecStats
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .stops import Stops
 from .spec import Spec, SpeculativeSpec, load_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,9 +92,12 @@ class Engine:
         self.plan: Plan = method.plan(target.config)
         capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager)
         self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype, capacity)
+        self.startup = self.backend.prepare()  # graphs for every bucket, before any request
         self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
-        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy)
+        depth = spec.server.pipeline_depth
+        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, Stops(self._decode),
+                               self.backend.default_depth if depth == "auto" else depth)
         self._ids = itertools.count()
 
     @classmethod
@@ -153,27 +156,17 @@ class Engine:
 
     def abort_running(self, message: str) -> None:
         """End every admitted request (after a step raised) and free their slots."""
-        for req in self.scheduler.running:
-            abort(req, message)
-        self.scheduler.reap(self.backend.free)
+        self.machine.abort_all(message)
 
     def step(self) -> list[Request]:
-        finished = self.machine.step()
-        for req in self.scheduler.running:
-            if req.stop_strings and req.phase is not Phase.FINISHED and self._stop_string(req):
-                advance(req, Phase.FINISHED)
-        return finished + self.scheduler.reap(self.backend.free)
+        return self.machine.step()
 
-    def _stop_string(self, req: Request) -> bool:
-        text = self.text(req)
-        hit = next((s for s in req.stop_strings if s in text), None)
-        if hit is not None:
-            req.finish({"type": "stop", "matched": hit})
-        return hit is not None
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def text(self, req: Request) -> str:
         """The completion text, cut before a matched stop string (which it does not include)."""
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        text = self._decode(req.output_ids)
         matched = (req.finish_reason or {}).get("matched")
         if isinstance(matched, str) and matched in text:
             text = text[: text.index(matched)]
@@ -207,6 +200,8 @@ class Engine:
             "spec_accept_per_pos": [round(a, 4) for a in s.accept_per_pos],
             "spec_draft_tokens": s.draft_tokens,
             "spec_accepted_tokens": s.accepted_tokens,
+            "spec_drafted_rounds": s.drafted_rounds,  # the draft policy may run plain rounds
+            "spec_plain_rounds": s.verify_ct - s.drafted_rounds,
             "tokens_per_s": round(len(req.output_ids) / elapsed, 2) if elapsed > 0 else 0.0,
             "e2e_latency": round(elapsed, 4),
         }

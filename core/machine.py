@@ -4,17 +4,17 @@ method compiles to, and the step loop a backend executes."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from .policy import DraftPolicy
 from .request import Request, Round
+from .stops import Stops
 
 if TYPE_CHECKING:
-    from backends.base import Backend
+    from .contract import Backend
 
     from .scheduler import Scheduler
 
@@ -92,22 +92,61 @@ def describe_transitions() -> list[str]:
     return [f"{p.value:<8} -> {' | '.join(t.value for t in nxt) or '(end)'}" for p, nxt in TRANSITIONS.items()]
 
 
-class Machine:
-    """Runs one step: prefill the newly admitted, one round for every running request."""
+@dataclass(frozen=True)
+class Flight:
+    """A launched round the machine has not collected yet."""
 
-    def __init__(self, plan: Plan, backend: "Backend", scheduler: "Scheduler", policy: DraftPolicy):
-        self.plan, self.backend, self.scheduler, self.policy = plan, backend, scheduler, policy
+    handle: Any  # the backend's
+    reqs: tuple[Request, ...]  # its rows, in order
+    draft: bool
+    launched: float  # perf_counter at launch
+
+
+@dataclass
+class HostClock:
+    """Where the machine's time goes: the host's own work per round, apart from waiting."""
+
+    rounds: int = 0
+    ahead: int = 0  # rows launched while an earlier round of theirs was still in flight
+    step_s: float = 0.0  # inside step()
+    wait_s: float = 0.0  # of which blocked in collect() on the device
+
+    @property
+    def host_us_per_round(self) -> float:
+        return 1e6 * (self.step_s - self.wait_s) / max(1, self.rounds)
+
+
+class Machine:
+    """Runs the engine's steps: prefill the newly admitted, keep rounds in flight for the
+    running, collect the oldest and decide what it means for each of its requests.
+
+    ``depth`` rounds may stay in flight for a request between steps (0: each round is launched
+    and collected in the same step). A round launched for a request starts on the device where
+    the last one left it, so the host books round r while rounds r+1 .. r+depth run. The
+    machine alone decides which rows a round carries, when a request stops, and what a round
+    collected after its request finished means: nothing."""
+
+    def __init__(self, plan: Plan, backend: "Backend", scheduler: "Scheduler", policy: DraftPolicy,
+                 stops: Stops, depth: int = 0):
+        self.plan, self.backend, self.scheduler, self.policy, self.stops = plan, backend, scheduler, policy, stops
+        self.depth = min(depth, backend.max_depth)
+        self.flights: deque[Flight] = deque()
+        self.clock = HostClock()
+        self._last_collect: float | None = None
 
     def step(self) -> list[Request]:
+        begin = time.perf_counter()
         admitted, running = self.scheduler.schedule()
         if admitted:
             self._prefill(admitted)
-        drafting = bool(running) and self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(running))
-        for group, draft in (([r for r in running if drafting and r.speculate], True),
-                             ([r for r in running if not (drafting and r.speculate)], False)):
-            if group:
-                self._timed_round(group, draft)
-        return self.scheduler.reap(self.backend.free)
+        launched = self._launch([r for r in running + admitted if r.phase is not Phase.FINISHED])
+        while self.flights and (not launched or max(r.in_flight for r in self.flights[0].reqs) > self.depth):
+            self._collect(self.flights.popleft())
+            launched = True  # one collect is progress enough when nothing could be launched
+        while self.flights and all(r.phase is Phase.FINISHED for r in self.flights[0].reqs):
+            self._collect(self.flights.popleft())  # rounds only stopped requests ran: the device does them anyway
+        self.clock.step_s += time.perf_counter() - begin
+        return self.scheduler.reap(self.free)
 
     def _prefill(self, reqs: list[Request]) -> None:
         for req in reqs:
@@ -116,43 +155,78 @@ class Machine:
             if token is None:
                 abort(req, "non-finite logits in prefill")
                 continue
-            req.emit([token])
+            self.stops.apply(req, [token])
             advance(req, Phase.FINISHED if req.finish_reason else Phase.DRAFT)
 
-    def _timed_round(self, reqs: list[Request], draft: bool) -> None:
-        start, before = time.perf_counter(), sum(len(r.output_ids) for r in reqs)
-        self._round(reqs, draft)
-        emitted = sum(len(r.output_ids) for r in reqs) - before
-        self.policy.record(len(reqs), draft, time.perf_counter() - start, emitted)
+    def _launch(self, running: list[Request]) -> bool:
+        """Launch rounds until every running request has depth + 1 in flight (or is surely
+        done by length with those): requests that may draft, then the others."""
+        launched = False
+        while True:
+            rows = [r for r in running if r.in_flight <= self.depth and not r.cancelled
+                    and not Stops.done_in_flight(r, r.in_flight)]
+            if not rows:
+                return launched
+            drafting = self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(rows))
+            for group, draft in (([r for r in rows if drafting and r.speculate], True),
+                                 ([r for r in rows if not (drafting and r.speculate)], False)):
+                if group:
+                    self.flights.append(Flight(self.backend.launch(group, draft), tuple(group), draft,
+                                               time.perf_counter()))
+                    for req in group:
+                        self.clock.ahead += req.in_flight > 0
+                        req.in_flight += 1
+                        if req.phase is Phase.DRAFT:
+                            advance(req, Phase.VERIFY)
+            launched = True
 
-    def _round(self, reqs: list[Request], draft: bool) -> None:
-        proposal = self.backend.draft(reqs) if draft else self.backend.skip_draft(reqs)
-        for req in reqs:
-            advance(req, Phase.VERIFY)
-        verification = self.backend.verify(reqs, proposal)
-        finite = verification.finite if verification.finite is not None else \
-            torch.isfinite(verification.logits).flatten(1).all(dim=1)
-        finite = finite.tolist()
-        if not all(finite):  # one request's failure ends that request, never the batch
-            for req, ok in zip(reqs, finite):
-                if not ok:
-                    abort(req, "non-finite logits in verify")
-            keep = [i for i, ok in enumerate(finite) if ok]
-            reqs, proposal, verification = [reqs[i] for i in keep], proposal.rows(keep), verification.rows(keep)
-            if not reqs:
-                return
-        for req in reqs:
-            advance(req, Phase.ACCEPT)
-        drafted = proposal.tokens.tolist()  # one copy for the batch, not one per row; before accept(), which
-        verdict = self.backend.accept(reqs, proposal, verification)  # may launch the next round into these buffers
-        for i, req in enumerate(reqs):
-            self._finish_round(req, drafted[i], int(verdict.num_accepted[i]), verdict.tokens[i])
+    def _collect(self, flight: Flight) -> None:
+        waited = time.perf_counter()
+        result = self.backend.collect(flight.handle)
+        now = time.perf_counter()
+        self.clock.wait_s += now - waited
+        self.clock.rounds += 1
+        emitted = 0
+        for i, req in enumerate(flight.reqs):
+            req.in_flight -= 1
+            if req.phase is Phase.FINISHED:  # stopped by an earlier round, cancelled or failed
+                continue
+            if not result.finite[i]:  # one request's failure ends that request, never the batch
+                abort(req, "non-finite logits in verify")
+                continue
+            emitted += self._book(req, result.drafted[i], result.accepted[i], result.tokens[i])
+        # the round's share of wall time: from its launch, or from the previous collect when it
+        # ran behind that one
+        since = max(flight.launched, self._last_collect or 0.0)
+        self.policy.record(len(flight.reqs), flight.draft, now - since, emitted)
+        self._last_collect = now
 
-    @staticmethod
-    def _finish_round(req: Request, drafted: list[int], accepted: int, tokens) -> None:
+    def _book(self, req: Request, drafted: list[int], accepted: int, tokens: list[int]) -> int:
         start = req.seq_len
+        advance(req, Phase.ACCEPT)
         req.stats.record(accepted, len(drafted))
-        kept = req.emit(tokens[: accepted + 1].tolist())
+        kept = self.stops.apply(req, tokens)
         if req.rounds is not None:
             req.rounds.append(Round(position=start, drafted=tuple(drafted), accepted=accepted, emitted=tuple(kept)))
-        advance(req, Phase.FINISHED if req.finish_reason else Phase.DRAFT)
+        if req.finish_reason:
+            advance(req, Phase.FINISHED)
+        else:
+            advance(req, Phase.DRAFT)
+            if req.in_flight:  # the next round already runs
+                advance(req, Phase.VERIFY)
+        return len(kept)
+
+    def abort_all(self, message: str) -> None:
+        """End every admitted request (after a step raised): rounds in flight are forgotten."""
+        for flight in self.flights:
+            for req in flight.reqs:
+                req.in_flight -= 1
+        self.flights.clear()
+        for req in self.scheduler.running:
+            abort(req, message)
+        self.scheduler.reap(self.free)
+
+    def free(self, req: Request) -> None:
+        """A finished request's rounds still in flight write only its own slot, in stream order
+        before whatever reuses it; their results are ignored when collected."""
+        self.backend.free(req)

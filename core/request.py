@@ -72,6 +72,7 @@ class Request:
     speculate: bool = True  # False: this request never drafts
     stop_strings: tuple[str, ...] = ()
     cancelled: bool = False  # set from another thread; the machine frees the slot next step
+    in_flight: int = 0  # rounds launched for it whose results the machine has not yet collected
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
@@ -92,26 +93,8 @@ class Request:
         self.finish_reason = reason
         self.t_finish = time.perf_counter()
 
-    def finishes_with(self, tokens: list[int]) -> bool:
-        """Whether emit(tokens) would finish the request (a stop id or a length limit)."""
-        return (any(t in self.stop_ids for t in tokens) or self.seq_len + len(tokens) >= self.max_model_len
-                or len(self.output_ids) + len(tokens) >= self.params.max_new_tokens)
-
-    def emit(self, tokens: list[int]) -> list[int]:
-        """Append tokens, stopping inside the run at a stop id or a length limit.
-
-        Returns the tokens actually kept; sets ``finish_reason`` when the request is done.
-        """
-        kept = []
-        for tok in tokens:
-            self.output_ids.append(tok)
-            kept.append(tok)
-            if self.t_first_token is None:
-                self.t_first_token = time.perf_counter()
-            if tok in self.stop_ids:
-                self.finish({"type": "stop", "matched": tok})
-                break
-            if len(self.output_ids) >= self.params.max_new_tokens or self.seq_len >= self.max_model_len:
-                self.finish({"type": "length", "length": len(self.output_ids)})
-                break
-        return kept
+    def append(self, tokens: list[int]) -> None:
+        """Append tokens the machine decided to keep (core.stops)."""
+        if tokens and self.t_first_token is None:
+            self.t_first_token = time.perf_counter()
+        self.output_ids.extend(tokens)

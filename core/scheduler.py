@@ -24,8 +24,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.cancelled)
 
     def schedule(self) -> tuple[list[Request], list[Request]]:
-        """(requests to prefill now, requests to run a round for now); cancellations free
-        their slots here, before anything runs."""
+        """(requests to prefill now, requests already running); cancellations end their
+        requests here, before anything runs."""
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             abort(req, "cancelled")
@@ -33,7 +33,7 @@ class Scheduler:
         for req in self.running:
             if req.cancelled:
                 abort(req, "cancelled")
-        running = [r for r in self.running if r.phase is Phase.DRAFT]
+        running = [r for r in self.running if r.phase is not Phase.FINISHED]
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             admitted.append(self.waiting.popleft())

@@ -127,6 +127,17 @@ class ServerSpec(Strict):
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_queue: int = Field(256, ge=1)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token
+    # rounds a request may have in flight while the host books the one before: 0 launches and
+    # collects each round in turn; 1 or 2 let the device run ahead of the host. "auto" takes the
+    # backend's fastest measured depth (the reference backend runs synchronously: 0).
+    pipeline_depth: int | Literal["auto"] = Field("auto")
+
+    @field_validator("pipeline_depth")
+    @classmethod
+    def _depth(cls, value: Any) -> Any:
+        if isinstance(value, int) and not 0 <= value <= 2:
+            raise ValueError("must be 0, 1 or 2 (rounds in flight), or 'auto'")
+        return value
 
 
 def _speculative(data: Any) -> Any:

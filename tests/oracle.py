@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from backends.base import Proposal
+from core.contract import Proposal
 from conftest import full_forward
 from core.machine import Plan
 from core.methods.base import Drafter, Method

@@ -3,6 +3,7 @@
 the CPU through the Triton interpreter, so CI checks its buffers, static caches, windows and
 kernels end to end."""
 
+import functools
 import os
 
 import pytest
@@ -30,23 +31,34 @@ METHODS = {"none": {"method": "none"},
                           "num_speculative_tokens": 3}}
 
 
-def _engine(method: str, backend: str, **model) -> Engine:
+def _engine(method: str, backend: str, depth: int | str = "auto", **model) -> Engine:
     model = {"max_model_len": 128, **model}  # short caches: fewer attention splits to interpret on a CPU
-    return Engine(tiny_spec(METHODS[method], max_batch_size=4, backend=backend, device=DEV, dtype="float32", **model))
+    spec = tiny_spec(METHODS[method], max_batch_size=4, backend=backend, device=DEV, dtype="float32", **model)
+    return Engine(with_depth(spec, depth))
+
+
+def with_depth(spec, depth: int | str):
+    data = spec.model_dump(mode="python")
+    data["server"]["pipeline_depth"] = depth
+    return type(spec).model_validate(data)
+
+
+def _same_rounds(ref, got) -> None:
+    for r, g in zip(ref, got):
+        assert g.output_ids == r.output_ids
+        assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
 
 
 @pytest.mark.parametrize("method", ["none", "dflash"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_tokens_equal_reference(method, batch):
-    """float32: identical greedy tokens and identical accepted counts, mixed prompt lengths."""
+    """float32: identical greedy tokens and identical accepted counts, mixed prompt lengths,
+    with two rounds in flight behind the one the host books."""
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     ref = _engine(method, "reference").generate(PROMPTS[:batch], params, trace=True)
-    eng = _engine(method, "cuda")
-    got = eng.generate(PROMPTS[:batch], params, trace=True)
-    for r, g in zip(ref, got):
-        assert g.output_ids == r.output_ids
-        assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
-    assert eng.backend.rounds_ahead >= len(got[0].rounds) - 2  # all but the first round and the last were run ahead
+    eng = _engine(method, "cuda", depth=2)
+    _same_rounds(ref, eng.generate(PROMPTS[:batch], params, trace=True))
+    assert eng.machine.depth == 2 and eng.machine.clock.ahead > 0  # rounds were launched ahead of the host
 
 
 @pytest.mark.parametrize("method_name", ["eagle3", "gemma4_mtp"])
@@ -56,47 +68,60 @@ def test_chain_methods_equal_reference(method_name, batch, draft):
     """EAGLE-3 (its head entries written by position: the window's in the verify step, the last
     verified one in the draft step) and the frozen-KV MTP drafter (reading the target's static
     cache and the backend's last verified features): identical tokens and accepted counts,
-    greedy (the graph-captured path, run ahead) and with sampled drafts (eager, seeded)."""
+    greedy (the graph-captured path) and with sampled drafts (drafted eagerly, seeded), both
+    launched ahead of the host."""
     params = [SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0 if draft == "greedy" else 1.0,
                              seed=7 + i) for i in range(batch)]
     method = {**METHODS[method_name], "draft_sample_method": draft}
     specs = [tiny_spec(method, max_batch_size=4, backend=b, device=DEV, dtype="float32", max_model_len=128)
              for b in ("reference", "cuda")]
     ref = Engine(specs[0]).generate(PROMPTS[:batch], params, trace=True)
-    eng = Engine(specs[1])
-    got = eng.generate(PROMPTS[:batch], params, trace=True)
-    for r, g in zip(ref, got):
-        assert g.output_ids == r.output_ids
-        assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
-    if draft == "greedy":
-        assert eng.backend.rounds_ahead >= len(got[0].rounds) - 2
+    eng = Engine(with_depth(specs[1], 1))
+    _same_rounds(ref, eng.generate(PROMPTS[:batch], params, trace=True))
+    assert eng.machine.clock.ahead > 0
 
 
 @pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
-def test_run_ahead_rounds_are_dropped_when_rows_change(method):
-    """Requests ending at different rounds (length limits, EOS) and a queue admitting new ones:
-    a round launched ahead for rows that then change is ignored, and tokens still equal the
-    reference's."""
+def test_rows_that_stop_while_rounds_are_in_flight(method):
+    """Requests ending at different rounds (length limits, EOS) and a queue admitting new ones
+    into freed slots, two rounds in flight: what a round in flight computed for a request that
+    has stopped is ignored, and tokens still equal the reference's; no slot leaks."""
     params = [SamplingParams(max_new_tokens=n, ignore_eos=n != 7) for n in (3, 9, 5, 7, 2, 6)]
     ref = _engine(method, "reference").generate(PROMPTS + PROMPTS[:2], params)
-    eng = _engine(method, "cuda")
+    eng = _engine(method, "cuda", depth=2)
     got = eng.generate(PROMPTS + PROMPTS[:2], params)  # six requests through four slots
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
-    assert eng.backend.rounds_ahead > 0
+    assert eng.machine.clock.ahead > 0 and not eng.machine.flights
+    assert sorted(eng.backend.cache.slots.free) == [0, 1, 2, 3] and sorted(eng.backend.kv.slots.free) == [0, 1, 2, 3]
 
 
-def test_trained_pair_accepts_the_same_drafts():
-    """With the shipped trained pair (drafts are often accepted) both backends take the same
-    rounds: the drafter's static context, its graph-safe update and the block attention agree."""
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    shipped = load_spec("specs/tiny-dflash.yaml")
-    specs = [respec(shipped, backend, max_batch_size=1, device=DEV, dtype="float32", max_model_len=128)
-             for backend in ("reference", "cuda")]
-    ref, got = (Engine(s, draft_policy="always").generate(PROMPTS[1:2], params, trace=True) for s in specs)
-    for r, g in zip(ref, got):
-        assert g.output_ids == r.output_ids
-        assert [x.accepted for x in g.rounds] == [x.accepted for x in r.rounds]
-        assert sum(x.accepted for x in r.rounds) > 5  # drafts were accepted: the check has teeth
+TRAINED = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml",
+           "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
+TRAINED_PROMPTS = ["import os\nclass A:\n    def run(self, n):", "def add(a, b):\n    ",
+                   "for i in range(10):\n    print(i)", "def __init__(self, name):\n"]
+
+
+@functools.cache
+def _trained_reference(method: str, batch: int) -> tuple:
+    spec = respec(load_spec(TRAINED[method]), "reference", max_batch_size=4, device=DEV, dtype="float32",
+                  max_model_len=128)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 9, 13, 7)][:batch]
+    return tuple(Engine(spec, draft_policy="always").generate(TRAINED_PROMPTS[:batch], params, trace=True))
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3", "gemma4_mtp"])
+@pytest.mark.parametrize("batch, depth", [(1, 1), (4, 0), (4, 2)])
+def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
+    """The shipped trained drafters, whose drafts are often accepted: every depth of the
+    pipeline takes the reference's rounds exactly (the drafter's static context, its
+    graph-safe update, the target's KV past accepted runs, the state each round leaves)."""
+    ref = _trained_reference(method, batch)
+    assert sum(x.accepted for c in ref for x in c.rounds) >= 3 * batch  # drafts were accepted: the check has teeth
+    spec = respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32", max_model_len=128)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 9, 13, 7)][:batch]
+    eng = Engine(with_depth(spec, depth), draft_policy="always")
+    _same_rounds(ref, eng.generate(TRAINED_PROMPTS[:batch], params, trace=True))
+    assert eng.machine.depth == depth
 
 
 def test_seeded_sampling_repeats_and_batches_alike():
@@ -134,63 +159,97 @@ def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
     assert [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)] == first
 
 
+def test_stops_and_cancellation_in_flight_equal_the_synchronous_run():
+    """Each stop kind (length, a stop id, a stop string, EOS) falling inside a round with two
+    more in flight, and a request cancelled mid-stream: every other request gets exactly the
+    tokens of the synchronous (depth 0) run, and every slot comes back."""
+    spec = respec(load_spec(TRAINED["dflash"]), "cuda", max_batch_size=4, device=DEV, dtype="float32",
+                  max_model_len=128)
+    runs = []
+    for depth in (0, 2):
+        eng = Engine(with_depth(spec, depth), draft_policy="always")
+        alone = eng.generate([TRAINED_PROMPTS[0]], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+        free, stop_id = alone.text, alone.output_ids[5]
+        reqs = [eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=13, ignore_eos=True)),
+                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=30, stop_token_ids=(stop_id,))),
+                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=30), stop=[free[6:9]]),
+                eng.add_request(TRAINED_PROMPTS[1], SamplingParams(max_new_tokens=40)),
+                eng.add_request(TRAINED_PROMPTS[2], SamplingParams(max_new_tokens=30, ignore_eos=True))]
+        for _ in range(3):
+            eng.step()
+        reqs[-1].cancelled = True  # a client gone while its rounds run
+        while eng.scheduler.has_work():
+            eng.step()
+        runs.append([eng.completion(r) for r in reqs])
+        assert not eng.machine.flights and sorted(eng.backend.cache.slots.free) == [0, 1, 2, 3]
+        assert eng.machine.depth == depth
+    sync, piped = runs
+    assert [c.meta_info["finish_reason"]["type"] for c in piped[:3]] == ["length", "stop", "stop"]
+    assert piped[4].meta_info["finish_reason"]["type"] == "abort"
+    assert piped[2].meta_info["finish_reason"]["matched"] == sync[2].meta_info["finish_reason"]["matched"]
+    for a, b in zip(sync[:4], piped[:4]):
+        assert a.output_ids == b.output_ids and a.text == b.text and a.meta_info["finish_reason"] == b.meta_info["finish_reason"]
+
+
 @pytest.mark.parametrize("method", ["none", "eagle3"])
-def test_graph_steps_are_idempotent(method):
-    """Graph capture runs a step twice for real before recording it, so a step must give the
-    same outputs and leave the same state when run again on the same buffers: the verify step
-    leaves the rows' next last token and start in `next`, never moving the rows it read."""
-    eng = _engine(method, "cuda")
+def test_capture_over_padding_rows_moves_no_state(method):
+    """Capture runs a round's step for real (twice, then once recorded), so a step over padding
+    rows only must leave every slot's state as it was and give the same result again; over a
+    live row the same step moves that row's state past its emitted tokens."""
+    eng = _engine(method, "cuda", depth=0)
     req = eng.add_request(PROMPTS[1], SamplingParams(max_new_tokens=8, ignore_eos=True))
     eng.step()  # prefill, and one round
     backend, width = eng.backend, eng.backend.width
+    inside = width > 1
+    state = backend.bufs.state.clone()
+    backend.bufs.load([], 2)
+    runs = [backend._round_step(2, width, True, inside)[1].clone() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(backend.bufs.state, state)
     backend.bufs.load([req], 1)
-    if width > 1:
-        backend._draft_step(1)
-    runs = []
-    for _ in range(2):
-        _, _, packed = backend._verify_step(1, width, True)
-        runs.append((packed.clone(), backend.bufs.meta.clone(), backend.bufs.next.clone()))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-    assert int(runs[0][2][1, 0]) == req.seq_len + int(runs[0][0][0, 1])  # next start: past the accepted drafts
+    packed = backend._round_step(1, width, True, inside)[1].cpu()
+    assert int(backend.bufs.state[1, req.kv]) == int(state[1, req.kv]) + int(packed[0, 1]) + 1
+    assert int(backend.bufs.state[0, req.kv]) == int(packed[0, 2 + packed[0, 1]])
 
 
 def test_settle_flags_rows_with_non_finite_logits():
     """The verify graph decides on the device: a row with any non-finite logit (counted by the
     draw kernel, chunk by chunk) is flagged for the host, the others are decided as usual and
-    step on past their emitted token."""
-    eng = _engine("none", "cuda")
+    their slots step on past the emitted token."""
+    eng = _engine("none", "cuda", depth=0)  # no round in flight moves the rows' state after the step
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in PROMPTS[:3]]
     eng.step()
     backend = eng.backend
     backend.bufs.load(reqs, 4)
+    backend.bufs.gather(4)
     vocab = backend.target.lm_head.weight.shape[0]
     logits = torch.randn(4, 1, vocab, generator=torch.Generator().manual_seed(0)).to(DEV)
     logits[1, 0, vocab - 2] = float("nan")  # in the last chunk
     logits[2, 0, 0] = float("-inf")
-    packed = backend._settle(4, 1, logits, False).cpu()
+    start = backend.bufs.state[1, reqs[0].kv].item()
+    packed = backend._decide(4, 1, logits, False).cpu()
     assert packed[:3, 0].tolist() == [1, 0, 0]
     assert packed[0, 1] == 0 and packed[0, 2] == logits[0, 0].argmax().item()  # greedy, no drafts
-    nxt = backend.bufs.next[:, :3].cpu()
-    assert nxt[0, 0] == packed[0, 2] and nxt[1, 0] == reqs[0].seq_len
+    state = backend.bufs.state[:, reqs[0].kv].cpu()
+    assert state[0] == packed[0, 2] and state[1] == start + 1 == reqs[0].seq_len
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_settle_accepts_from_the_heads_draws_as_from_the_logits(temperature):
     """A head that folded its draws (matvec_draw) leaves raw draws and non-finite counts in the
     scratch; the settle takes them and accepts drafts while they match. The packed result and
-    each row's next token and start are those of the draw kernels' path."""
+    each row's new state are those of the draw kernels' path."""
     from backends.cuda import sampling as kernels
     from backends.cuda.buffers import INV_TEMP, SEED, START
     from backends.cuda.matvec import EMPTY
 
-    eng = _engine("none", "cuda")
+    eng = _engine("none", "cuda", depth=0)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=temperature, seed=i))
             for i, p in enumerate(PROMPTS[:3])]
     eng.step()
     backend, b = eng.backend, eng.backend.bufs
     width = b.drafts.shape[1] + 1
     b.load(reqs, 4)
+    b.gather(4)
     vocab = backend.target.lm_head.weight.shape[0]
     logits = torch.randn(4, width, vocab, generator=torch.Generator().manual_seed(1)).to(DEV)
     logits[2, width - 1, 5] = float("inf")
@@ -203,13 +262,14 @@ def test_settle_accepts_from_the_heads_draws_as_from_the_logits(temperature):
     drafts[2, 0] += 1
     b.drafts[:4, : width - 1] = drafts
     counts = (~torch.isfinite(logits)).sum(-1).view(-1)
+    slots = [r.kv for r in reqs]
     outcomes = []
     for drawn in (False, True):
         if drawn:  # as the head's matvec_draw leaves them
             b.argmax.best[: 4 * width] = (1 << 32) - 1 - draws.view(-1)  # a winner's value bits are not read
             b.argmax.bad[: 4 * width] = counts.int()
-        packed = backend._settle(4, width, logits, drawn).cpu()
-        outcomes.append((packed, b.next[:, :4].cpu().clone()))
+        packed = backend._decide(4, width, logits, drawn).cpu()
+        outcomes.append((packed, b.state[:, slots].cpu().clone()))
     assert bool((b.argmax.best == EMPTY).all()) and not bool(b.argmax.bad.any())  # taken
     assert torch.equal(*[o[0] for o in outcomes]) and torch.equal(*[o[1] for o in outcomes])
     assert outcomes[0][0][:3, :2].tolist() == [[1, width - 2], [1, width - 1], [0, 0]]
@@ -244,3 +304,23 @@ def test_branch_work_is_done_at_the_join_eagerly_and_in_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(side, x * x + 1) and torch.equal(main, x * 2)
+
+
+def test_simulated_acceptance_gives_the_profiles_tau():
+    """bench --acceptance on a tiny random pair (whose own drafts are never accepted): with
+    drafts replaced inside the draft step, the measured tau is the profile's, within 0.5
+    (about three standard errors over these ~60 rounds), and tokens stay the target's."""
+    from core.simulated import SimulatedAcceptance, expected_tau
+
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [p for p in PROMPTS]
+    none = _engine("none", "cuda")
+    longer = none.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    eng = _engine("dflash", "cuda", depth=2)
+    eng.backend.set_draft_override(SimulatedAcceptance(
+        0.7, {tuple(eng.encode(p)): c.output_ids for p, c in zip(prompts, longer)}, 4, eng.backend.cache.max_len,
+        eng.target.config.vocab_size, eng.device))
+    got = eng.generate(prompts, params)
+    assert [c.output_ids for c in got] == [c.output_ids[:40] for c in longer]
+    tau = sum(c.meta_info["completion_tokens"] - 1 for c in got) / sum(c.meta_info["spec_verify_ct"] for c in got)
+    assert abs(tau - expected_tau(0.7, 4)) < 0.5, tau

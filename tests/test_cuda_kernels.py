@@ -127,7 +127,7 @@ def test_rejection_kernel_matches_the_oracle(temperature):
 def test_window_kernels_match_their_pytorch_forms():
     """The DFlash block and the verify window built in one launch each, against plain PyTorch:
     rows of different lengths, a width that is not a power of two."""
-    from backends.base import block_window as plain_block
+    from core.contract import block_window as plain_block
     from backends.cuda.windows import block_window, verify_window
 
     last, start = torch.tensor([5, 17, 2], device=DEV), torch.tensor([0, 40, 9], device=DEV)

@@ -37,8 +37,9 @@ def test_more_requests_than_slots(engine):
 def test_phases_after_generate(engine):
     req = engine.add_request("abc", GREEDY)
     assert req.phase is Phase.WAITING
-    engine.step()
-    assert req.phase is Phase.DRAFT and len(req.output_ids) == 1 and req.draft_state is not None
+    engine.step()  # prefill, then the first round in the same step
+    assert req.phase is Phase.DRAFT and req.stats.verify_ct == 1 and req.draft_state is not None
+    assert len(req.output_ids) == 1 + req.stats.round_tokens
     while engine.scheduler.has_work():
         engine.step()
     assert req.phase is Phase.FINISHED and req.kv is None and req.draft_state is None

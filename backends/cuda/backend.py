@@ -1,9 +1,13 @@
-"""The cuda backend: static KV, persistent buffers, graph-captured draft and verify steps.
+"""The cuda backend: static KV, persistent buffers, graph-captured rounds.
 
-A round for a bucket of rows: load the rows' facts into the buffers (one copy), replay the
-draft graph (graph-safe drafters drafting greedily), replay the verify graph (target forward
-over [last token, drafts], the drafter's context update for every verified position), then
-the acceptance kernel and one copy back. Prefill runs eagerly, one request at a time.
+``launch`` enqueues one round for a bucket of rows and returns at once: copy the rows' slots
+and sampling parameters in (only when they changed), replay the round's graph (gather each
+row's last token and start from its slot's state, draft, target forward over [last token,
+drafts] with the drafter's context update beside it, the acceptance, and each live row's new
+state), then one small asynchronous copy back. ``collect`` waits for that copy. Since a round
+starts from the device's state, the machine may launch the next rounds before it has read
+this one. Prefill runs eagerly, the admitted prompts batched into one forward. Every graph
+the spec can use is captured by ``prepare`` at start-up, over padding rows only.
 Without a GPU the same code runs eagerly through the Triton interpreter (TRITON_INTERPRET=1),
 which is how CI holds it to the reference backend.
 """
@@ -11,41 +15,64 @@ which is how CI holds it to the reference backend.
 from __future__ import annotations
 
 import functools
-from collections import deque
-from dataclasses import dataclass, replace
+import os
+import time
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.base import Capacity, DraftRows, Proposal, Verification
+from core.contract import Capacity, DraftRows, Proposal, RoundResult
 from core.machine import Plan
 from core.methods.base import Drafter, Method
+from core.models.config import ConfigError
+from core.models.layers import DecoderLayer
 from core.models.target import TargetModel
-from core.request import Request
-from core.sampling import SamplingBatch, Stream, Verdict, probs_from_logits
+from core.request import Request, SpecStats
+from core.sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits
 
 from . import overlap
 from . import sampling as kernels
-from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, inverse_temperature, rows_key
-from .fused import head_argmax, head_draw, lm_logits
+from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, inverse_temperature
+from .fused import fused_weights, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
-from .kv import FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
+from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
 from .windows import block_window, verify_window
 
+MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it collects next
+PREFILL_WIDTHS = (16, 32, 64, 128, 256)  # prompt widths whose prefill is captured, for every batch bucket
+PREFILL_GRAPH_TOKENS = 8192  # at most this many (padded) prompt tokens per captured prefill
+
+
+@dataclass
+class PrefillBuffers:
+    """What a captured prefill reads: padded prompts, their slots and lengths."""
+
+    ids: Tensor  # [max_batch, max width] int64
+    at: Tensor  # [max_batch] int64, each prompt's length (the first token's position)
+    slots: Tensor  # [max_batch] int64
+
+    @staticmethod
+    def make(max_batch: int, width: int, device: torch.device) -> "PrefillBuffers":
+        zeros = functools.partial(torch.zeros, dtype=torch.int64, device=device)
+        return PrefillBuffers(zeros(max_batch, width), zeros(max_batch), zeros(max_batch))
+
 
 @triton.jit
-def _settle_kernel(meta, drafts, num, tokens, bad, packed, nxt, stride_meta, stride_next, K, W, scratch,
+def _settle_kernel(meta, drafts, num, tokens, bad, packed, state, stride_meta, stride_state, K, W, scratch,
                    LAST_ROW: tl.constexpr, START_ROW: tl.constexpr, SLOT_ROW: tl.constexpr, REAL: tl.constexpr,
                    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, DRAWN: tl.constexpr):
     """Row n of a decided round: packed [finite, accepted, tokens (W), drafts (W - 1)] for the
-    host (finite: none of its W draws counted a non-finite logit), and the row's next last
-    token and start into ``nxt`` (padding rows keep theirs). ``num``, ``tokens`` and ``bad``
-    [rows, CHUNKS] are accept_matching's; with DRAWN, ``tokens`` and ``bad`` are the scratch the
-    head's matvec_draw left its draws in (taken here), and the acceptance is made here: drafts
-    are accepted while they match the draws."""
+    host (finite: none of its W draws counted a non-finite logit), and a live row's new state
+    (its last token and start after the round) at its slot, where the next round starts from.
+    ``num``, ``tokens`` and ``bad`` [rows, CHUNKS] are accept_matching's (or the eager path's,
+    CHUNKS 1); with DRAWN, ``tokens`` and ``bad`` are the scratch the head's matvec_draw left
+    its draws in (taken here), and the acceptance is made here: drafts are accepted while they
+    match the draws."""
     n = tl.program_id(0)
     t = tl.arange(0, BLOCK)
     drafted = tl.load(drafts + n * K + t, mask=t < W - 1, other=0)
@@ -68,33 +95,29 @@ def _settle_kernel(meta, drafts, num, tokens, bad, packed, nxt, stride_meta, str
     tl.store(out + 1, accepted)
     tl.store(out + 2 + t, drawn, mask=t < W)
     tl.store(out + 2 + W + t, drafted, mask=t < W - 1)
-    live = tl.load(meta + SLOT_ROW * stride_meta + n) != scratch
-    last = tl.where(live, last, tl.load(meta + LAST_ROW * stride_meta + n))
-    tl.store(nxt + n, last)
-    tl.store(nxt + stride_next + n, tl.load(meta + START_ROW * stride_meta + n) + tl.where(live, accepted + 1, 0))
+    slot = tl.load(meta + SLOT_ROW * stride_meta + n)
+    live = slot != scratch  # padding rows never move: the scratch slot stays at position 0
+    start = tl.load(meta + START_ROW * stride_meta + n)
+    tl.store(state + slot, last, mask=live)
+    tl.store(state + stride_state + slot, start + accepted + 1, mask=live)
+
+
+class DraftOverride(Protocol):
+    """Replaces a draft step's drafts (core.simulated.SimulatedAcceptance)."""
+
+    def admit(self, slot: int, prompt_ids: list[int]) -> None: ...
+
+    def __call__(self, slots: Tensor, start: Tensor, drafts: Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
-class Flight:
-    """A round launched before the host booked the one before it, and where its results land."""
+class Launch:
+    """A launched round: where its packed result lands on the host, and when it has."""
 
-    rids: tuple[int, ...]  # the rows it runs, in order
-    bucket: int
+    rows: int
     width: int
-    lens: tuple[int, ...] | None  # the rows' lengths it runs at, once the host knows them
-    logits: Tensor  # [bucket, W, V] graph output (a later launch may overwrite it)
-    features: Tensor | None
-    host: Tensor  # [bucket, 2 + W + K] pinned: finite, accepted, tokens, drafts
-    copied: torch.cuda.Event | None  # set once host holds them (None: the copy was synchronous)
-
-    def serves(self, reqs: list[Request], bucket: int, width: int) -> bool:
-        return self.lens is not None and (rows_key(reqs), bucket, width) == \
-            (tuple(zip(self.rids, self.lens)), self.bucket, self.width)
-
-    def wait(self) -> Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host
+    host: Tensor  # [>= rows, 2W + 1] int64: finite, accepted, tokens (W), drafts (W - 1)
+    copied: torch.cuda.Event | None  # None: the copy was synchronous
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -107,65 +130,226 @@ def buckets_for(max_batch: int) -> list[int]:
 
 class CudaBackend:
     name = "cuda"
+    default_depth = 2
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity):
         cfg, width = target.config, plan.num_speculative_tokens + 1
         self.target, self.plan, self.device, self.width = target, plan, device, width
-        margin = max(width, plan.block_size or 0)  # draft and verify windows may run past max_model_len
+        self.capacity = capacity
+        # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
+        margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
                               cfg.head_dim, dtype, device)
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+        for model in (target, getattr(self.drafter, "model", None)):  # before any capture: fusing frees the
+            for layer in [] if model is None else model.modules():  # old weights a graph would have baked in
+                if isinstance(layer, DecoderLayer):
+                    fused_weights(layer)
+        if self.drafter is not None and not self.drafter.graph_safe:
+            raise ConfigError(f"method {plan.method}: its drafter is not graph-safe (it reads the host's requests, "
+                              "not the device's rows), and the cuda backend runs rounds ahead of the host; "
+                              "use backend: reference for this method")
+        self.max_depth = MAX_DEPTH
         self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device)
         self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
         if self.drafter is not None and self.drafter.reads_last_features:
             taps = len(plan.target_layer_ids) * cfg.hidden_size
-            self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)  # two rounds ahead
+            self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
+        # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
+        self.prefill_graphs = Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0")
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
         self.buckets = buckets_for(capacity.max_batch)
-        self._decided: tuple[tuple, Tensor] | None = None  # the round verify() already decided
-        self._flights: deque[Flight] = deque()  # rounds launched ahead, oldest first (at most two)
-        self._proposed: Proposal | None = None  # the drafts draft() handed out from the oldest flight
-        self._landing: dict[torch.Size, deque[Tensor]] = {}  # pinned buffers for flights' results, rotated
-        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: flights' GPU spans
-        self.rounds_ahead = 0  # rounds served by a run-ahead launch
+        self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len, device)
+        self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
+        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: launches' GPU spans
+        self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
+
+    def set_draft_override(self, override: "DraftOverride | None") -> dict:
+        """Rewrite every greedy draft step's drafts (core.simulated, for bench --acceptance);
+        the graphs are captured again with it inside."""
+        self.draft_override = override
+        self.graphs = Graphs(enabled=self.graphs.enabled)
+        self.prefill_graphs = Graphs(enabled=self.prefill_graphs.enabled)
+        return self.prepare()
+
+    # ------------------------------------------------------------------ start-up
+
+    def prepare(self) -> dict:
+        """Capture every graph the spec can replay, for every bucket, before any request: warm-up
+        prefills make the drafter's caches and compile the eager kernels at every specialization
+        a prompt can hit, then each round graph is captured over padding rows (scratch slot,
+        position 0), whose state no round moves, so capture changes nothing a request reads;
+        then the short prefills' graphs, over the scratch slot."""
+        if not self.graphs.enabled:
+            return {"graphs": 0, "seconds": 0.0}
+        begin = time.perf_counter()
+        for length in range(2, LONG_WINDOW + 2):  # every kernel specialization an eager prefill can hit
+            if length < self.capacity.max_model_len:
+                warm = Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
+                               stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
+                               stats=SpecStats(self.plan.num_speculative_tokens))
+                self.prefill([warm])
+                self.free(warm)
+        self.bufs.load([], self.capacity.max_batch)
+        for bucket in self.buckets:
+            for key in self._graph_keys(bucket):
+                self._replay(*key)
+            self.pre.slots[:bucket] = self.cache.scratch  # prefill graphs over the scratch slot
+            self.pre.at[:bucket] = 1
+            for width in PREFILL_WIDTHS:
+                if self._prefill_graphed(bucket, width):
+                    self.prefill_graphs.run((bucket, width), lambda: self._prefill_step(bucket, width))
+        torch.cuda.synchronize()
+        return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3)}
+
+    def _graph_keys(self, bucket: int) -> list[tuple[int, int, bool, bool]]:
+        """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
+        greedy draft step inside the graph, or drafted eagerly when drafts are sampled);
+        deciding on the device, or leaving logits for eager acceptance (top-k / top-p)."""
+        keys = [(bucket, 1, True, False), (bucket, 1, False, False)]
+        if self.width > 1:
+            inside = self._graphed_draft()
+            keys += [(bucket, self.width, False, inside)] + ([(bucket, self.width, True, True)] if inside else [])
+        return keys
+
+    def _graphed_draft(self) -> bool:
+        return self.drafter is not None and self.drafter.graph_safe and self.plan.draft_sample_method == "greedy"
 
     # ------------------------------------------------------------------ prefill
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request]) -> list[int | None]:
-        last = []
+        """The admitted prompts in one forward, right-padded to a shared width (causal
+        attention: a prompt's tokens never see the padding after them; the padding's keys lie
+        past the prompt's length, where the first round writes over them). Short ones replay
+        a graph captured at start-up for their (rows, width) bucket."""
+        n, lens = len(reqs), [len(r.prompt_ids) for r in reqs]
         for req in reqs:
             req.kv = self.cache.allocate()
-            ids = torch.tensor([req.prompt_ids], device=self.device)  # [1, P]
-            positions = torch.arange(ids.shape[1], device=self.device)[None]  # [1, P]
-            hidden, features = self.target(ids, positions, self.cache.prefill_attention(req.kv),
-                                           self.plan.target_layer_ids)
-            last.append(self.target.logits(hidden[0, -1]))
-            if self.ring is not None:
-                self.ring.write(torch.tensor([req.kv], device=self.device), positions[:, -1], features[:, -1:])
-            if self.drafter is not None:
-                self.drafter.extend(req, None if features is None else features[0], 0)
-        logits = torch.stack(last)  # [N, V]
+            if self.draft_override is not None and req.rid >= 0:
+                self.draft_override.admit(req.kv, req.prompt_ids)
+        rows, width = self._prefill_shape(n, max(lens))
+        p = self.pre
+        ids = torch.zeros(rows, width, dtype=torch.int64)
+        for i, req in enumerate(reqs):
+            ids[i, : lens[i]] = torch.tensor(req.prompt_ids)
+        at = torch.tensor(lens + [1] * (rows - n))  # each first token's position (padding rows: 1)
+        slots = torch.tensor([r.kv for r in reqs] + [self.cache.scratch] * (rows - n))
+        p.ids[:rows, :width].copy_(ids)
+        p.at[:rows].copy_(at)
+        p.slots[:rows].copy_(slots)
+        logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
+            if self._prefill_graphed(rows, width) else self._prefill_step(rows, width)
+        logits, features, at, slots = logits[:n], None if features is None else features[:n], p.at[:n], p.slots[:n]
+        if self.ring is not None:
+            self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), at - 1][:, None])
+        if self.drafter is not None:
+            for i, req in enumerate(reqs):
+                self.drafter.extend(req, None if features is None else features[i, : lens[i]], 0)
         finite = torch.isfinite(logits).all(dim=1)
-        at = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         tokens = self._sample(torch.nan_to_num(logits), reqs, at)
-        return [t if ok else None for t, ok in zip(tokens.tolist(), finite.tolist())]
+        self.bufs.place(slots, tokens, at)
+        tokens, finite = torch.stack([tokens, finite.long()]).tolist()
+        return [t if ok else None for t, ok in zip(tokens, finite)]
+
+    def _prefill_graphed(self, rows: int, width: int) -> bool:
+        return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
+                and width <= self.cache.max_len)
+
+    def _prefill_step(self, rows: int, width: int) -> tuple[Tensor, Tensor | None]:
+        """The target over the prefill buffers' first ``rows`` prompts of ``width`` tokens:
+        keys stored in their slots -> (logits at each prompt's last token [rows, V], taps)."""
+        p = self.pre
+        positions = torch.arange(width, device=self.device)[None].expand(rows, -1)  # [rows, P]
+        hidden, features = self.target(p.ids[:rows, :width], positions,
+                                       self.cache.prefill_attention(p.slots[:rows]), self.plan.target_layer_ids)
+        last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
+        return self.target.logits(last), features
+
+    def _prefill_shape(self, n: int, longest: int) -> tuple[int, int]:
+        """(rows, width) to prefill n prompts at: a batch bucket, and a width in few sizes
+        (powers of two to 256, then multiples of 256), so graphs and the matrix library see
+        shapes they have seen."""
+        width = max(16, triton.next_power_of_2(longest)) if longest <= 256 else triton.cdiv(longest, 256) * 256
+        return self.bucket(n), min(width, self.cache.max_len)
 
     def _sample(self, logits: Tensor, reqs: list[Request], at: Tensor) -> Tensor:
         batch = SamplingBatch.of([r.params for r in reqs], self.device)
         scores, inv_temp = _scores(logits, reqs, batch)
         return kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
 
-    # ------------------------------------------------------------------ draft
+    # ------------------------------------------------------------------ rounds
 
-    def skip_draft(self, reqs: list[Request]) -> Proposal:
-        return Proposal(tokens=torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
+    @torch.inference_mode()
+    def launch(self, reqs: list[Request], draft: bool) -> Launch:
+        n, bucket = len(reqs), self.bucket(len(reqs))
+        width = self.width if draft and self.drafter is not None else 1
+        span = self._span_start()
+        self.bufs.load(reqs, bucket)
+        decide = not _filtered(reqs) and (width == 1 or self.plan.draft_sample_method == "greedy")
+        inside = width > 1 and self._graphed_draft()
+        probs = None
+        if width > 1 and not inside:  # sampled drafts: their q goes to acceptance
+            self.bufs.gather(bucket)
+            proposal = self.drafter.propose(reqs, self._rows(bucket))
+            self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens[:n])
+            probs = None if proposal.probs is None else proposal.probs[:n]
+        logits, packed = self._replay(bucket, width, decide, inside)
+        if packed is None:
+            packed = self._accept(reqs, width, logits[:n], probs)
+        return self._land(packed[:n], width, span)
+
+    def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
+        return self.graphs.run(("round", bucket, width, decide, inside),
+                               lambda: self._round_step(bucket, width, decide, inside))
+
+    def _round_step(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
+        """One round's device work from the rows' slot state; idempotent (capture runs it for
+        real): it reads ``state`` and writes it only at the end, and only for live rows."""
+        self.bufs.gather(bucket)
+        if inside:
+            self._draft_step(bucket)
+        logits, packed = self._verify_step(bucket, width, decide)
+        return logits, packed
+
+    def collect(self, handle: Launch) -> RoundResult:
+        if handle.copied is not None:
+            handle.copied.synchronize()
+        rows, w = handle.host[: handle.rows].tolist(), handle.width
+        if handle.copied is not None:
+            self._landing[w].append(handle.host)
+        return RoundResult(finite=[r[0] == 1 for r in rows], accepted=[r[1] for r in rows],
+                           tokens=[r[2 : 3 + r[1]] for r in rows], drafted=[r[2 + w : 1 + 2 * w] for r in rows])
+
+    def _land(self, packed: Tensor, width: int, span) -> Launch:
+        """The round's one copy back: into a free pinned buffer, asynchronously."""
+        if self.device.type != "cuda":
+            return Launch(packed.shape[0], width, packed.cpu(), None)
+        free = self._landing.setdefault(width, [])
+        host = free.pop() if free else torch.empty(self.capacity.max_batch, 2 * width + 1, dtype=torch.int64,
+                                                   pin_memory=True)
+        host[: packed.shape[0]].copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        if span is not None:
+            span[1].record()
+            self.timeline.append(span)
+        return Launch(packed.shape[0], width, host, copied)
+
+    def _span_start(self):
+        if self.timeline is None or self.device.type != "cuda":
+            return None
+        span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        span[0].record()
+        return span
+
+    # ------------------------------------------------------------------ draft
 
     def _rows(self, bucket: int) -> DraftRows:
         b = self.bufs
@@ -176,64 +360,18 @@ class CudaBackend:
                          features=None if self.ring is None else self.ring.read(slots, start - 1),
                          head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window)
 
-    @torch.inference_mode()
-    def draft(self, reqs: list[Request]) -> Proposal:
-        if self.drafter is None:
-            return self.skip_draft(reqs)
-        n, bucket = len(reqs), self.bucket(len(reqs))
-        if self._flights and self._flights[0].serves(reqs, bucket, self.width):  # drafted by a round in flight
-            self._proposed = Proposal(tokens=self._flights[0].wait()[:n, 2 + self.width :].clone())
-            return self._proposed
-        self._flights.clear()
-        self.bufs.load(reqs, bucket)
-        if self.drafter.graph_safe and self.plan.draft_sample_method == "greedy":
-            tokens = self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
-            return Proposal(tokens=tokens[:n])
-        proposal = self.drafter.propose(reqs, self._rows(bucket))
-        return proposal.rows(list(range(n)))
-
-    def _draft_step(self, bucket: int) -> Tensor:
-        tokens = self.drafter.propose([], self._rows(bucket)).tokens  # [bucket, K]
+    def _draft_step(self, bucket: int) -> None:
+        rows = self._rows(bucket)
+        tokens = self.drafter.propose([], rows).tokens  # [bucket, K]
         self.bufs.drafts[:bucket].copy_(tokens)
-        return self.bufs.drafts[:bucket]
+        if self.draft_override is not None:
+            self.draft_override(self.bufs.row(SLOT, bucket), rows.start, self.bufs.drafts[:bucket])
 
     # ------------------------------------------------------------------ verify
 
-    @torch.inference_mode()
-    def verify(self, reqs: list[Request], proposal: Proposal) -> Verification:
-        """With argmax drafts and no top-k/top-p the graph also decides the round (acceptance
-        kernel, finiteness): the host then copies one small tensor back and accept() is free.
-        Such a round's logits and features are graph outputs that a round launched after it
-        may already have overwritten: nothing reads them once the round is decided (a round
-        with a non-finite row, whose other rows accept() decides again, is run afresh)."""
-        n, bucket, width = len(reqs), self.bucket(len(reqs)), proposal.tokens.shape[1] + 1
-        decide = proposal.probs is None and not _filtered(reqs)
-        flight = self._flights[0] if self._flights else None
-        if decide and flight is not None and flight.serves(reqs, bucket, width) and \
-                (width == 1 or proposal is self._proposed):
-            host = flight.wait()[:n, : 2 + width].clone()  # the landing buffer is reused
-            if bool(host[:, 0].all()):
-                self._flights.popleft()
-                self.rounds_ahead += 1
-                return self._verdict(reqs, host, flight.logits, flight.features)
-        self._flights.clear()
-        self.bufs.load(reqs, bucket)
-        if width > 1 and proposal.tokens.data_ptr() != self.bufs.drafts.data_ptr():
-            self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
-        logits, features, packed = self.graphs.run(("verify", width, bucket, decide),
-                                                   lambda: self._verify_step(bucket, width, decide))
-        if packed is None:
-            return Verification(logits=logits[:n], features=None if features is None else features[:n])
-        return self._verdict(reqs, packed[:n, : 2 + width].cpu(), logits, features)  # the round's one copy back
-
-    def _verdict(self, reqs: list[Request], host: Tensor, logits: Tensor, features: Tensor | None) -> Verification:
-        """host [n, 2 + W] from a deciding verify graph: finite, accepted, tokens."""
-        n = len(reqs)
-        self._decided = (rows_key(reqs), host[:, 1:])
-        return Verification(logits=logits[:n], features=None if features is None else features[:n],
-                            finite=host[:, 0].bool())
-
-    def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None]:
+        """Target forward over each row's [last token, drafts]; with ``decide`` the round's
+        acceptance too (packed, and the rows' new state), else only the logits."""
         b = self.bufs
         ids, positions = verify_window(b.meta, b.drafts, bucket, width, LAST, START)  # [bucket, W] each
         started = False
@@ -258,121 +396,51 @@ class CudaBackend:
         drawn = logits is not None
         if not drawn:
             logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
-        packed = self._settle(bucket, width, logits, drawn) if decide else None
+        packed = self._decide(bucket, width, logits, drawn) if decide else None
         self.branch.join()
-        return logits, features, packed
+        return logits, packed
 
-    def _settle(self, bucket: int, width: int, logits: Tensor, drawn: bool) -> Tensor:
+    def _decide(self, bucket: int, width: int, logits: Tensor, drawn: bool) -> Tensor:
         """Decide the round on the device -> packed [bucket, 2W + 1] for the one copy back; each
-        live row's last token and start after it go to ``bufs.next``, so the next round can be
-        launched before the host has read this one. With ``drawn`` the head folded the draws
-        into ``bufs.argmax`` (head_draw); otherwise they are made here from the logits."""
+        live row's last token and start after it go to its slot's state. With ``drawn`` the
+        head folded the draws into ``bufs.argmax`` (head_draw); otherwise they are made here."""
         b = self.bufs
-        real = chunks = 1
         if drawn:
-            num, tokens, bad = b.argmax.best, b.argmax.best, b.argmax.bad  # num: not read
-        else:
-            _, real, chunks = kernels.chunking(logits.shape[-1])
-            bad = torch.empty(bucket * width, chunks, dtype=torch.int32, device=self.device)  # [bucket * W, chunks]
-            num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
-                                                  b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket],
-                                                  bad=bad, shift=1)
-        packed = torch.empty(bucket, 2 * width + 1, dtype=torch.int64, device=self.device)
-        _settle_kernel[(bucket,)](b.meta, b.drafts, num, tokens, bad, packed, b.next, b.meta.stride(0),
-                                  b.next.stride(0), b.drafts.shape[1], width, self.cache.scratch, LAST_ROW=LAST,
-                                  START_ROW=START, SLOT_ROW=SLOT, REAL=real, CHUNKS=chunks,
-                                  BLOCK=triton.next_power_of_2(width), DRAWN=drawn)
+            return self._settle(bucket, width, b.argmax.best, b.argmax.best, b.argmax.bad, 1, 1, True)
+        _, real, chunks = kernels.chunking(logits.shape[-1])
+        bad = torch.empty(bucket * width, chunks, dtype=torch.int32, device=self.device)  # [bucket * W, chunks]
+        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
+                                              b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket],
+                                              bad=bad, shift=1)
+        return self._settle(bucket, width, num, tokens, bad, real, chunks, False)
+
+    def _settle(self, rows: int, width: int, num: Tensor, tokens: Tensor, bad: Tensor, real: int, chunks: int,
+                drawn: bool) -> Tensor:
+        b = self.bufs
+        packed = torch.empty(rows, 2 * width + 1, dtype=torch.int64, device=self.device)
+        _settle_kernel[(rows,)](b.meta, b.drafts, num, tokens, bad, packed, b.state, b.meta.stride(0),
+                                b.state.stride(0), b.drafts.shape[1], width, self.cache.scratch, LAST_ROW=LAST,
+                                START_ROW=START, SLOT_ROW=SLOT, REAL=real, CHUNKS=chunks,
+                                BLOCK=triton.next_power_of_2(width), DRAWN=drawn)
         return packed
 
-    # ------------------------------------------------------------------ accept
+    # ------------------------------------------------------------------ eager acceptance
 
-    @torch.inference_mode()
-    def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
-        decided, self._decided = self._decided, None
-        used = decided is not None and decided[0] == rows_key(reqs)
-        out = decided[1] if used else self._accept(reqs, proposal, verification)
-        if self.drafter is not None and not self.drafter.graph_safe:
-            for i, req in enumerate(reqs):
-                feats = None if verification.features is None else verification.features[i, : int(out[i, 0]) + 1]
-                self.drafter.extend(req, feats, req.seq_len - 1)
-        if used and (self.drafter is None or self.drafter.graph_safe):
-            self._run_ahead(reqs, out, proposal.tokens.shape[1] + 1)
-        else:
-            self._flights.clear()
-        return Verdict(num_accepted=out[:, 0], tokens=out[:, 1:])
-
-    def _run_ahead(self, reqs: list[Request], out: Tensor, width: int) -> None:
-        """Keep two rounds in flight for the same rows, so the GPU does not idle through the
-        host's bookkeeping. Each decided verify graph leaves the rows' next last token and start
-        on the device, and a launch starts from them, so the round after next can be launched
-        before the host has read the next. The host learns a flight's lengths one round later; a flight is
-        used only if the next round asks for exactly its rows, lengths and width, otherwise it
-        is dropped (what it wrote lies past each row's length, in slots later work overwrites
-        in stream order, or in a feature ring deep enough for two rounds). Rows that this
-        round finishes stop it; the second flight waits while the next round may end a row by
-        length (its work would be thrown away, and its cache writes could pass the margin)."""
-        lens, room = [], True
-        for req, row in zip(reqs, out.tolist()):
-            emitted = row[1 : row[0] + 2]
-            if req.cancelled or req.finishes_with(emitted):
-                self._flights.clear()
-                return
-            lens.append(req.seq_len + len(emitted))
-            room = room and not req.finishes_with(emitted + [-1] * width)  # the next round cannot end it by length
-        rids, bucket = tuple(r.rid for r in reqs), self.bucket(len(reqs))
-        if not self._flights:  # this round ran afresh: the device holds its rows as they now stand
-            self._flights.append(self._launch(rids, bucket, width, tuple(lens)))
-        elif (self._flights[0].rids, self._flights[0].bucket, self._flights[0].width) == (rids, bucket, width):
-            self._flights[0] = replace(self._flights[0], lens=tuple(lens))  # launched a round ago: lengths known now
-        else:  # not ours (cannot happen: flights are this round's successors); the device rows are past use
-            self._flights.clear()
-            return
-        if len(self._flights) == 1 and room:
-            self._flights.append(self._launch(rids, bucket, width, None))
-
-    def _launch(self, rids: tuple[int, ...], bucket: int, width: int, lens: tuple[int, ...] | None) -> Flight:
-        """Replay the round's graphs from the rows as the last verify left them on the device.
-        With a ``timeline`` list, events around the flight's work on the stream go into it."""
-        span = None
-        if self.timeline is not None:
-            span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            span[0].record()
-        self.bufs.step_on(bucket)
-        if width > 1:
-            self.graphs.run(("draft", bucket), lambda: self._draft_step(bucket))
-        logits, features, packed = self.graphs.run(("verify", width, bucket, True),
-                                                   lambda: self._verify_step(bucket, width, True))
-        pinned = self.device.type == "cuda"
-        ring = self._landing.get(packed.shape)
-        if ring is None:  # three: two flights, and the one the host is reading
-            ring = self._landing[packed.shape] = deque(
-                torch.empty(packed.shape, dtype=packed.dtype, pin_memory=pinned) for _ in range(3))
-        host = ring[0]
-        ring.rotate(-1)
-        host.copy_(packed, non_blocking=pinned)
-        if span is not None:
-            span[1].record()
-            self.timeline.append(span)
-        copied = None
-        if pinned:
-            copied = torch.cuda.Event()
-            copied.record()
-        return Flight(rids, bucket, width, lens, logits, features, host, copied)
-
-    def _accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Tensor:
-        """Eager acceptance (drafts from q, top-k/top-p, or rows dropped after verify)."""
-        n = len(reqs)
-        self.bufs.load(reqs, self.bucket(n))  # a no-op unless verify dropped rows
-        batch = self.bufs.sampling(n)
-        first = self.bufs.row(START, n) + 1  # position of the first draft
-        logits, drafts = verification.logits, proposal.tokens
-        if proposal.probs is not None:
+    def _accept(self, reqs: list[Request], width: int, logits: Tensor, probs: Tensor | None) -> Tensor:
+        """Acceptance outside the graph (drafts from q, or rows with top-k / top-p), then the
+        same settle: packed [n, 2W + 1] and the rows' new state."""
+        n, b = len(reqs), self.bufs
+        batch = b.sampling(n)
+        first = b.row(START, n) + 1  # position of the first draft
+        drafts = b.drafts[:n, : width - 1]
+        if probs is not None:
             p = probs_from_logits(logits, batch)
-            num, tokens = kernels.accept_rejection(p, proposal.probs, drafts, batch.seed, first)
+            num, tokens = kernels.accept_rejection(p, probs, drafts, batch.seed, first)
         else:
             scores, inv_temp = _scores(logits, reqs, batch)
             num, tokens = kernels.accept_matching(scores, drafts, batch.seed, first, inv_temp=inv_temp)
-        return torch.cat([num[:, None], tokens], dim=1).cpu()  # [n, 1 + W]
+        bad = (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(n * width, 1)  # [n * W, 1]
+        return self._settle(n, width, num, tokens, bad, 1, 1, False)
 
     def free(self, req: Request) -> None:
         if req.kv is not None:

@@ -1,12 +1,18 @@
-"""The one owner of the cuda backend's persistent per-row device buffers.
+"""The one owner of the cuda backend's persistent device buffers.
 
-Graphs read their inputs from these tensors, so a replay sees whatever was last loaded. The
-padding rows of a bucket point at the caches' scratch slot and at position 0.
+Each request's place in its sequence lives on the device, by KV slot (``state``: its last
+token and that token's position), so a round starts where the last round launched for the
+slot left it, whether or not the host has read that round yet. A round's rows (their slots and
+sampling parameters) are copied in only when they change; every graph opens by gathering the
+rows' last token and start from ``state``. The padding rows of a bucket point at the caches'
+scratch slot, whose state is never written, so they stay at position 0.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from core.request import Request
@@ -14,58 +20,74 @@ from core.sampling import SamplingBatch
 
 from .matvec import ArgmaxScratch
 
-# rows of Buffers.meta (int64) and Buffers.fmeta (float32); LAST and START are adjacent (step_on copies both)
+# rows of Buffers.meta (int64) and Buffers.fmeta (float32); LAST and START are gathered from state
 LAST, START, SLOT, DRAFT_SLOT, SEED, TOP_K = range(6)
 TEMPERATURE, TOP_P, INV_TEMP = range(3)
+STAGING = 4  # host staging buffers for row loads, so a load rarely waits for an earlier copy
+
+
+@triton.jit
+def _gather_kernel(meta, state, stride_meta, stride_state, LAST_ROW: tl.constexpr, START_ROW: tl.constexpr,
+                   SLOT_ROW: tl.constexpr):
+    """Row n's last token and start, from its slot's state."""
+    n = tl.program_id(0)
+    slot = tl.load(meta + SLOT_ROW * stride_meta + n)
+    tl.store(meta + LAST_ROW * stride_meta + n, tl.load(state + slot))
+    tl.store(meta + START_ROW * stride_meta + n, tl.load(state + stride_state + slot))
 
 
 class Buffers:
     def __init__(self, max_batch: int, num_drafts: int, scratch: int, device: torch.device):
         self.max_batch, self.scratch, self.device = max_batch, scratch, device
+        self.state = torch.zeros(2, scratch + 1, dtype=torch.int64, device=device)  # [LAST/START, slots + 1]
         self.meta = torch.zeros(6, max_batch, dtype=torch.int64, device=device)  # [field, max_batch]
         self.fmeta = torch.zeros(3, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
-        self.next = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # [LAST/START, max_batch] after the round
         self.argmax = ArgmaxScratch(device)  # the greedy head readouts' state between launches (one stream)
         pinned = device.type == "cuda"
-        self._host_i = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned)  # staging, reused
-        self._host_f = torch.zeros(3, max_batch, dtype=torch.float32, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None  # the staging may be rewritten once set
+        self._host_i = [torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(STAGING)]
+        self._host_f = [torch.zeros(3, max_batch, dtype=torch.float32, pin_memory=pinned) for _ in range(STAGING)]
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING)]  # staging i reusable once set
+        self._turn = 0
         self._key: tuple | None = None
         self.load([], max_batch)
 
     def load(self, reqs: list[Request], bucket: int) -> None:
-        """Copy the rows' facts in (two small asynchronous copies); rows past len(reqs) are
-        padding. A repeat load of the same rows at the same lengths is skipped."""
-        key = (rows_key(reqs), bucket)
+        """Copy the rows' slots and sampling parameters in (two small asynchronous copies);
+        rows past len(reqs) are padding. A load of the rows already loaded is skipped."""
+        key = (tuple(r.rid for r in reqs), bucket)
         if key == self._key:
             return
         pad = bucket - len(reqs)
-        ints = [[r.last_token for r in reqs] + [0] * pad,
-                [r.seq_len - 1 for r in reqs] + [0] * pad,
+        ints = [[0] * bucket, [0] * bucket,  # LAST, START: gathered from state by each graph
                 [r.kv for r in reqs] + [self.scratch] * pad,
                 [_slot(r.draft_state, self.scratch) for r in reqs] + [self.scratch] * pad,
                 [r.params.seed for r in reqs] + [0] * pad,
                 [r.params.top_k for r in reqs] + [-1] * pad]
         floats = [[r.params.temperature for r in reqs] + [0.0] * pad, [r.params.top_p for r in reqs] + [1.0] * pad]
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous load's copies have read the staging
-        self._host_i.numpy()[:, :bucket] = ints
-        self._host_f.numpy()[: INV_TEMP, :bucket] = floats
-        self._host_f[INV_TEMP, :bucket] = inverse_temperature(self._host_f[TEMPERATURE, :bucket])
-        pinned = self._copied is not None
-        self.meta[:, :bucket].copy_(self._host_i[:, :bucket], non_blocking=pinned)
-        self.fmeta[:, :bucket].copy_(self._host_f[:, :bucket], non_blocking=pinned)
+        i, self._turn = self._turn, (self._turn + 1) % STAGING
+        host_i, host_f, copied = self._host_i[i], self._host_f[i], self._copied[i]
+        if copied is not None:
+            copied.synchronize()  # that staging's last copy has read it (STAGING loads ago)
+        host_i.numpy()[:, :bucket] = ints
+        host_f.numpy()[: INV_TEMP, :bucket] = floats
+        host_f[INV_TEMP, :bucket] = inverse_temperature(host_f[TEMPERATURE, :bucket])
+        pinned = copied is not None
+        self.meta[SLOT:, :bucket].copy_(host_i[SLOT:, :bucket], non_blocking=pinned)
+        self.fmeta[:, :bucket].copy_(host_f[:, :bucket], non_blocking=pinned)
         if pinned:
-            self._copied.record()
+            copied.record()
         self._key = key
 
-    def step_on(self, bucket: int) -> None:
-        """Take the rows' last token and start as the last verify graph left them in ``next``
-        (graphs must stay idempotent, so they never move ``meta`` themselves); the next load
-        then copies again."""
-        self.meta[LAST : START + 1, :bucket].copy_(self.next[:, :bucket])
-        self._key = None
+    def gather(self, bucket: int) -> None:
+        """meta's LAST and START rows from each row's slot state: what a graph opens with."""
+        _gather_kernel[(bucket,)](self.meta, self.state, self.meta.stride(0), self.state.stride(0),
+                                  LAST_ROW=LAST, START_ROW=START, SLOT_ROW=SLOT)
+
+    def place(self, slots: Tensor, last: Tensor, start: Tensor) -> None:
+        """A prefilled request's state: its first token, at the position after its prompt."""
+        self.state[0, slots] = last
+        self.state[1, slots] = start
 
     def row(self, field: int, bucket: int) -> Tensor:
         return self.meta[field, :bucket]
@@ -78,11 +100,6 @@ class Buffers:
 def inverse_temperature(temperature: Tensor) -> Tensor:
     """1 / temperature, 0 for greedy rows: what the sampling kernels scale raw logits by."""
     return torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
-
-
-def rows_key(reqs: list[Request]) -> tuple[tuple[int, int], ...]:
-    """Which requests at which lengths: equal keys mean the same rows in the same round."""
-    return tuple((r.rid, r.seq_len) for r in reqs)
 
 
 def _slot(state, scratch: int) -> int:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.base import head_argmax as plain_head_argmax
+from core.contract import head_argmax as plain_head_argmax
 from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap

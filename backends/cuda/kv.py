@@ -14,11 +14,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import CacheAttention, Splits, attend, split_plan, store_kv
 from .fused import project_kv_stack, run_stack
 
 
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 LONG_WINDOW = 64  # query rows (new tokens x heads per KV head) past which eager attention leaves the decode kernel
 
 
@@ -67,22 +69,36 @@ class StaticKV:
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
         return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets)
 
-    def prefill_attention(self, slot: int) -> "PrefillAttention":
-        return PrefillAttention(self, slot)
+    def prefill_attention(self, slots: Tensor) -> "PrefillAttention":
+        return PrefillAttention(self, slots)
 
 
 @dataclass(frozen=True)
 class PrefillAttention:
-    """A whole prompt into an empty slot: causal attention among its own tokens, keys stored."""
+    """Whole prompts [N, P] into empty slots: causal attention among each row's own tokens,
+    keys stored at positions 0 .. P - 1 of its slot."""
 
     cache: StaticKV
-    slot: int
+    slots: Tensor  # [N] int64
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = k.shape[2]
-        self.cache.k[layer][self.slot, :, :n] = k[0]
-        self.cache.v[layer][self.slot, :, :n] = v[0]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        self.cache.k[layer][self.slots, :, :n] = k
+        self.cache.v[layer][self.slots, :, :n] = v
+        return causal_sdpa(q, k, v)
+
+
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """PyTorch's attention over whole prompts (q [N, Hq, T, D], k/v [N, Hkv, S, D]), the kv
+    heads repeated for the query groups. Not cuDNN's kernel: it builds a plan per new shape on
+    the request path (15 ms a call for a batch of 16 short prompts on an H200)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel(PREFILL_SDPA):
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @dataclass
@@ -219,8 +235,9 @@ class SlotAttention:
             if self.causal:
                 own = first + torch.arange(w, device=k.device)[:, None]  # [W, 1] each query's position
                 mask = torch.arange(first + w, device=k.device)[None, :] <= own  # [W, S]
-            out.append(F.scaled_dot_product_attention(q[i : i + 1], keys[None], values[None], attn_mask=mask,
-                                                      enable_gqa=True))
+            if mask is None:
+                mask = torch.ones(w, first + w, dtype=torch.bool, device=k.device)
+            out.append(causal_sdpa(q[i : i + 1], keys[None], values[None], mask))
         return torch.cat(out)
 
 

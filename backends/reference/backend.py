@@ -2,14 +2,15 @@
 
 The target runs one request at a time, so a request computes with the same shapes alone or
 in any batch and its tokens never depend on its neighbours; sampling, acceptance and the
-drafter run batched.
+drafter run batched. Rounds run synchronously: ``launch`` does the whole round (draft, verify,
+accept) and ``collect`` hands back what it decided.
 """
 
 from __future__ import annotations
 
 import torch
 
-from backends.base import Capacity, DraftRows, Proposal, Verification
+from core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification
 from core.machine import Plan
 from core.methods.base import Drafter, Method
 from core.models.target import TargetModel
@@ -21,6 +22,7 @@ from .kv import FrozenTargetKV, ReferenceKV
 
 class ReferenceBackend:
     name = "reference"
+    max_depth = default_depth = 0  # synchronous: a round reads the request as the host booked it
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity | None = None):  # contiguous per-request caches grow as needed
@@ -28,6 +30,28 @@ class ReferenceBackend:
         self.kv = ReferenceKV()
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         self._last_features: dict[int, torch.Tensor] = {}  # rid -> [taps*H] at its last verified position
+
+    def prepare(self) -> dict:
+        return {"graphs": 0, "seconds": 0.0}
+
+    def launch(self, reqs: list[Request], draft: bool) -> RoundResult:
+        proposal = self.draft(reqs) if draft else self.skip_draft(reqs)
+        verification = self.verify(reqs, proposal)
+        finite = torch.isfinite(verification.logits).flatten(1).all(dim=1).tolist()
+        keep = [i for i, ok in enumerate(finite) if ok]  # a failed row is ended by the machine, not accepted
+        k = proposal.tokens.shape[1]
+        accepted, tokens = [0] * len(reqs), [[] for _ in reqs]
+        if keep:
+            kept = [reqs[i] for i in keep]
+            verdict = self.accept(kept, proposal.rows(keep), verification.rows(keep))
+            for j, i in enumerate(keep):
+                accepted[i] = int(verdict.num_accepted[j])
+                tokens[i] = verdict.tokens[j, : accepted[i] + 1].tolist()
+        return RoundResult(finite=finite, accepted=accepted, tokens=tokens,
+                           drafted=proposal.tokens.tolist() if k else [[] for _ in reqs])
+
+    def collect(self, handle: RoundResult) -> RoundResult:
+        return handle
 
     def _batch(self, reqs: list[Request]) -> SamplingBatch:
         return SamplingBatch.of([r.params for r in reqs], self.device)

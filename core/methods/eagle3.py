@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from backends.base import DraftRows, KVStore, Proposal
+from core.contract import DraftRows, KVStore, Proposal
 
 from ..machine import Plan
 from ..models.config import ConfigError, ModelConfig, read_config_json

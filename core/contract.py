@@ -1,4 +1,7 @@
-"""The protocols between the machine, the backends and the methods' drafters."""
+"""The contract between the machine, the backends and the methods' drafters: the Backend
+protocol the machine drives (prefill, launch a round, collect its result, free) and the types
+the backends and the methods share. Core defines it; backends implement it; core imports no
+backend."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from torch import Tensor, nn
 
 from core.models.layers import AttentionFn
 from core.request import Request
-from core.sampling import SamplingBatch, Verdict
+from core.sampling import SamplingBatch
 
 
 @dataclass(frozen=True)
@@ -105,21 +108,39 @@ class KVStore(Protocol):
     # new keys going at ``start``.
 
 
+@dataclass(frozen=True)
+class RoundResult:
+    """What a collected round means, row by row, in the order the round was launched with.
+    A backend reports what its device decided; the machine decides what it means (stops)."""
+
+    finite: list[bool]  # every logit of the row's verify window was finite
+    accepted: list[int]  # drafts accepted
+    tokens: list[list[int]]  # accepted + 1 tokens: the accepted drafts, then the correction or bonus
+    drafted: list[list[int]]  # the round's K drafts (empty lists for a round that did not draft)
+
+
 class Backend(Protocol):
+    """Runs rounds for the machine. ``launch`` enqueues one round for the given rows (this
+    round's draft, its verify and the acceptance, on the device) and returns at once with a
+    handle; ``collect`` waits for that round's result (one small copy). A round starts from
+    where the device left each row: after its prefill, or after the last round launched for
+    it, collected or not. So the machine may launch up to ``max_depth`` further rounds for a
+    row before collecting the first (0: the backend runs rounds synchronously)."""
+
     name: str
+    max_depth: int
+
+    def prepare(self) -> dict[str, Any]:
+        """Start-up work (graph capture for every batch bucket); returns what it did and how long."""
 
     def prefill(self, reqs: list[Request]) -> list[int | None]:
         """Run the target over each prompt, prime the drafter; return each first token
         (None for a request whose logits were not finite)."""
 
-    def draft(self, reqs: list[Request]) -> Proposal: ...
+    def launch(self, reqs: list[Request], draft: bool) -> Any:
+        """Enqueue one round for ``reqs`` (drafting K tokens, or a plain decode step)."""
 
-    def skip_draft(self, reqs: list[Request]) -> Proposal:
-        """An empty proposal: this round is a plain decode step."""
-
-    def verify(self, reqs: list[Request], proposal: Proposal) -> Verification: ...
-
-    def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
-        """Decide the round and keep the accepted positions' KV and drafter context."""
+    def collect(self, handle: Any) -> RoundResult:
+        """Wait for a launched round and return what it decided."""
 
     def free(self, req: Request) -> None: ...

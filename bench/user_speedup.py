@@ -1,0 +1,97 @@
+"""What a GPU user gets with the shipped trained pair: `Engine.generate` on prompts the engine
+has not seen, each method against `none` in the same process, greedy, 128 new tokens.
+
+`python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N]` (CUDA machine).
+Every (method, batch) pass takes prompts no pass before it ran, then runs them again: the
+first pass shows what one-time costs are left on the request path, the second the steady
+state. Triton compilations after start-up are counted (none should happen)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from core.engine import Engine
+from core.sampling import SamplingParams
+from core.spec import load_spec
+from core.training.corpus import read_prompts
+
+SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
+COMPILES = [0]
+
+
+def _count_compiles() -> None:
+    try:
+        import triton
+
+        def hook(*args, **kwargs):
+            COMPILES[0] += 1
+            return False
+
+        triton.knobs.runtime.jit_post_compile_hook = hook
+    except Exception as exc:  # an older Triton: no hook, no count
+        print(f"(no compile hook: {exc!r})")
+        COMPILES[0] = -1
+
+
+def _cuda(path: str, depth: int, max_batch: int):
+    data = load_spec(path).model_dump(mode="python")
+    data["backend"], data["model"]["device"] = "cuda", "cuda"
+    data["server"].update(max_batch_size=max_batch, pipeline_depth=depth)
+    return type(load_spec(path)).model_validate(data)
+
+
+def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> tuple[float, int, float]:
+    """(seconds, tokens, tau) over the prompts in groups of ``batch``."""
+    torch.cuda.synchronize()
+    start, tokens, rounds, round_tokens = time.perf_counter(), 0, 0, 0
+    for i in range(0, len(prompts), batch):
+        for c in engine.generate(prompts[i : i + batch], params):
+            tokens += len(c.output_ids)
+            rounds += c.meta_info["spec_verify_ct"]
+            round_tokens += c.meta_info["completion_tokens"] - 1
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, tokens, round_tokens / max(1, rounds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--depths", default="2")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per (method, batch) pass")
+    ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
+    args = ap.parse_args()
+    _count_compiles()
+    pool = read_prompts("specs/tiny/eval_prompts.jsonl")
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    batches, cursor, rows = [int(b) for b in args.batches.split(",")], 0, []
+    for depth in (int(d) for d in args.depths.split(",")):
+        for name in args.methods.split(","):
+            engine = Engine(_cuda(SPECS[name], depth, max(batches)), draft_policy="always")
+            base = engine.with_method({"method": "none"})
+            print(f"{name} depth {depth}: start-up {engine.startup}, none start-up {base.startup}", flush=True)
+            for batch in batches:
+                prompts = [pool[(cursor + i) % len(pool)] for i in range(max(batch, args.prompts))]
+                cursor += len(prompts)
+                compiles = COMPILES[0]
+                first = [_run(e, prompts, batch, params) for e in (engine, base)]
+                new = COMPILES[0] - compiles if compiles >= 0 else -1
+                again = [_run(e, prompts, batch, params) for e in (engine, base)]
+                for label, ((ts, ns, tau), (tb, nb, _)) in (("new", first), ("again", again)):
+                    rows.append((name, depth, batch, label, tau, ns / ts, nb / tb, (ns / ts) / (nb / tb),
+                                 1e3 * ts / len(prompts), 1e3 * tb / len(prompts), new if label == "new" else 0))
+            clock = engine.machine.clock
+            print(f"  host work {clock.host_us_per_round:.0f} us/round over {clock.rounds} rounds", flush=True)
+            del engine, base
+            torch.cuda.empty_cache()
+    print(f"{'method':<11}{'depth':>6}{'batch':>6}{'prompts':>8}{'tau':>6}{'tok/s':>9}{'none':>9}{'speedup':>9}"
+          f"{'ms/req':>8}{'none':>8}{'compiles':>9}")
+    for r in rows:
+        print(f"{r[0]:<11}{r[1]:>6}{r[2]:>6}{r[3]:>8}{r[4]:>6.2f}{r[5]:>9.0f}{r[6]:>9.0f}{r[7]:>8.2f}x"
+              f"{r[8]:>8.1f}{r[9]:>8.1f}{r[10]:>9}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""When a request stops: every rule in one place. The machine applies them to each collected
+round (and to the prefill's token); nothing else decides that a request is done."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .request import Request
+
+
+class Stops:
+    """``decode`` turns a request's output ids into text, for stop strings."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+
+    @staticmethod
+    def cut(req: Request, tokens: list[int]) -> tuple[list[int], dict[str, Any] | None]:
+        """The tokens of a round to keep and, when the request ends inside them, why: a stop
+        id (kept), max_new_tokens or max_model_len."""
+        out, total = len(req.output_ids), len(req.prompt_ids) + len(req.output_ids)
+        for i, tok in enumerate(tokens, 1):
+            if tok in req.stop_ids:
+                return tokens[:i], {"type": "stop", "matched": tok}
+            if out + i >= req.params.max_new_tokens or total + i >= req.max_model_len:
+                return tokens[:i], {"type": "length", "length": out + i}
+        return tokens, None
+
+    def matched_string(self, req: Request) -> str | None:
+        """The first of the request's stop strings its text now contains, if any."""
+        if not req.stop_strings:
+            return None
+        text = self.decode(req.output_ids)
+        return next((s for s in req.stop_strings if s in text), None)
+
+    def apply(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append what the request keeps of ``tokens``; finish it if a rule says so."""
+        kept, reason = self.cut(req, tokens)
+        req.append(kept)
+        if reason is None:
+            hit = self.matched_string(req)
+            reason = None if hit is None else {"type": "stop", "matched": hit}
+        if reason is not None:
+            req.finish(reason)
+        return kept
+
+    @staticmethod
+    def done_in_flight(req: Request, rounds: int) -> bool:
+        """Whether ``rounds`` launched rounds, each emitting at least one token, surely end the
+        request by a length limit: a further round would only be thrown away."""
+        return (len(req.output_ids) + rounds >= req.params.max_new_tokens
+                or req.seq_len + rounds >= req.max_model_len)
