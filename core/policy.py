@@ -5,31 +5,57 @@ memory-bound into compute-bound and drafting stops paying."""
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+
+WINDOW = 8  # the latest rounds an estimate is the median of
 
 
 @dataclass
 class Arm:
-    """Exponential moving average of seconds per emitted token for one choice."""
+    """Seconds per emitted token for one choice at one batch bucket: the median of its latest
+    rounds, so one slow round (a cold start, a hiccup) cannot hold a choice down."""
 
-    seconds_per_token: float = math.nan
-    samples: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    rounds: int = 0
 
-    def record(self, seconds: float, tokens: int, weight: float = 0.2) -> None:
-        value = seconds / max(1, tokens)
-        self.seconds_per_token = value if self.samples == 0 else (1 - weight) * self.seconds_per_token + weight * value
-        self.samples += 1
+    def record(self, seconds: float, tokens: int) -> None:
+        self.rounds += 1
+        if self.rounds > 1:  # the first round of a choice pays its one-time costs
+            self.recent.append(seconds / max(1, tokens))
+
+    @property
+    def known(self) -> bool:
+        return len(self.recent) >= 2
+
+    @property
+    def seconds_per_token(self) -> float:
+        return statistics.median(self.recent) if self.recent else math.nan
+
+
+@dataclass
+class Bucket:
+    on: Arm = field(default_factory=Arm)
+    off: Arm = field(default_factory=Arm)
+    decisions: int = 0
+
+    def choice(self) -> bool | None:
+        """The faster choice once both are measured (None before)."""
+        if not (self.on.known and self.off.known):
+            return None
+        return self.on.seconds_per_token <= self.off.seconds_per_token
 
 
 @dataclass
 class DraftPolicy:
-    """``limit``: "always", "auto", or the largest batch that drafts."""
+    """``limit``: "always", "auto", or the largest batch that drafts. ``auto`` measures both
+    choices at each batch bucket (a few rounds each, drafting first), then takes the faster,
+    re-measuring the other one round in ``probe_every`` of that bucket's rounds."""
 
     limit: int | str = "auto"
-    probe_every: int = 32  # re-measure the losing choice this often, so changes are noticed
-    warmup: int = 3  # samples of each choice before trusting the comparison
-    arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
-    steps: int = 0
+    probe_every: int = 16
+    buckets: dict[int, Bucket] = field(default_factory=dict)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -40,19 +66,24 @@ class DraftPolicy:
             return True
         if isinstance(self.limit, int):
             return batch_size <= self.limit
-        self.steps += 1
-        b = self.bucket(batch_size)
-        on, off = self.arms.get((b, True), Arm()), self.arms.get((b, False), Arm())
-        if on.samples < self.warmup or off.samples < self.warmup:
-            return on.samples <= off.samples
-        better = on.seconds_per_token <= off.seconds_per_token
-        return (not better) if self.steps % self.probe_every == 0 else better
+        b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
+        b.decisions += 1
+        best = b.choice()
+        if best is None:  # measuring: whichever has fewer rounds, drafting first
+            return b.on.rounds <= b.off.rounds
+        return (not best) if b.decisions % self.probe_every == 0 else best
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
-        self.arms.setdefault((self.bucket(batch_size), drafted), Arm()).record(seconds, tokens)
+        b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
+        (b.on if drafted else b.off).record(seconds, tokens)
 
     def table(self) -> list[dict]:
-        return [
-            {"batch_bucket": b, "drafting": d, "ms_per_token": round(a.seconds_per_token * 1e3, 3), "samples": a.samples}
-            for (b, d), a in sorted(self.arms.items())
-        ]
+        """Per batch bucket: each choice's measured ms per token and rounds, and the current choice."""
+        out = []
+        for size, b in sorted(self.buckets.items()):
+            choice = b.choice()
+            for drafting, arm in ((False, b.off), (True, b.on)):
+                out.append({"batch_bucket": size, "drafting": drafting,
+                            "ms_per_token": round(arm.seconds_per_token * 1e3, 3), "rounds": arm.rounds,
+                            "chosen": None if choice is None else choice == drafting})
+        return out
