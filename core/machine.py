@@ -104,7 +104,8 @@ class Flight:
 
 @dataclass
 class HostClock:
-    """Where the machine's time goes: the host's own work per round, apart from waiting."""
+    """Where the machine's time goes: its step time per round outside the waits for a round's
+    result (prefills, which wait for their first tokens, count as host work)."""
 
     rounds: int = 0
     ahead: int = 0  # rows launched while an earlier round of theirs was still in flight
