@@ -105,7 +105,7 @@ TRAINED_PROMPTS = ["import os\nclass A:\n    def run(self, n):", "def add(a, b):
 def _trained_reference(method: str, batch: int) -> tuple:
     spec = respec(load_spec(TRAINED[method]), "reference", max_batch_size=4, device=DEV, dtype="float32",
                   max_model_len=128)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 9, 13, 7)][:batch]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 6, 8, 5)][:batch]
     return tuple(Engine(spec, draft_policy="always").generate(TRAINED_PROMPTS[:batch], params, trace=True))
 
 
@@ -116,9 +116,9 @@ def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
     pipeline takes the reference's rounds exactly (the drafter's static context, its
     graph-safe update, the target's KV past accepted runs, the state each round leaves)."""
     ref = _trained_reference(method, batch)
-    assert sum(x.accepted for c in ref for x in c.rounds) >= 3 * batch  # drafts were accepted: the check has teeth
+    assert sum(x.accepted for c in ref for x in c.rounds) >= 2 * batch  # drafts were accepted: the check has teeth
     spec = respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32", max_model_len=128)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 9, 13, 7)][:batch]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 6, 8, 5)][:batch]
     eng = Engine(with_depth(spec, depth), draft_policy="always")
     _same_rounds(ref, eng.generate(TRAINED_PROMPTS[:batch], params, trace=True))
     assert eng.machine.depth == depth
@@ -168,14 +168,14 @@ def test_stops_and_cancellation_in_flight_equal_the_synchronous_run():
     runs = []
     for depth in (0, 2):
         eng = Engine(with_depth(spec, depth), draft_policy="always")
-        alone = eng.generate([TRAINED_PROMPTS[0]], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+        alone = eng.generate([TRAINED_PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
         free, stop_id = alone.text, alone.output_ids[5]
-        reqs = [eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=13, ignore_eos=True)),
-                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=30, stop_token_ids=(stop_id,))),
-                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=30), stop=[free[6:9]]),
-                eng.add_request(TRAINED_PROMPTS[1], SamplingParams(max_new_tokens=40)),
-                eng.add_request(TRAINED_PROMPTS[2], SamplingParams(max_new_tokens=30, ignore_eos=True))]
-        for _ in range(3):
+        reqs = [eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=9, ignore_eos=True)),
+                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=20, stop_token_ids=(stop_id,))),
+                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=20), stop=[free[6:9]]),
+                eng.add_request(TRAINED_PROMPTS[1], SamplingParams(max_new_tokens=20)),
+                eng.add_request(TRAINED_PROMPTS[2], SamplingParams(max_new_tokens=40, ignore_eos=True))]
+        for _ in range(2):
             eng.step()
         reqs[-1].cancelled = True  # a client gone while its rounds run
         while eng.scheduler.has_work():
