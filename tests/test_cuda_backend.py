@@ -160,6 +160,7 @@ def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
     assert [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)] == first
 
 
+@pytest.mark.gpu  # the trained pair's 16-token windows take the interpreter past 20 minutes here
 def test_stops_and_cancellation_in_flight_equal_the_synchronous_run():
     """Each stop kind (length, a stop id, a stop string, EOS) falling inside a round with two
     more in flight, and a request cancelled mid-stream: every other request gets exactly the
