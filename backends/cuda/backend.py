@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from core.contract import Capacity, DraftRows, Proposal, RoundResult
+from core.contract import Capacity, DraftRows, RoundResult
 from core.machine import Plan
 from core.methods.base import Drafter, Method
 from core.models.config import ConfigError
