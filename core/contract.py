@@ -105,7 +105,8 @@ class KVStore(Protocol):
     # write_projected(caches, layers, x [N, W, *], positions [N, W], rotary, fc=None, hidden_norm=None):
     # every DecoderLayer's k/v projection of x, or of hidden_norm(fc(x)) (k-norm, RoPE), at each
     # row's positions start .. start+W-1; and at(caches, start [N]) -> the same rows' handle with
-    # new keys going at ``start``.
+    # new keys going at ``start``; and prefill_attention(caches, num_layers) -> causal attention
+    # among the rows' first T entries, stored at positions 0 .. T - 1 (a batched prefill's).
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,15 @@ from core.contract import Capacity, DraftRows, RoundResult
 from core.machine import Plan
 from core.methods.base import Drafter, Method
 from core.models.config import ConfigError
-from core.models.layers import DecoderLayer
 from core.models.target import TargetModel
 from core.request import Request, SpecStats
 from core.sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits
 
 from . import overlap
 from . import sampling as kernels
-from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, inverse_temperature
-from .fused import fused_weights, head_argmax, head_draw, lm_logits
+from .buffers import (DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, draft_slot,
+                      inverse_temperature)
+from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
 from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
@@ -55,11 +55,14 @@ class PrefillBuffers:
     ids: Tensor  # [max_batch, max width] int64
     at: Tensor  # [max_batch] int64, each prompt's length (the first token's position)
     slots: Tensor  # [max_batch] int64
+    draft_slots: Tensor  # [max_batch] int64, the drafter's cache slots (the scratch slot where none)
+    zeros: Tensor  # [max_batch] int64, the drafter's first position
 
     @staticmethod
     def make(max_batch: int, width: int, device: torch.device) -> "PrefillBuffers":
         zeros = functools.partial(torch.zeros, dtype=torch.int64, device=device)
-        return PrefillBuffers(zeros(max_batch, width), zeros(max_batch), zeros(max_batch))
+        return PrefillBuffers(zeros(max_batch, width), zeros(max_batch), zeros(max_batch), zeros(max_batch),
+                              zeros(max_batch))
 
 
 @triton.jit
@@ -145,8 +148,7 @@ class CudaBackend:
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         for model in (target, getattr(self.drafter, "model", None)):  # before any capture: fusing frees the
             for layer in [] if model is None else model.modules():  # old weights a graph would have baked in
-                if isinstance(layer, DecoderLayer):
-                    fused_weights(layer)
+                fuse_layer(layer)
         if self.drafter is not None and not self.drafter.graph_safe:
             raise ConfigError(f"method {plan.method}: its drafter is not graph-safe (it reads the host's requests, "
                               "not the device's rows), and the cuda backend runs rounds ahead of the host; "
@@ -180,6 +182,7 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ start-up
 
+    @torch.inference_mode()
     def prepare(self) -> dict:
         """Capture every graph the spec can replay, for every bucket, before any request: warm-up
         prefills make the drafter's caches and compile the eager kernels at every specialization
@@ -189,24 +192,31 @@ class CudaBackend:
         if not self.graphs.enabled:
             return {"graphs": 0, "seconds": 0.0}
         begin = time.perf_counter()
+        graphed, self.prefill_graphs.enabled = self.prefill_graphs.enabled, False
+        self._warm_prefill(2)  # eager: the drafter's caches are made outside any capture
+        self.prefill_graphs.enabled = graphed
         for length in range(2, LONG_WINDOW + 2):  # every kernel specialization an eager prefill can hit
-            if length < self.capacity.max_model_len:
-                warm = Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
-                               stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
-                               stats=SpecStats(self.plan.num_speculative_tokens))
-                self.prefill([warm])
-                self.free(warm)
+            self._warm_prefill(length)
         self.bufs.load([], self.capacity.max_batch)
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
                 self._replay(*key)
             self.pre.slots[:bucket] = self.cache.scratch  # prefill graphs over the scratch slot
+            self.pre.draft_slots[:bucket] = self.cache.scratch
             self.pre.at[:bucket] = 1
             for width in PREFILL_WIDTHS:
                 if self._prefill_graphed(bucket, width):
                     self.prefill_graphs.run((bucket, width), lambda: self._prefill_step(bucket, width))
         torch.cuda.synchronize()
         return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3)}
+
+    def _warm_prefill(self, length: int) -> None:
+        if length < self.capacity.max_model_len:
+            warm = Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
+                           stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
+                           stats=SpecStats(self.plan.num_speculative_tokens))
+            self.prefill([warm])
+            self.free(warm)
 
     def _graph_keys(self, bucket: int) -> list[tuple[int, int, bool, bool]]:
         """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
@@ -227,11 +237,14 @@ class CudaBackend:
     def prefill(self, reqs: list[Request]) -> list[int | None]:
         """The admitted prompts in one forward, right-padded to a shared width (causal
         attention: a prompt's tokens never see the padding after them; the padding's keys lie
-        past the prompt's length, where the first round writes over them). Short ones replay
-        a graph captured at start-up for their (rows, width) bucket."""
+        past the prompt's length, where the first round writes over them), the drafter's
+        entries for the prompts in the same pass. Short ones replay a graph captured at
+        start-up for their (rows, width) bucket."""
         n, lens = len(reqs), [len(r.prompt_ids) for r in reqs]
         for req in reqs:
             req.kv = self.cache.allocate()
+            if self.drafter is not None:
+                self.drafter.admit(req)
             if self.draft_override is not None and req.rid >= 0:
                 self.draft_override.admit(req.kv, req.prompt_ids)
         rows, width = self._prefill_shape(n, max(lens))
@@ -240,18 +253,18 @@ class CudaBackend:
         for i, req in enumerate(reqs):
             ids[i, : lens[i]] = torch.tensor(req.prompt_ids)
         at = torch.tensor(lens + [1] * (rows - n))  # each first token's position (padding rows: 1)
-        slots = torch.tensor([r.kv for r in reqs] + [self.cache.scratch] * (rows - n))
+        scratch = self.cache.scratch
+        slots = torch.tensor([[r.kv for r in reqs] + [scratch] * (rows - n),
+                              [draft_slot(r.draft_state, scratch) for r in reqs] + [scratch] * (rows - n)])
         p.ids[:rows, :width].copy_(ids)
         p.at[:rows].copy_(at)
-        p.slots[:rows].copy_(slots)
+        p.slots[:rows].copy_(slots[0])
+        p.draft_slots[:rows].copy_(slots[1])
         logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
             if self._prefill_graphed(rows, width) else self._prefill_step(rows, width)
         logits, features, at, slots = logits[:n], None if features is None else features[:n], p.at[:n], p.slots[:n]
         if self.ring is not None:
             self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), at - 1][:, None])
-        if self.drafter is not None:
-            for i, req in enumerate(reqs):
-                self.drafter.extend(req, None if features is None else features[i, : lens[i]], 0)
         finite = torch.isfinite(logits).all(dim=1)
         tokens = self._sample(torch.nan_to_num(logits), reqs, at)
         self.bufs.place(slots, tokens, at)
@@ -269,8 +282,18 @@ class CudaBackend:
         positions = torch.arange(width, device=self.device)[None].expand(rows, -1)  # [rows, P]
         hidden, features = self.target(p.ids[:rows, :width], positions,
                                        self.cache.prefill_attention(p.slots[:rows]), self.plan.target_layer_ids)
+        if self.drafter is not None:
+            self.drafter.prefill_rows(self._prefill_rows(rows), features, p.ids[:rows, :width])
         last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
         return self.target.logits(last), features
+
+    def _prefill_rows(self, rows: int) -> DraftRows:
+        """The prefill's rows as a drafter sees them: its caches from position 0."""
+        p, start = self.pre, self.pre.zeros[:rows]
+        return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
+                         caches=Rows(p.draft_slots[:rows], start),
+                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start), block_window=block_window,
+                         head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
 
     def _prefill_shape(self, n: int, longest: int) -> tuple[int, int]:
         """(rows, width) to prefill n prompts at: a batch bucket, and a width in few sizes

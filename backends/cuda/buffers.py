@@ -61,7 +61,7 @@ class Buffers:
         pad = bucket - len(reqs)
         ints = [[0] * bucket, [0] * bucket,  # LAST, START: gathered from state by each graph
                 [r.kv for r in reqs] + [self.scratch] * pad,
-                [_slot(r.draft_state, self.scratch) for r in reqs] + [self.scratch] * pad,
+                [draft_slot(r.draft_state, self.scratch) for r in reqs] + [self.scratch] * pad,
                 [r.params.seed for r in reqs] + [0] * pad,
                 [r.params.top_k for r in reqs] + [-1] * pad]
         floats = [[r.params.temperature for r in reqs] + [0.0] * pad, [r.params.top_p for r in reqs] + [1.0] * pad]
@@ -102,7 +102,8 @@ def inverse_temperature(temperature: Tensor) -> Tensor:
     return torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
 
 
-def _slot(state, scratch: int) -> int:
+def draft_slot(state, scratch: int) -> int:
+    """A request's drafter cache slot (its draft_state's index), or the scratch slot."""
     index = getattr(state, "index", -1)
     return index if index >= 0 else scratch
 

@@ -236,14 +236,13 @@ def _fuse(linears: list[torch.nn.Linear]) -> Tensor:
     return fused
 
 
-def fused_weights(layer: DecoderLayer) -> tuple[Tensor, Tensor]:
+def fused_weights(layer: torch.nn.Module) -> tuple[Tensor, Tensor]:
     """The layer's [q; k; v] and [gate; up] weights, concatenated once and kept on the layer
     (every engine over these weights shares them; the projections become views)."""
     if getattr(layer, "fused_qkv", None) is None:
-        a, m = layer.self_attn, layer.mlp
+        a = layer.self_attn
         layer.fused_qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
-        layer.fused_gate_up = _fuse([m.gate_proj, m.up_proj])
-    return layer.fused_qkv, layer.fused_gate_up
+    return layer.fused_qkv, fused_gate_up(layer)
 
 
 def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor, cache: StaticKV,
@@ -262,20 +261,82 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
     done = max(taps, default=-1) + 1  # the add+norm opening this layer writes the last tapped output
     pending = None
     for i, layer in enumerate(layers):
-        qkv_w, gate_up_w = fused_weights(layer)
         h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps, out=tap_out.get(i - 1))
         if i == done:
             _all_tapped(features, cols, taps, tap_out, tapped, n, w)
-        q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
-        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
-                     tickets=cache.tickets)  # [N, Hq, W, D] view
-        a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)  # [N, W, Hq, D] memory
-        h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        pending = linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
+        h, pending = layer_body(layer, h, x, positions, rotary, cache, i, slots, kv_len, causal)
     h, x = add_norm(pending, h, final_norm.weight, final_norm.eps, out=tap_out.get(len(layers) - 1))
     if done == len(layers):
         _all_tapped(features, cols, taps, tap_out, tapped, n, w)
     return x.view(n, w, -1), None if features is None else features.view(n, w, -1)
+
+
+def layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, i: int,
+               slots: Tensor, kv_len: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """One decoder layer after its input norm: residual h [N*W, H] and normed input x [N*W, In]
+    (In may differ from H: an EAGLE-3 head reads 2H) -> (h after attention [N*W, H], the MLP's
+    output, maybe float32 partial sums): the layer's output is their sum, which the next
+    add_norm makes. Keys go to layer ``i`` of the cache."""
+    n, w = positions.shape
+    qkv_w, gate_up_w = fused_weights(layer)
+    q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
+    out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
+                 tickets=cache.tickets)  # [N, Hq, W, D] view
+    a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)  # [N, W, Hq, D] memory
+    h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+    return h, linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
+
+
+def query_layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV,
+                     kv_layer: int, slots: Tensor, kv_len: Tensor) -> tuple[Tensor, Tensor]:
+    """layer_body for a layer whose attention has queries only (a frozen-KV MTP layer): they
+    read layer ``kv_layer`` of another model's cache, each row's first kv_len keys, unmasked."""
+    n, w = positions.shape
+    a = layer.self_attn
+    q = _q_only(a, linear(x, a.q_proj.weight), positions, rotary, cache, slots, kv_len, n, w)
+    out = attend(q, cache.k[kv_layer], cache.v[kv_layer], slots, kv_len, False, cache.splits(n),
+                 tickets=cache.tickets)  # [N, Hq, W, D] view
+    o = linear(out.transpose(1, 2).reshape(n * w, -1), a.o_proj.weight)
+    h, x = add_norm(o, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+    return h, linear(linear(x, fused_gate_up(layer), gated=True), layer.mlp.down_proj.weight)
+
+
+def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, slots: Tensor, kv_len: Tensor,
+            n: int, w: int) -> Tensor:
+    """The q/k/v kernel over a query-only projection [N*W, Hq*D] (or its partial sums): q-norm,
+    RoPE -> q [N, Hq, W, D], a view of [N, W, Hq, D]; nothing is stored."""
+    qk_norm = hasattr(a, "q_norm")
+    k_cache = cache.k[0]
+    q = torch.empty(n, w, a.num_heads, a.head_dim, dtype=k_cache.dtype, device=q_proj.device)
+    parts = q_proj.numel() // (n * w * a.num_heads * a.head_dim)
+    _qkv_kernel[(n * w, a.num_heads)](
+        q_proj, a.q_norm.weight if qk_norm else q_proj, a.q_norm.weight if qk_norm else q_proj, rotary.inv_freq, positions, q, k_cache, cache.v[0],
+        slots, kv_len, a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim,
+        **overlap.launch(release=True))
+    return q.transpose(1, 2)
+
+
+def fuse_layer(module: torch.nn.Module) -> None:
+    """Concatenate what of a layer's projections fused_weights or fused_gate_up can."""
+    if fusable(module):
+        fused_weights(module)
+    elif all(hasattr(getattr(module, "mlp", None), name) for name in ("gate_proj", "up_proj", "down_proj")):
+        fused_gate_up(module)
+
+
+def fused_gate_up(layer: torch.nn.Module) -> Tensor:
+    """The layer's [gate; up] weight alone (a layer with no k/v projections of its own)."""
+    if getattr(layer, "fused_gate_up", None) is None:
+        layer.fused_gate_up = _fuse([layer.mlp.gate_proj, layer.mlp.up_proj])
+    return layer.fused_gate_up
+
+
+def fusable(module: torch.nn.Module) -> bool:
+    """A layer whose q/k/v and gate/up projections fused_weights can concatenate."""
+    a, m = getattr(module, "self_attn", None), getattr(module, "mlp", None)
+    return all(hasattr(a, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) and \
+        all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _all_tapped(features: Tensor | None, cols: list[Tensor], taps: tuple[int, ...], tap_out: dict[int, Tensor],

@@ -17,11 +17,17 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import CacheAttention, Splits, attend, split_plan, store_kv
-from .fused import project_kv_stack, run_stack
+from .fused import add_norm, layer_body, norm, project_kv_stack, query_layer_body, run_stack
 
 
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 LONG_WINDOW = 64  # query rows (new tokens x heads per KV head) past which eager attention leaves the decode kernel
+
+
+def rms_norm(x: Tensor, module) -> Tensor:
+    """An RMSNorm module over x [..., H] in one launch (fused.norm): the fused forms' ``norm``."""
+    rows = x.numel() // x.shape[-1]
+    return norm(x.reshape(rows, -1), module.weight, module.eps, rows).view(x.shape)
 
 
 class CacheFull(RuntimeError):
@@ -139,6 +145,19 @@ class RowsAttention:
         return run_stack(layers, final_norm, rotary, h, positions, self.cache, self.rows.slots,
                          self.kv_len(positions.shape[1]), self.causal, taps, self.tapped)
 
+    def decoder_layer(self, layer, residual: Tensor, x: Tensor, positions: Tensor, rotary, index: int,
+                      final_norm) -> tuple[Tensor, Tensor]:
+        """One decoder-shaped layer (an EAGLE-3 head) from its residual [N, W, H] and its normed
+        input x [N, W, In], keys into layer ``index`` of the cache, then ``final_norm`` over its
+        output -> (output, final_norm(output)) [N, W, H] each, in fused kernels (fused.py)."""
+        n, w = positions.shape
+        h, mlp = layer_body(layer, residual.reshape(n * w, -1), x.reshape(n * w, -1), positions, rotary,
+                            self.cache, index, self.rows.slots, self.kv_len(w), self.causal)
+        out, normed = add_norm(mlp, h, final_norm.weight, final_norm.eps)
+        return out.view(n, w, -1), normed.view(n, w, -1)
+
+    norm = staticmethod(rms_norm)
+
 
 class StaticStore:
     """The KVStore the cuda backend lends to drafters that own a cache. Its caches are made on
@@ -151,9 +170,12 @@ class StaticStore:
         self.slots = SlotPool(num_slots, "drafter KV")
 
     def _ensure(self, num_layers: int, k: Tensor) -> StaticKV:
+        """The caches, made on the first write from its keys [..., Hkv, T, D]."""
+        return self._make(num_layers, k.shape[-3], k.shape[-1], k.dtype)
+
+    def _make(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> StaticKV:
         if self.cache is None:
-            hkv, d = k.shape[-3], k.shape[-1]
-            self.cache = StaticKV(num_layers, self.num_slots, hkv, self.max_len, d, k.dtype, self.device)
+            self.cache = StaticKV(num_layers, self.num_slots, kv_heads, self.max_len, head_dim, dtype, self.device)
         return self.cache
 
     def new(self, num_layers: int) -> Slot:
@@ -182,8 +204,16 @@ class StaticStore:
         """Every DecoderLayer's k/v projection of x [N, W, H] (of hidden_norm(fc(x)) when given;
         k-norm, RoPE at positions [N, W]) at the rows' positions start .. start + W - 1: two
         launches a layer, two more for fc and the norm (fused.py)."""
-        project_kv_stack(layers, x, positions, rotary, self.cache, rows.slots, rows.start + x.shape[1], fc,
-                         hidden_norm)
+        a = layers[0].self_attn
+        cache = self._make(len(layers), a.num_kv_heads, a.head_dim, x.dtype)
+        project_kv_stack(layers, x, positions, rotary, cache, rows.slots, rows.start + x.shape[1], fc, hidden_norm)
+
+    def prefill_attention(self, rows: Rows, num_layers: int) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+        """Attention for the rows' first entries (a batched prefill's): causal among each
+        row's own new keys, which are stored at positions 0 .. T - 1 of its slot."""
+        def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return self._ensure(num_layers, k).prefill_attention(rows.slots)(layer, q, k, v)
+        return attention
 
     def at(self, rows: Rows, start: Tensor) -> Rows:
         """The same rows with their new keys going at ``start`` [N] (a chain's later steps)."""
@@ -253,3 +283,16 @@ class FrozenTargetKV:
     def read(self, layer: int, q: Tensor) -> Tensor:
         return attend(q, self.cache.k[layer], self.cache.v[layer], self.slots, self.start, False,
                       self.cache.splits(self.slots.shape[0]), tickets=self.cache.tickets)
+
+    def query_layer(self, layer, residual: Tensor, x: Tensor, positions: Tensor, rotary, kv_layer: int,
+                    final_norm) -> tuple[Tensor, Tensor]:
+        """A query-only decoder layer (frozen-KV MTP) from its residual [N, W, H] and normed input
+        x [N, W, H], reading target layer ``kv_layer``, then ``final_norm`` over its output ->
+        (output, final_norm(output)) [N, W, H] each, in fused kernels (fused.py)."""
+        n, w = positions.shape
+        h, mlp = query_layer_body(layer, residual.reshape(n * w, -1), x.reshape(n * w, -1), positions, rotary,
+                                  self.cache, kv_layer, self.slots, self.start)
+        out, normed = add_norm(mlp, h, final_norm.weight, final_norm.eps)
+        return out.view(n, w, -1), normed.view(n, w, -1)
+
+    norm = staticmethod(rms_norm)

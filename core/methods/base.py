@@ -49,6 +49,17 @@ class Drafter(ABC):
         never read: the next round writes its own K/V over them."""
         raise NotImplementedError(f"{type(self).__name__} has no graph-safe extend")
 
+    def admit(self, req: Request) -> None:
+        """Take what the request's drafting state needs before its prefill (a cache slot of
+        the lent store), for backends that prefill through ``prefill_rows``."""
+
+    def prefill_rows(self, rows: "DraftRows", features: Tensor, ids: Tensor) -> None:
+        """Graph-safe form of ``extend`` after a batched prefill: each row's prompt, right-
+        padded, at positions 0 .. P - 1 (``rows.start`` is 0): its features [N, P, taps*H] and
+        ids [N, P]. What lies past a row's prompt is never read: its first round writes over it.
+        By default a round's update over the whole window."""
+        self.extend_rows(rows, features, ids)
+
     def release(self, req: Request) -> None:
         req.draft_state = None
 

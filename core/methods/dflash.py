@@ -155,9 +155,12 @@ class DFlashDrafter(Drafter):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.mask_token_id = mask_token_id
 
+    def admit(self, req: Request) -> None:
+        req.draft_state = self.kv.new(len(self.model.layers))
+
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
         if req.draft_state is None:
-            req.draft_state = self.kv.new(len(self.model.layers))
+            self.admit(req)
         n = features.shape[0]
         positions = torch.arange(first_position, first_position + n, device=features.device)[None]
         for layer, (k, v) in enumerate(self.model.context_kv(features[None], positions)):

@@ -147,6 +147,7 @@ class Eagle3Drafter(Drafter):
     def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.positional = hasattr(kv, "at")
+        self.ascending = model.ascending_ids()  # greedy chains may read the draft vocabulary's argmax
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
         if self.positional:
@@ -171,6 +172,17 @@ class Eagle3Drafter(Drafter):
             attn = self.kv.attention([req.draft_state], causal=True, persist=True)
             self.model.step(self.target.embed(ids), self.model.fc(features[None, :n]), positions, attn)
 
+    def admit(self, req: Request) -> None:
+        req.draft_state = self.kv.new(1)
+
+    def prefill_rows(self, rows: DraftRows, features: Tensor, ids: Tensor) -> None:
+        """Entries for prompt positions 0 .. P - 2 in one causal pass (position t reads token
+        t + 1 and the features at t), as ``_prefill_entries`` makes them one prompt at a time."""
+        n, p = ids.shape
+        positions = torch.arange(p - 1, device=ids.device)[None].expand(n, -1)  # [N, P - 1]
+        attn = self.kv.prefill_attention(rows.caches, 1)
+        self.model.step(self.target.embed(ids[:, 1:]), self.model.fc(features[:, :-1]), positions, attn)
+
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         """Entries for positions start - 1 .. start + W - 2: position t reads the window's token
         at t + 1 and the features at t (start - 1's from rows.features). Past a row's accepted
@@ -182,6 +194,8 @@ class Eagle3Drafter(Drafter):
         self.model.step(self.target.embed(tokens), self.model.fc(feats), positions, attn)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
+        if self.positional and self.ascending and self.plan.draft_sample_method == "greedy":
+            return Proposal(tokens=self._greedy_rows(rows))
         if self.positional:
             logits = self._chain_rows(rows)  # [N, K, V]
         else:  # one request at a time (its pending context, then K-1 chained steps)
@@ -207,6 +221,22 @@ class Eagle3Drafter(Drafter):
             attn = self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True)
             out = self.model.step(self.target.embed(token[:, None]), out, at[:, None], attn)
         return torch.stack(steps, dim=1)
+
+    def _greedy_rows(self, rows: DraftRows) -> Tensor:
+        """_chain_rows for greedy drafts, reading out tokens (no logits) -> [N, K]."""
+        first = (rows.start - 1).clamp(min=0)  # [N]
+        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
+        out, normed = self.model.step_normed(self.target.embed(rows.last_token[:, None]),
+                                             self.model.fc(rows.features[:, None]), first[:, None], attn)
+        tokens = []
+        for j in range(self.plan.num_speculative_tokens):
+            tokens.append(self.model.greedy(normed[:, 0], rows.head_argmax))  # [N]
+            if j == self.plan.num_speculative_tokens - 1:
+                break
+            at = first + 1 + j
+            attn = self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True)
+            out, normed = self.model.step_normed(self.target.embed(tokens[-1][:, None]), out, at[:, None], attn)
+        return torch.stack(tokens, dim=1)
 
     def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
         """Draft j + 1's token, as propose() will choose it: argmax, or the seeded draw."""

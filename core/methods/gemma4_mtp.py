@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
+from torch import Tensor, nn
 
 from core.contract import DraftRows, KVStore, Proposal
 
@@ -105,6 +105,9 @@ class MTPDrafter(Drafter):
     def __init__(self, model: Gemma4MTPModel, target: TargetModel, plan: Plan):
         self.model, self.target, self.plan = model, target, plan
         self.kv_layer = target.config.num_layers - 1
+        embedding = target.model.embed_tokens.weight  # [V, H]: the tied readout, as an LM head
+        self.readout = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
+        self.readout.weight = embedding
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
         """Nothing to keep: the backend holds the features the next chain starts from."""
@@ -122,6 +125,8 @@ class MTPDrafter(Drafter):
         def read(q: Tensor) -> Tensor:
             return rows.target_kv.read(self.kv_layer, q)
 
+        if self.plan.draft_sample_method == "greedy" and hasattr(rows.target_kv, "query_layer"):
+            return Proposal(tokens=self._greedy_fused(rows))
         tokens, qs = [], []
         for j in range(k):
             hidden = self.model.step(self.target.embed(token), hidden, position, read)
@@ -135,6 +140,18 @@ class MTPDrafter(Drafter):
             tokens.append(token)
         drafts = torch.cat(tokens, dim=1)  # [N, K]
         return Proposal(tokens=drafts, probs=torch.stack(qs, dim=1) if qs else None)
+
+
+    def _greedy_fused(self, rows: DraftRows) -> Tensor:
+        """The greedy chain through the target cache's fused forms, read out by the backend's
+        head (the tied embedding as an LM head; no logits written) -> [N, K]."""
+        token, hidden, position = rows.last_token[:, None], rows.features[:, None], rows.start[:, None]
+        tokens = []
+        for _ in range(self.plan.num_speculative_tokens):
+            hidden = self.model.step_fused(self.target.embed(token), hidden, position, rows.target_kv, self.kv_layer)
+            token = rows.head_argmax(self.readout, hidden[:, 0])[:, None]  # [N, 1]
+            tokens.append(token)
+        return torch.cat(tokens, dim=1)
 
 
 # ---------------------------------------------------------------- training objective

@@ -121,8 +121,36 @@ class Eagle3DraftModel(nn.Module):
     def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """One drafter forward: embeds [B, T, H] of the next tokens, hidden [B, T, H] (fc of the
         target features, or the previous step's output) at positions [B, T] -> output [B, T, H]."""
+        if getattr(attn, "decoder_layer", None) is not None:
+            return self.step_normed(embeds, hidden, positions, attn)[0]
         cos, sin = self.rotary(positions, embeds.dtype)
         return self.midlayer(embeds, hidden, cos, sin, attn)
+
+    def step_normed(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn
+                    ) -> tuple[Tensor, Tensor]:
+        """step() and the final norm of its output, (out, norm(out)) [B, T, H] each: the chain's
+        next hidden and what its readout reads. Through the attention's fused forms where it
+        offers them (``norm``, ``decoder_layer``: a backend's kernels, the same math)."""
+        layer_fn = getattr(attn, "decoder_layer", None)
+        if layer_fn is None:
+            out = self.step(embeds, hidden, positions, attn)
+            return out, self.norm(out)
+        m = self.midlayer
+        normed = attn.norm(hidden, m.hidden_norm)
+        x = torch.cat([attn.norm(embeds, m.input_layernorm), normed], dim=-1)  # [B, T, 2H]
+        return layer_fn(m, normed if m.norm_before_residual else hidden, x, positions, self.rotary, 0, self.norm)
+
+    def greedy(self, normed: Tensor, head_argmax) -> Tensor:
+        """The greedy token over the target vocabulary from normed outputs [..., H]: the draft
+        vocabulary's argmax mapped to its target id (``head_argmax`` may be a backend's readout
+        that writes no logits). Equal to logits(out).argmax(-1) when draft ids are ascending
+        (ties: the first in either order): check ascending_ids() first."""
+        best = head_argmax(self.lm_head, normed)  # [...] draft-vocabulary index
+        return best + self.d2t[best]
+
+    def ascending_ids(self) -> bool:
+        ids = self.draft_ids()
+        return bool((ids[1:] > ids[:-1]).all())
 
     def logits(self, out: Tensor) -> Tensor:
         """Layer output [..., H] -> float32 logits over the *target* vocabulary [..., V]: the

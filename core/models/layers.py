@@ -21,7 +21,9 @@ class AttentionFn(Protocol):
     """A backend's attention for one forward. It may also offer ``decoder_stack(layers,
     final_norm, rotary, h, positions, taps) -> (normed hidden, taps or None)`` to run a whole
     stack of DecoderLayers its own way (fused kernels); models built from DecoderLayers use it
-    when present (see run_layers)."""
+    when present (see run_layers). Likewise ``norm(x, rmsnorm_module)`` and ``decoder_layer(
+    layer, residual, x, positions, rotary, index, final_norm) -> (out, final_norm(out))`` for
+    one decoder-shaped layer from its normed input (an EAGLE-3 head: see Eagle3DraftModel)."""
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> out [B, Hq, T, D]"""
