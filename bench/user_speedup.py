@@ -1,10 +1,14 @@
 """What a GPU user gets with the shipped trained pair: `Engine.generate` on prompts the engine
 has not seen, each method against `none` in the same process, greedy, 128 new tokens.
 
-`python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N]` (CUDA machine).
-Every (method, batch) pass takes prompts no pass before it ran, then runs them again: the
-first pass shows what one-time costs are left on the request path, the second the steady
-state. Triton compilations after start-up are counted (none should happen)."""
+`python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N] [--feed static|continuous]`
+(CUDA machine). Every (method, batch) pass takes prompts no pass before it ran, then runs them
+again: the first pass shows what one-time costs are left on the request path, the second the
+steady state. Triton compilations after start-up are counted (none should happen).
+
+--feed static: one `generate` call per ``batch`` prompts, so a batch runs until its slowest
+request ends. --feed continuous: one call with every prompt, the engine's max_batch_size set
+to ``batch``, so a finished request's slot takes the next prompt (what a server does)."""
 
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ def _cuda(path: str, depth: int, max_batch: int):
 
 
 def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> tuple[float, int, float]:
-    """(seconds, tokens, tau) over the prompts in groups of ``batch``."""
+    """(seconds, tokens, tau) over the prompts in generate calls of ``batch`` prompts."""
     torch.cuda.synchronize()
     start, tokens, rounds, round_tokens = time.perf_counter(), 0, 0, 0
     for i in range(0, len(prompts), batch):
@@ -62,35 +66,45 @@ def main() -> None:
     ap.add_argument("--depths", default="2")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per (method, batch) pass")
     ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
+    ap.add_argument("--feed", choices=["static", "continuous"], default="static")
     args = ap.parse_args()
     _count_compiles()
     pool = read_prompts("specs/tiny/eval_prompts.jsonl")
-    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
     batches, cursor, rows = [int(b) for b in args.batches.split(",")], 0, []
     for depth in (int(d) for d in args.depths.split(",")):
         for name in args.methods.split(","):
-            engine = Engine(_cuda(SPECS[name], depth, max(batches)), draft_policy="always")
-            base = engine.with_method({"method": "none"})
-            print(f"{name} depth {depth}: start-up {engine.startup}, none start-up {base.startup}", flush=True)
-            for batch in batches:
-                prompts = [pool[(cursor + i) % len(pool)] for i in range(max(batch, args.prompts))]
-                cursor += len(prompts)
-                compiles = COMPILES[0]
-                first = [_run(e, prompts, batch, params) for e in (engine, base)]
-                new = COMPILES[0] - compiles if compiles >= 0 else -1
-                again = [_run(e, prompts, batch, params) for e in (engine, base)]
-                for label, ((ts, ns, tau), (tb, nb, _)) in (("new", first), ("again", again)):
-                    rows.append((name, depth, batch, label, tau, ns / ts, nb / tb, (ns / ts) / (nb / tb),
-                                 1e3 * ts / len(prompts), 1e3 * tb / len(prompts), new if label == "new" else 0))
-            clock = engine.machine.clock
-            print(f"  host work {clock.host_us_per_round:.0f} us/round over {clock.rounds} rounds", flush=True)
-            del engine, base
-            torch.cuda.empty_cache()
+            slots = [max(batches)] if args.feed == "static" else batches  # one engine, or one per batch size
+            for size in slots:
+                engine = Engine(_cuda(SPECS[name], depth, size), draft_policy="always")
+                base = engine.with_method({"method": "none"})
+                print(f"{name} depth {depth} slots {size}: start-up {engine.startup}, none {base.startup}", flush=True)
+                for batch in batches if args.feed == "static" else [size]:
+                    prompts = [pool[(cursor + i) % len(pool)] for i in range(max(batch, args.prompts))]
+                    cursor += len(prompts)
+                    rows += _passes(name, depth, batch, engine, base, prompts,
+                                    batch if args.feed == "static" else len(prompts))
+                clock = engine.machine.clock
+                print(f"  host work {clock.host_us_per_round:.0f} us/round over {clock.rounds} rounds", flush=True)
+                del engine, base
+                torch.cuda.empty_cache()
     print(f"{'method':<11}{'depth':>6}{'batch':>6}{'prompts':>8}{'tau':>6}{'tok/s':>9}{'none':>9}{'speedup':>9}"
           f"{'ms/req':>8}{'none':>8}{'compiles':>9}")
     for r in rows:
         print(f"{r[0]:<11}{r[1]:>6}{r[2]:>6}{r[3]:>8}{r[4]:>6.2f}{r[5]:>9.0f}{r[6]:>9.0f}{r[7]:>8.2f}x"
               f"{r[8]:>8.1f}{r[9]:>8.1f}{r[10]:>9}")
+
+
+def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, prompts: list[str], per_call: int
+            ) -> list[tuple]:
+    """Rows for never-seen prompts, then the same again, each against `none`."""
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    compiles = COMPILES[0]
+    first = [_run(e, prompts, per_call, params) for e in (engine, base)]
+    new = COMPILES[0] - compiles if compiles >= 0 else -1
+    again = [_run(e, prompts, per_call, params) for e in (engine, base)]
+    return [(name, depth, batch, label, tau, ns / ts, nb / tb, (ns / ts) / (nb / tb), 1e3 * ts / len(prompts),
+             1e3 * tb / len(prompts), new if label == "new" else 0)
+            for label, ((ts, ns, tau), (tb, nb, _)) in (("new", first), ("again", again))]
 
 
 if __name__ == "__main__":
