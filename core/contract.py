@@ -134,14 +134,15 @@ class Backend(Protocol):
     def prepare(self) -> dict[str, Any]:
         """Start-up work (graph capture for every batch bucket); returns what it did and how long."""
 
-    def prefill(self, reqs: list[Request]) -> list[int | None]:
-        """Run the target over each prompt, prime the drafter; return each first token
-        (None for a request whose logits were not finite)."""
+    def prefill(self, reqs: list[Request]) -> Any:
+        """Enqueue the target over each prompt and prime the drafter; returns at once with a
+        handle that ``collect`` turns into each first token (a RoundResult of one token per
+        row, nothing drafted). Rounds may be launched for the rows before it is collected."""
 
     def launch(self, reqs: list[Request], draft: bool) -> Any:
         """Enqueue one round for ``reqs`` (drafting K tokens, or a plain decode step)."""
 
     def collect(self, handle: Any) -> RoundResult:
-        """Wait for a launched round and return what it decided."""
+        """Wait for a launched round (or a prefill) and return what it decided."""
 
     def free(self, req: Request) -> None: ...

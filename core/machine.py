@@ -14,7 +14,7 @@ from .request import Request, Round
 from .stops import Stops
 
 if TYPE_CHECKING:
-    from .contract import Backend
+    from .contract import Backend, RoundResult
 
     from .scheduler import Scheduler
 
@@ -100,12 +100,13 @@ class Flight:
     reqs: tuple[Request, ...]  # its rows, in order
     draft: bool
     launched: float  # perf_counter at launch
+    prefill: bool = False  # the rows' prefill: its result is each row's first token
 
 
 @dataclass
 class HostClock:
     """Where the machine's time goes: its step time per round outside the waits for a round's
-    result (prefills, which wait for their first tokens, count as host work)."""
+    (or a prefill's) result; the prefills' launches count as host work."""
 
     rounds: int = 0
     ahead: int = 0  # rows launched while an earlier round of theirs was still in flight
@@ -150,42 +151,59 @@ class Machine:
         return self.scheduler.reap(self.free)
 
     def _prefill(self, reqs: list[Request]) -> None:
+        """Launch the admitted prompts' prefill; its first tokens are booked when it is
+        collected, in order with the rounds launched behind it."""
         for req in reqs:
             advance(req, Phase.PREFILL)
-        for req, token in zip(reqs, self.backend.prefill(reqs)):
-            if token is None:
+            req.in_flight += 1
+        self.flights.append(Flight(self.backend.prefill(reqs), tuple(reqs), False, time.perf_counter(), prefill=True))
+        if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
+            self._collect(self.flights.pop())
+
+    def _first_tokens(self, flight: Flight, result: RoundResult) -> None:
+        for i, req in enumerate(flight.reqs):
+            req.in_flight -= 1
+            if req.phase is Phase.FINISHED:  # cancelled meanwhile
+                continue
+            if not result.finite[i]:
                 abort(req, "non-finite logits in prefill")
                 continue
-            self.stops.apply(req, [token])
+            self.stops.apply(req, result.tokens[i])
             advance(req, Phase.FINISHED if req.finish_reason else Phase.DRAFT)
+            if req.in_flight and req.phase is Phase.DRAFT:  # its first round already runs
+                advance(req, Phase.VERIFY)
 
     def _launch(self, running: list[Request]) -> bool:
-        """Launch rounds until every running request has depth + 1 in flight (or is surely
-        done by length with those): requests that may draft, then the others."""
-        launched = False
-        while True:
-            rows = [r for r in running if r.in_flight <= self.depth and not r.cancelled
-                    and not Stops.done_in_flight(r, r.in_flight)]
-            if not rows:
-                return launched
-            drafting = self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(rows))
-            for group, draft in (([r for r in rows if drafting and r.speculate], True),
-                                 ([r for r in rows if not (drafting and r.speculate)], False)):
-                if group:
-                    self.flights.append(Flight(self.backend.launch(group, draft), tuple(group), draft,
-                                               time.perf_counter()))
-                    for req in group:
-                        self.clock.ahead += req.in_flight > 0
-                        req.in_flight += 1
-                        if req.phase is Phase.DRAFT:
-                            advance(req, Phase.VERIFY)
-            launched = True
+        """Launch one round for every running request with at most ``depth`` rounds in flight
+        (that may still need one): those that may draft, then the others. A request behind the
+        rest (just prefilled) joins the same round and catches up a round a step, so a batch
+        stays one round instead of splitting into groups that never merge again."""
+        rows = [r for r in running if r.in_flight <= self.depth and not r.cancelled
+                and not Stops.done_in_flight(r, r.in_flight)]
+        if not rows:
+            return False
+        drafting = self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(rows))
+        for group, draft in (([r for r in rows if drafting and r.speculate], True),
+                             ([r for r in rows if not (drafting and r.speculate)], False)):
+            if group:
+                self.flights.append(Flight(self.backend.launch(group, draft), tuple(group), draft,
+                                           time.perf_counter()))
+                for req in group:
+                    self.clock.ahead += req.in_flight > 0
+                    req.in_flight += 1
+                    if req.phase is Phase.DRAFT:
+                        advance(req, Phase.VERIFY)
+        return True
 
     def _collect(self, flight: Flight) -> None:
         waited = time.perf_counter()
         result = self.backend.collect(flight.handle)
         now = time.perf_counter()
         self.clock.wait_s += now - waited
+        if flight.prefill:
+            self._first_tokens(flight, result)
+            self._last_collect = now
+            return
         self.clock.rounds += 1
         emitted = 0
         for i, req in enumerate(flight.reqs):

@@ -6,8 +6,9 @@ row's last token and start from its slot's state, draft, target forward over [la
 drafts] with the drafter's context update beside it, the acceptance, and each live row's new
 state), then one small asynchronous copy back. ``collect`` waits for that copy. Since a round
 starts from the device's state, the machine may launch the next rounds before it has read
-this one. Prefill runs eagerly, the admitted prompts batched into one forward. Every graph
-the spec can use is captured by ``prepare`` at start-up, over padding rows only.
+this one. Prefill batches the admitted prompts into one forward (a graph for short ones) and
+lands its first tokens as a round does, so rounds may follow it before the host reads them.
+Every graph the spec can use is captured by ``prepare`` at start-up, over padding rows only.
 Without a GPU the same code runs eagerly through the Triton interpreter (TRITON_INTERPRET=1),
 which is how CI holds it to the reference backend.
 """
@@ -215,7 +216,7 @@ class CudaBackend:
             warm = Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
                            stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
                            stats=SpecStats(self.plan.num_speculative_tokens))
-            self.prefill([warm])
+            self.collect(self.prefill([warm]))
             self.free(warm)
 
     def _graph_keys(self, bucket: int) -> list[tuple[int, int, bool, bool]]:
@@ -234,7 +235,7 @@ class CudaBackend:
     # ------------------------------------------------------------------ prefill
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> list[int | None]:
+    def prefill(self, reqs: list[Request]) -> Launch:
         """The admitted prompts in one forward, right-padded to a shared width (causal
         attention: a prompt's tokens never see the padding after them; the padding's keys lie
         past the prompt's length, where the first round writes over them), the drafter's
@@ -248,28 +249,30 @@ class CudaBackend:
             if self.draft_override is not None and req.rid >= 0:
                 self.draft_override.admit(req.kv, req.prompt_ids)
         rows, width = self._prefill_shape(n, max(lens))
-        p = self.pre
-        ids = torch.zeros(rows, width, dtype=torch.int64)
-        for i, req in enumerate(reqs):
-            ids[i, : lens[i]] = torch.tensor(req.prompt_ids)
-        at = torch.tensor(lens + [1] * (rows - n))  # each first token's position (padding rows: 1)
-        scratch = self.cache.scratch
-        slots = torch.tensor([[r.kv for r in reqs] + [scratch] * (rows - n),
-                              [draft_slot(r.draft_state, scratch) for r in reqs] + [scratch] * (rows - n)])
-        p.ids[:rows, :width].copy_(ids)
-        p.at[:rows].copy_(at)
-        p.slots[:rows].copy_(slots[0])
-        p.draft_slots[:rows].copy_(slots[1])
+        p, scratch, pad = self.pre, self.cache.scratch, rows - n
+        # [rows, width + 5]: the padded prompt, its length (padding rows: 1), slot, drafter slot, seed, top-k
+        ints = self._to_device([r.prompt_ids + [0] * (width - len(r.prompt_ids))
+                                + [len(r.prompt_ids), r.kv, draft_slot(r.draft_state, scratch), r.params.seed,
+                                   r.params.top_k] for r in reqs] + [[0] * width + [1, scratch, scratch, 0, -1]] * pad,
+                               torch.int64)
+        floats = self._to_device([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32)  # [n, 2]
+        p.ids[:rows, :width].copy_(ints[:, :width])
+        p.at[:rows].copy_(ints[:, width])
+        p.slots[:rows].copy_(ints[:, width + 1])
+        p.draft_slots[:rows].copy_(ints[:, width + 2])
+        batch = SamplingBatch(temperature=floats[:, 0], top_k=ints[:n, width + 4], top_p=floats[:, 1],
+                              seed=ints[:n, width + 3])
         logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
             if self._prefill_graphed(rows, width) else self._prefill_step(rows, width)
         logits, features, at, slots = logits[:n], None if features is None else features[:n], p.at[:n], p.slots[:n]
         if self.ring is not None:
             self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), at - 1][:, None])
         finite = torch.isfinite(logits).all(dim=1)
-        tokens = self._sample(torch.nan_to_num(logits), reqs, at)
+        scores, inv_temp = _scores(torch.nan_to_num(logits), reqs, batch)
+        tokens = kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
         self.bufs.place(slots, tokens, at)
-        tokens, finite = torch.stack([tokens, finite.long()]).tolist()
-        return [t if ok else None for t, ok in zip(tokens, finite)]
+        # as a round of width 1 lands: finite, accepted (0), the token; read when collected
+        return self._land(torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), 1, None)
 
     def _prefill_graphed(self, rows: int, width: int) -> bool:
         return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
@@ -302,10 +305,13 @@ class CudaBackend:
         width = max(16, triton.next_power_of_2(longest)) if longest <= 256 else triton.cdiv(longest, 256) * 256
         return self.bucket(n), min(width, self.cache.max_len)
 
-    def _sample(self, logits: Tensor, reqs: list[Request], at: Tensor) -> Tensor:
-        batch = SamplingBatch.of([r.params for r in reqs], self.device)
-        scores, inv_temp = _scores(logits, reqs, batch)
-        return kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
+    def _to_device(self, rows: list[list], dtype: torch.dtype) -> Tensor:
+        """Host values onto the device without waiting: a pinned, asynchronous copy (a plain
+        one waits for every round in flight, which would drain the pipeline at each prefill)."""
+        host = torch.tensor(rows, dtype=dtype)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ rounds
 

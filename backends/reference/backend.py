@@ -57,7 +57,7 @@ class ReferenceBackend:
         return SamplingBatch.of([r.params for r in reqs], self.device)
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> list[int | None]:
+    def prefill(self, reqs: list[Request]) -> RoundResult:
         last_logits = []
         for req in reqs:
             req.kv = self.kv.new(self.target.config.num_layers)
@@ -74,7 +74,8 @@ class ReferenceBackend:
         probs = probs_from_logits(torch.nan_to_num(logits), batch)
         at = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         tokens = sample(probs, batch.seed, at, Stream.SAMPLE).tolist()
-        return [t if ok else None for t, ok in zip(tokens, finite)]
+        return RoundResult(finite=finite, accepted=[0] * len(reqs), tokens=[[t] for t in tokens],
+                           drafted=[[] for _ in reqs])
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:
