@@ -260,8 +260,9 @@ class CudaBackend:
         p.at[:rows].copy_(ints[:, width])
         p.slots[:rows].copy_(ints[:, width + 1])
         p.draft_slots[:rows].copy_(ints[:, width + 2])
-        batch = SamplingBatch(temperature=floats[:, 0], top_k=ints[:n, width + 4], top_p=floats[:, 1],
-                              seed=ints[:n, width + 3])
+        # columns made contiguous: the sampling kernels index a row's value at its offset
+        batch = SamplingBatch(temperature=floats[:, 0].contiguous(), top_k=ints[:n, width + 4].contiguous(),
+                              top_p=floats[:, 1].contiguous(), seed=ints[:n, width + 3].contiguous())
         logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
             if self._prefill_graphed(rows, width) else self._prefill_step(rows, width)
         logits, features, at, slots = logits[:n], None if features is None else features[:n], p.at[:n], p.slots[:n]
