@@ -85,12 +85,23 @@ def test_chain_methods_equal_reference(method_name, batch, draft):
 def test_rows_that_stop_while_rounds_are_in_flight(method):
     """Requests ending at different rounds (length limits, EOS) and a queue admitting new ones
     into freed slots, two rounds in flight: what a round in flight computed for a request that
-    has stopped is ignored, and tokens still equal the reference's; no slot leaks."""
+    has stopped is ignored, and tokens still equal the reference's; no slot leaks. A request
+    admitted into the running batch (its prefill still in flight) joins the batch's rounds:
+    each step launches one round for every request that can take one, never a group of its
+    own that would stay apart."""
     params = [SamplingParams(max_new_tokens=n, ignore_eos=n != 7) for n in (3, 9, 5, 7, 2, 6)]
     ref = _engine(method, "reference").generate(PROMPTS + PROMPTS[:2], params)
     eng = _engine(method, "cuda", depth=2)
-    got = eng.generate(PROMPTS + PROMPTS[:2], params)  # six requests through four slots
-    assert [g.output_ids for g in got] == [r.output_ids for r in ref]
+    reqs = [eng.add_request(p, s) for p, s in zip(PROMPTS + PROMPTS[:2], params)]  # six through four slots
+    joined = False
+    while eng.scheduler.has_work():
+        before = list(eng.machine.flights)
+        eng.step()
+        new = [f for f in eng.machine.flights if not f.prefill and not any(f is b for b in before)]
+        assert len(new) <= 1  # one round a step
+        joined |= any(any(r is reqs[4] for r in f.reqs) and len(f.reqs) > 1 for f in new)
+    assert joined  # a request admitted later ran in the others' rounds
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     assert eng.machine.clock.ahead > 0 and not eng.machine.flights
     assert sorted(eng.backend.cache.slots.free) == [0, 1, 2, 3] and sorted(eng.backend.kv.slots.free) == [0, 1, 2, 3]
 
