@@ -205,19 +205,21 @@ class Machine:
             self._last_collect = now
             return
         self.clock.rounds += 1
-        emitted = 0
+        emitted, live = 0, 0
         for i, req in enumerate(flight.reqs):
             req.in_flight -= 1
             if req.phase is Phase.FINISHED:  # stopped by an earlier round, cancelled or failed
                 continue
+            live += 1
             if not result.finite[i]:  # one request's failure ends that request, never the batch
                 abort(req, "non-finite logits in verify")
                 continue
             emitted += self._book(req, result.drafted[i], result.accepted[i], result.tokens[i])
         # the round's share of wall time: from its launch, or from the previous collect when it
-        # ran behind that one
+        # ran behind that one. A round only stopped requests ran says nothing of its choice.
         since = max(flight.launched, self._last_collect or 0.0)
-        self.policy.record(len(flight.reqs), flight.draft, now - since, emitted)
+        if live:
+            self.policy.record(len(flight.reqs), flight.draft, now - since, emitted)
         self._last_collect = now
 
     def _book(self, req: Request, drafted: list[int], accepted: int, tokens: list[int]) -> int:
