@@ -285,7 +285,14 @@ def layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, c
     q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
     out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
                  tickets=cache.tickets)  # [N, Hq, W, D] view
-    a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)  # [N, W, Hq, D] memory
+    return _out_and_mlp(layer, out, h, gate_up_w)
+
+
+def _out_and_mlp(layer, out: Tensor, h: Tensor, gate_up_w: Tensor) -> tuple[Tensor, Tensor]:
+    """A layer's tail after attention out [N, Hq, W, D] (a view of [N, W, Hq, D] memory): the
+    output matvec, add+RMSNorm onto h, the gated MLP -> (h after attention, the MLP's output)."""
+    n, _, w, _ = out.shape
+    a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)
     h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
     return h, linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
 
@@ -299,9 +306,7 @@ def query_layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rot
     q = _q_only(a, linear(x, a.q_proj.weight), positions, rotary, cache, slots, kv_len, n, w)
     out = attend(q, cache.k[kv_layer], cache.v[kv_layer], slots, kv_len, False, cache.splits(n),
                  tickets=cache.tickets)  # [N, Hq, W, D] view
-    o = linear(out.transpose(1, 2).reshape(n * w, -1), a.o_proj.weight)
-    h, x = add_norm(o, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-    return h, linear(linear(x, fused_gate_up(layer), gated=True), layer.mlp.down_proj.weight)
+    return _out_and_mlp(layer, out, h, fused_gate_up(layer))
 
 
 def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, slots: Tensor, kv_len: Tensor,
@@ -324,7 +329,7 @@ def fuse_layer(module: torch.nn.Module) -> None:
     """Concatenate what of a layer's projections fused_weights or fused_gate_up can."""
     if fusable(module):
         fused_weights(module)
-    elif all(hasattr(getattr(module, "mlp", None), name) for name in ("gate_proj", "up_proj", "down_proj")):
+    elif _has(getattr(module, "mlp", None), MLP_PROJECTIONS):
         fused_gate_up(module)
 
 
@@ -337,9 +342,15 @@ def fused_gate_up(layer: torch.nn.Module) -> Tensor:
 
 def fusable(module: torch.nn.Module) -> bool:
     """A layer whose q/k/v and gate/up projections fused_weights can concatenate."""
-    a, m = getattr(module, "self_attn", None), getattr(module, "mlp", None)
-    return all(hasattr(a, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) and \
-        all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    return _has(getattr(module, "self_attn", None), ("q_proj", "k_proj", "v_proj", "o_proj")) and \
+        _has(getattr(module, "mlp", None), MLP_PROJECTIONS)
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _has(obj, names: tuple[str, ...]) -> bool:
+    return all(hasattr(obj, name) for name in names)
 
 
 def _all_tapped(features: Tensor | None, cols: list[Tensor], taps: tuple[int, ...], tap_out: dict[int, Tensor],
