@@ -12,6 +12,8 @@ method: its numbers are labelled simulated wherever they appear.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import Tensor
 
@@ -46,8 +48,15 @@ class SimulatedAcceptance:
 
     def __init__(self, rate: float, continuations: dict[tuple[int, ...], list[int]], num_slots: int, max_len: int,
                  vocab: int, device: torch.device):
-        self.rate, self.vocab, self.continuations = rate, vocab, continuations
+        self.vocab, self.continuations = vocab, continuations
+        self.rate = torch.tensor(rate, device=device)  # a tensor, so captured graphs read a new rate (set_rate)
         self.table = torch.zeros(num_slots + 1, max_len, dtype=torch.int64, device=device)  # [slots + 1, max_len]
+        # [slots + 1] each slot's prompt key: the wrong draft's draw follows the prompt, not the
+        # slot it landed in, so every run over a prompt makes the same rounds
+        self.keys = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+
+    def set_rate(self, rate: float) -> None:
+        self.rate.fill_(rate)
 
     def admit(self, slot: int, prompt_ids: list[int]) -> None:
         known = self.continuations.get(tuple(prompt_ids))
@@ -55,13 +64,14 @@ class SimulatedAcceptance:
             raise KeyError("simulated acceptance: a prompt without a greedy continuation from the `none` run")
         row = (list(prompt_ids) + known)[: self.table.shape[1]]
         self.table[slot, : len(row)] = torch.tensor(row, device=self.table.device)
+        self.keys[slot] = zlib.crc32(repr(list(prompt_ids)).encode())
 
     def __call__(self, slots: Tensor, start: Tensor, drafts: Tensor) -> None:
         n, k = drafts.shape
         offsets = torch.arange(1, k + 1, device=drafts.device)
         positions = (start[:, None] + offsets).clamp(max=self.table.shape[1] - 1)  # [N, K] each draft's position
         truth = self.table[slots[:, None], positions]  # [N, K]
-        u = uniform(row_key(slots, start, WRONG_STREAM), k)  # [N, K]
+        u = uniform(row_key(self.keys[slots], start, WRONG_STREAM), k)  # [N, K]
         wrong = u >= self.rate
         first = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1), k)  # [N] the round's wrong draft (K: none)
         corrupt = offsets[None, :] - 1 == first[:, None]
