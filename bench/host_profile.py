@@ -1,6 +1,7 @@
 """Where the host's time goes: cProfile over `Engine.generate` with the shipped trained pair on
 the cuda backend (CUDA machine), and the prefill's share.
-`python bench/host_profile.py [SPEC] [BATCH] [DEPTH]`."""
+`python bench/host_profile.py [SPEC] [BATCH] [DEPTH] [continuous]`: static feeds generate
+calls of BATCH prompts; continuous one call of 4 x BATCH prompts over BATCH slots."""
 import cProfile
 import pstats
 import sys
@@ -29,12 +30,13 @@ def main():
     prof, clock = cProfile.Profile(), engine.machine.clock
     rounds, start = clock.rounds, time.perf_counter()
     prof.enable()
-    for i in range(0, len(prompts), batch):
-        engine.generate(prompts[i : i + batch], params)
+    per_call = len(prompts) if "continuous" in sys.argv[4:] else batch
+    for i in range(0, len(prompts), per_call):
+        engine.generate(prompts[i : i + per_call], params)
     prof.disable()
     torch.cuda.synchronize()
     seconds, rounds = time.perf_counter() - start, clock.rounds - rounds
-    print(f"{path} batch {batch} depth {depth}: {1e3 * seconds / rounds:.3f} ms per round under the profiler "
+    print(f"{path} batch {batch} depth {depth} {'continuous' if per_call > batch else 'static'}: {1e3 * seconds / rounds:.3f} ms per round under the profiler "
           f"({rounds} rounds); host work {clock.host_us_per_round:.0f} us/round")
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     pstats.Stats(prof).sort_stats("cumtime").print_stats(18)

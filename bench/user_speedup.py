@@ -24,6 +24,8 @@ from core.training.corpus import read_prompts
 
 SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 COMPILES = [0]
+DRAFTED = [0.0]  # the last _run's share of rounds that drafted (the draft policy may run plain ones)
+REPORTING = [False]  # name the kernels compiled on the request path (not start-up's)
 
 
 def _count_compiles() -> None:
@@ -32,6 +34,9 @@ def _count_compiles() -> None:
 
         def hook(*args, **kwargs):
             COMPILES[0] += 1
+            fn = kwargs.get("fn")
+            if REPORTING[0]:
+                print(f"  compiled {getattr(fn, 'name', fn)}: {str(kwargs.get('repr', ''))[:400]}", flush=True)
             return False
 
         triton.knobs.runtime.jit_post_compile_hook = hook
@@ -47,17 +52,24 @@ def _cuda(path: str, depth: int, max_batch: int):
     return type(load_spec(path)).model_validate(data)
 
 
-def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> tuple[float, int, float]:
-    """(seconds, tokens, tau) over the prompts in generate calls of ``batch`` prompts."""
+def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> tuple[float, int, float, float]:
+    """(seconds, tokens, tau, tail) over the prompts in generate calls of ``batch`` prompts.
+    tail: each call's slowest request's rounds over its mean request's, averaged (a static
+    batch runs as long as its slowest request; `none` always reads 1)."""
     torch.cuda.synchronize()
-    start, tokens, rounds, round_tokens = time.perf_counter(), 0, 0, 0
+    start, tokens, rounds, round_tokens, tails, drafted = time.perf_counter(), 0, 0, 0, [], 0
     for i in range(0, len(prompts), batch):
+        counts = []
         for c in engine.generate(prompts[i : i + batch], params):
             tokens += len(c.output_ids)
-            rounds += c.meta_info["spec_verify_ct"]
+            counts.append(c.meta_info["spec_verify_ct"])
+            drafted += c.meta_info["spec_drafted_rounds"]
             round_tokens += c.meta_info["completion_tokens"] - 1
+        rounds += sum(counts)
+        tails.append(max(counts) * len(counts) / max(1, sum(counts)))
     torch.cuda.synchronize()
-    return time.perf_counter() - start, tokens, round_tokens / max(1, rounds)
+    DRAFTED[0] = drafted / max(1, rounds)
+    return time.perf_counter() - start, tokens, round_tokens / max(1, rounds), sum(tails) / len(tails)
 
 
 def main() -> None:
@@ -67,6 +79,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per (method, batch) pass")
     ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
     ap.add_argument("--feed", choices=["static", "continuous"], default="static")
+    ap.add_argument("--policy", default="always", help="draft policy: always (the method itself) or auto")
     args = ap.parse_args()
     _count_compiles()
     pool = read_prompts("specs/tiny/eval_prompts.jsonl")
@@ -75,7 +88,7 @@ def main() -> None:
         for name in args.methods.split(","):
             slots = [max(batches)] if args.feed == "static" else batches  # one engine, or one per batch size
             for size in slots:
-                engine = Engine(_cuda(SPECS[name], depth, size), draft_policy="always")
+                engine = Engine(_cuda(SPECS[name], depth, size), draft_policy=args.policy)
                 base = engine.with_method({"method": "none"})
                 print(f"{name} depth {depth} slots {size}: start-up {engine.startup}, none {base.startup}", flush=True)
                 for batch in batches if args.feed == "static" else [size]:
@@ -88,23 +101,27 @@ def main() -> None:
                 del engine, base
                 torch.cuda.empty_cache()
     print(f"{'method':<11}{'depth':>6}{'batch':>6}{'prompts':>8}{'tau':>6}{'tok/s':>9}{'none':>9}{'speedup':>9}"
-          f"{'ms/req':>8}{'none':>8}{'compiles':>9}")
+          f"{'ms/req':>8}{'none':>8}{'compiles':>9}{'tail':>6}{'drafted':>8}")
     for r in rows:
         print(f"{r[0]:<11}{r[1]:>6}{r[2]:>6}{r[3]:>8}{r[4]:>6.2f}{r[5]:>9.0f}{r[6]:>9.0f}{r[7]:>8.2f}x"
-              f"{r[8]:>8.1f}{r[9]:>8.1f}{r[10]:>9}")
+              f"{r[8]:>8.1f}{r[9]:>8.1f}{r[10]:>9}{r[11]:>6.2f}{r[12]:>8.2f}")
 
 
 def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, prompts: list[str], per_call: int
             ) -> list[tuple]:
     """Rows for never-seen prompts, then the same again, each against `none`."""
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
-    compiles = COMPILES[0]
-    first = [_run(e, prompts, per_call, params) for e in (engine, base)]
+    compiles, REPORTING[0] = COMPILES[0], True
+    first = [_run(engine, prompts, per_call, params)]
+    REPORTING[0], share = False, [DRAFTED[0]]
+    first.append(_run(base, prompts, per_call, params))
     new = COMPILES[0] - compiles if compiles >= 0 else -1
-    again = [_run(e, prompts, per_call, params) for e in (engine, base)]
+    again = [_run(engine, prompts, per_call, params)]
+    share.append(DRAFTED[0])
+    again.append(_run(base, prompts, per_call, params))
     return [(name, depth, batch, label, tau, ns / ts, nb / tb, (ns / ts) / (nb / tb), 1e3 * ts / len(prompts),
-             1e3 * tb / len(prompts), new if label == "new" else 0)
-            for label, ((ts, ns, tau), (tb, nb, _)) in (("new", first), ("again", again))]
+             1e3 * tb / len(prompts), new if label == "new" else 0, tail, drafted)
+            for label, ((ts, ns, tau, tail), (tb, nb, _, _)), drafted in zip(("new", "again"), (first, again), share)]
 
 
 if __name__ == "__main__":
