@@ -198,6 +198,8 @@ class CudaBackend:
         self.prefill_graphs.enabled = graphed
         for length in range(2, LONG_WINDOW + 2):  # every kernel specialization an eager prefill can hit
             self._warm_prefill(length)
+        for bucket in self.buckets[1:]:  # and every batch size's (the eager tail's shapes follow the rows)
+            self._warm_prefill(2, bucket)
         self.bufs.load([], self.capacity.max_batch)
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
@@ -211,13 +213,14 @@ class CudaBackend:
         torch.cuda.synchronize()
         return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3)}
 
-    def _warm_prefill(self, length: int) -> None:
+    def _warm_prefill(self, length: int, n: int = 1) -> None:
         if length < self.capacity.max_model_len:
-            warm = Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
-                           stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
-                           stats=SpecStats(self.plan.num_speculative_tokens))
-            self.collect(self.prefill([warm]))
-            self.free(warm)
+            warm = [Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
+                            stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
+                            stats=SpecStats(self.plan.num_speculative_tokens)) for _ in range(n)]
+            self.collect(self.prefill(warm))
+            for req in warm:
+                self.free(req)
 
     def _graph_keys(self, bucket: int) -> list[tuple[int, int, bool, bool]]:
         """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
@@ -260,9 +263,10 @@ class CudaBackend:
         p.at[:rows].copy_(ints[:, width])
         p.slots[:rows].copy_(ints[:, width + 1])
         p.draft_slots[:rows].copy_(ints[:, width + 2])
-        # columns made contiguous: the sampling kernels index a row's value at its offset
-        batch = SamplingBatch(temperature=floats[:, 0].contiguous(), top_k=ints[:n, width + 4].contiguous(),
-                              top_p=floats[:, 1].contiguous(), seed=ints[:n, width + 3].contiguous())
+        # columns copied out: the sampling kernels index a row's value at its offset, and a copy
+        # is aligned whatever the row count (a one-row column's view is not: another specialization)
+        batch = SamplingBatch(temperature=floats[:, 0].clone(), top_k=ints[:n, width + 4].clone(),
+                              top_p=floats[:, 1].clone(), seed=ints[:n, width + 3].clone())
         logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
             if self._prefill_graphed(rows, width) else self._prefill_step(rows, width)
         logits, features, at, slots = logits[:n], None if features is None else features[:n], p.at[:n], p.slots[:n]
