@@ -47,7 +47,11 @@ class Stops:
 
     @staticmethod
     def done_in_flight(req: Request, rounds: int) -> bool:
-        """Whether ``rounds`` launched rounds, each emitting at least one token, surely end the
-        request by a length limit: a further round would only be thrown away."""
-        return (len(req.output_ids) + rounds >= req.params.max_new_tokens
-                or req.seq_len + rounds >= req.max_model_len)
+        """Whether ``rounds`` launched rounds are expected to end the request by a length
+        limit, each emitting the request's mean tokens a round so far (at least one): a further
+        round would most likely be thrown away (at tau 6, two rounds in flight past the end
+        are a tenth of a 128-token request's rounds). Should they fall short, the request gets
+        its next round once one of them is collected."""
+        expected = rounds * max(1.0, req.stats.accept_length)
+        return (len(req.output_ids) + expected >= req.params.max_new_tokens
+                or req.seq_len + expected >= req.max_model_len)
