@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from .policy import DraftPolicy
+from .policy import Drafted, DraftPolicy
 from .request import Request, Round
 from .stops import Stops
 
@@ -182,12 +182,12 @@ class Machine:
                 and not Stops.done_in_flight(r, r.in_flight)]
         if not rows:
             return False
-        drafting = self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(rows))
+        drafting = self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(rows), _drafted(rows))
         for group, draft in (([r for r in rows if drafting and r.speculate], True),
                              ([r for r in rows if not (drafting and r.speculate)], False)):
             if group:
-                self.flights.append(Flight(self.backend.launch(group, draft), tuple(group), draft,
-                                           time.perf_counter()))
+                launched = time.perf_counter()  # before the launch: a synchronous backend runs the round in it
+                self.flights.append(Flight(self.backend.launch(group, draft), tuple(group), draft, launched))
                 for req in group:
                     self.clock.ahead += req.in_flight > 0
                     req.in_flight += 1
@@ -251,3 +251,9 @@ class Machine:
         """A finished request's rounds still in flight write only its own slot, in stream order
         before whatever reuses it; their results are ignored when collected."""
         self.backend.free(req)
+
+
+def _drafted(rows: list[Request]) -> Drafted:
+    """The rows' drafted rounds so far and the tokens those emitted (accepted drafts + 1 each)."""
+    rounds = sum(r.stats.drafted_rounds for r in rows)
+    return Drafted(rounds, rounds + sum(r.stats.accepted_tokens for r in rows))

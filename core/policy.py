@@ -9,29 +9,47 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-WINDOW = 8  # the latest rounds an estimate is the median of
+WINDOW = 16  # the latest rounds an estimate is made of
+
+
+PRIOR_ROUNDS = 4  # how many drafted rounds the bucket's history counts for beside the batch's own
+TOKENS_HORIZON = 256  # rounds the bucket's tokens a row are averaged over
 
 
 @dataclass
 class Arm:
-    """Seconds per emitted token for one choice at one batch bucket: the median of its latest
-    rounds, so one slow round (a cold start, a hiccup) cannot hold a choice down."""
+    """One choice at one batch bucket: the median time of its latest rounds (one slow round,
+    a cold start or a hiccup, cannot hold a choice down), and the tokens a row averaged over
+    many requests' rounds (the prior for rows that have drafted little yet: one request's hard
+    stretch must not turn drafting off for the next)."""
 
-    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    times: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds a round
+    tokens_per_row: float = 1.0  # a slow moving average over rounds: across many requests
     rounds: int = 0
 
-    def record(self, seconds: float, tokens: int) -> None:
+    def record(self, seconds: float, tokens_per_row: float) -> None:
         self.rounds += 1
+        weight = max(1.0 / self.rounds, 1.0 / TOKENS_HORIZON)
+        self.tokens_per_row += weight * (tokens_per_row - self.tokens_per_row)
         if self.rounds > 1:  # the first round of a choice pays its one-time costs
-            self.recent.append(seconds / max(1, tokens))
+            self.times.append(seconds)
 
     @property
     def known(self) -> bool:
-        return len(self.recent) >= 2
+        return len(self.times) >= 2
 
     @property
-    def seconds_per_token(self) -> float:
-        return statistics.median(self.recent) if self.recent else math.nan
+    def seconds(self) -> float:
+        return statistics.median(self.times) if self.times else math.nan
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """What the rows of a round to be launched have drafted so far: their drafted rounds and
+    the tokens those emitted (summed over the rows)."""
+
+    rounds: int = 0
+    tokens: int = 0
 
 
 @dataclass
@@ -40,18 +58,25 @@ class Bucket:
     off: Arm = field(default_factory=Arm)
     decisions: int = 0
 
-    def choice(self) -> bool | None:
-        """The faster choice once both are measured (None before)."""
+    def choice(self, drafted: Drafted = Drafted()) -> bool | None:
+        """The faster choice once both are measured (None before): a drafting round's median
+        time over the tokens a row of *these* rows' drafted rounds emitted (the bucket's
+        history standing in for PRIOR_ROUNDS rounds), against a plain round's one token. Not
+        the median of each round's seconds per token: a drafting round's time is steady while
+        its tokens range from 1 to K + 1, so that median sits near the typical rejection and
+        overstates drafting's cost by half (dflash, tau 3.8); and not the bucket's history
+        alone, which one request's hard stretch would turn against the next request."""
         if not (self.on.known and self.off.known):
             return None
-        return self.on.seconds_per_token <= self.off.seconds_per_token
+        tau = (drafted.tokens + PRIOR_ROUNDS * self.on.tokens_per_row) / (drafted.rounds + PRIOR_ROUNDS)
+        return self.on.seconds / max(tau, 1e-9) <= self.off.seconds / self.off.tokens_per_row
 
 
 @dataclass
 class DraftPolicy:
     """``limit``: "always", "auto", or the largest batch that drafts. ``auto`` measures both
-    choices at each batch bucket (a few rounds each, drafting first), then takes the faster,
-    re-measuring the other one round in ``probe_every`` of that bucket's rounds."""
+    choices at each batch bucket (a few rounds each, drafting first), then takes the faster for
+    the rows at hand, re-measuring the other one round in ``probe_every`` of that bucket's rounds."""
 
     limit: int | str = "auto"
     probe_every: int = 16
@@ -61,21 +86,21 @@ class DraftPolicy:
     def bucket(batch_size: int) -> int:
         return 1 << max(0, batch_size - 1).bit_length()  # 1, 2, 4, 8, ...
 
-    def should_draft(self, batch_size: int) -> bool:
+    def should_draft(self, batch_size: int, drafted: Drafted = Drafted()) -> bool:
         if self.limit == "always":
             return True
         if isinstance(self.limit, int):
             return batch_size <= self.limit
         b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
         b.decisions += 1
-        best = b.choice()
+        best = b.choice(drafted)
         if best is None:  # measuring: whichever has fewer rounds, drafting first
             return b.on.rounds <= b.off.rounds
         return (not best) if b.decisions % self.probe_every == 0 else best
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
         b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
-        (b.on if drafted else b.off).record(seconds, tokens)
+        (b.on if drafted else b.off).record(seconds, tokens / batch_size)
 
     def table(self) -> list[dict]:
         """Per batch bucket: each choice's measured ms per token and rounds, and the current choice."""
@@ -84,6 +109,6 @@ class DraftPolicy:
             choice = b.choice()
             for drafting, arm in ((False, b.off), (True, b.on)):
                 out.append({"batch_bucket": size, "drafting": drafting,
-                            "ms_per_token": round(arm.seconds_per_token * 1e3, 3), "rounds": arm.rounds,
+                            "ms_per_token": round(arm.seconds / arm.tokens_per_row * 1e3, 3), "rounds": arm.rounds,
                             "chosen": None if choice is None else choice == drafting})
         return out
