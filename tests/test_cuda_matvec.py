@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from backends.cuda.fused import add_norm, head_argmax, linear, lm_logits, norm  # noqa: E402
-from backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, matvec, matvec_argmax,  # noqa: E402
-                                  matvec_draw)
+from backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, device_tiling,  # noqa: E402
+                                  matvec, matvec_argmax, matvec_draw)
 from backends.cuda.sampling import sample  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,12 +51,15 @@ def test_matvec_rejects_shapes_it_cannot_tile():
 
 
 def test_tiling_splits_small_matrices_and_leaves_wide_batches_to_the_library():
-    assert choose_tiling(65, 4096, 4096) is None  # arithmetic-bound: cuBLAS
-    assert choose_tiling(1, 4096, 100) is None  # K not a multiple of a power-of-two step
-    o = choose_tiling(1, 4096, 4096)
+    assert device_tiling(65, 4096, 4096) is None  # arithmetic-bound: cuBLAS
+    assert device_tiling(1, 4096, 100) is None  # K not a multiple of a power-of-two step
+    o = device_tiling(1, 4096, 4096)
     assert o.split == 4 and o.block_k == 128  # 64 column blocks x 4 K chunks
-    assert choose_tiling(1, 151936, 4096).split == 1  # plenty of column blocks already
-    assert choose_tiling(16, 12288, 4096, gated=True).split == 1
+    assert device_tiling(1, 151936, 4096).split == 1  # plenty of column blocks already
+    assert device_tiling(16, 12288, 4096, gated=True).split == 1
+    chosen = choose_tiling(1, 4096, 4096)  # the interpreter's: the same split, wider tiles
+    assert chosen == o if DEV == "cuda" else (chosen.split, chosen.block_n, chosen.block_k) == (4, 512, 512)
+    assert choose_tiling(65, 4096, 4096) is None
 
 
 @pytest.mark.parametrize("m", [1, 12, 64, 80])
