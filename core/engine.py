@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -20,6 +20,7 @@ from .models.loader import load_target, place, random_target
 from .models.target import TargetModel
 from .models.tokenizer import byte_tokenizer, load_tokenizer
 from .registry import BACKENDS, METHODS
+from .logprobs import TokenLogprob
 from .request import Request, Round, SpecStats
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -39,6 +40,9 @@ class Completion:
     output_ids: list[int]
     meta_info: dict[str, Any]
     rounds: list[Round] | None = field(default=None)
+    logprobs: list[TokenLogprob] | None = None  # one per output token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, None for the first
+    prompt_ids: list[int] = field(default_factory=list)
 
     def to_dict(self, trace: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
@@ -131,10 +135,13 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False,
                      speculate: bool = True, stop: Sequence[str] = ()) -> Request:
-        if params.max_new_tokens < 1:
-            raise RequestError("max_new_tokens must be >= 1")
+        self._check_params(params)
         prompt_ids = self.encode(prompt)
         budget = self.spec.model.max_model_len - len(prompt_ids)
+        if params.max_new_tokens is None:  # the rest of the context
+            params = replace(params, max_new_tokens=budget)
+        if params.max_new_tokens < 0:
+            raise RequestError("max_new_tokens must be >= 0")
         if params.max_new_tokens > budget:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds max_model_len "
@@ -150,9 +157,21 @@ class Engine:
             stats=SpecStats(num_drafts=self.plan.num_speculative_tokens),
             rounds=[] if trace else None,
             speculate=speculate,
-            stop_strings=tuple(s for s in stop if s),
+            stop_strings=tuple(s for s in (*stop, *params.stop) if s),
         )
         return req
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """A request the backend cannot run exactly is refused, never run differently."""
+        missing = params.features() - getattr(self.backend, "features", frozenset())
+        if missing:
+            raise RequestError(
+                f"the {self.backend_name} backend does not implement {', '.join(sorted(missing))} yet; "
+                "drop those fields from the request, or serve a spec with backend: reference")
+        vocab = self.target.config.vocab_size
+        for name, ids in (("logit_bias", [i for i, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= i < vocab for i in ids):
+                raise RequestError(f"{name}: token ids must lie in [0, {vocab}); the target's vocabulary has {vocab} tokens")
 
     def abort_running(self, message: str) -> None:
         """End every admitted request (after a step raised) and free their slots."""
@@ -194,6 +213,7 @@ class Engine:
             "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
+            "seed": req.params.seed,  # replay a sampled request with this seed
             "spec_verify_ct": s.verify_ct,
             "spec_accept_length": round(s.accept_length, 4),
             "spec_accept_rate": round(s.accept_rate, 4),
@@ -205,4 +225,8 @@ class Engine:
             "tokens_per_s": round(len(req.output_ids) / elapsed, 2) if elapsed > 0 else 0.0,
             "e2e_latency": round(elapsed, 4),
         }
-        return Completion(text=self.text(req), output_ids=list(req.output_ids), meta_info=meta, rounds=req.rounds)
+        p, n = req.params, len(req.prompt_ids)
+        out_lp = None if p.logprobs is None else [req.logprobs.get(n + k) for k in range(len(req.output_ids))]
+        prompt_lp = None if p.prompt_logprobs is None else [None] + [req.logprobs.get(k) for k in range(1, n)]
+        return Completion(text=self.text(req), output_ids=list(req.output_ids), meta_info=meta, rounds=req.rounds,
+                          logprobs=out_lp, prompt_logprobs=prompt_lp, prompt_ids=list(req.prompt_ids))

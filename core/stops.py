@@ -20,6 +20,8 @@ class Stops:
         """The tokens of a round to keep and, when the request ends inside them, why: a stop
         id (kept), max_new_tokens or max_model_len."""
         out, total = len(req.output_ids), len(req.prompt_ids) + len(req.output_ids)
+        if req.params.max_new_tokens == 0:  # the prompt only (its logprobs): the prefill's token is dropped
+            return [], {"type": "length", "length": 0}
         for i, tok in enumerate(tokens, 1):
             if tok in req.stop_ids:
                 return tokens[:i], {"type": "stop", "matched": tok}
@@ -29,7 +31,7 @@ class Stops:
 
     def matched_string(self, req: Request) -> str | None:
         """The first of the request's stop strings its text now contains, if any."""
-        if not req.stop_strings:
+        if not req.stop_strings or len(req.output_ids) < req.params.min_new_tokens:
             return None
         text = self.decode(req.output_ids)
         return next((s for s in req.stop_strings if s in text), None)

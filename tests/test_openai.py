@@ -1,0 +1,114 @@
+"""The real openai client against a real server on a loopback port (the shipped tiny pair)."""
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from api.server import background
+from conftest import full_forward
+from core.engine import Engine
+from core.spec import load_spec
+
+SPECS = Path(__file__).parent.parent / "specs"
+# spec defaults every request inherits: 9 new tokens, EOS ignored
+SPEC = load_spec(SPECS / "tiny-dflash.yaml")
+_DATA = SPEC.model_dump()
+_DATA["model"]["max_model_len"] = 64
+SPEC = type(SPEC).model_validate(_DATA | {"sampling": {"max_new_tokens": 9, "ignore_eos": True}})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(SPEC)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with background(SPEC, engine) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_spec_defaults_apply_and_unseeded_requests_differ(client, url):
+    plain = client.completions.create(model="m", prompt="def f(x):")
+    assert plain.usage.completion_tokens == 9 and plain.choices[0].finish_reason == "length"  # the spec's defaults
+    assert client.completions.create(model="m", prompt="def f(x):").choices[0].text == plain.choices[0].text  # greedy
+    sampled = [httpx.post(url + "/generate", json={"text": "def f(x):", "sampling_params": {"temperature": 1.0}}).json()
+               for _ in range(2)]
+    assert sampled[0]["output_ids"] != sampled[1]["output_ids"]
+    seed = sampled[0]["meta_info"]["seed"]  # reported, so the request replays
+    replay = httpx.post(url + "/generate", json={"text": "def f(x):",
+                                                 "sampling_params": {"temperature": 1.0, "sampling_seed": seed}}).json()
+    assert replay["output_ids"] == sampled[0]["output_ids"] and replay["meta_info"]["seed"] == seed
+
+
+def test_streamed_equals_plain_with_usage_chunk(client):
+    kw = dict(model="m", prompt="import os\n", max_tokens=12, temperature=0.9, seed=11)
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == plain.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_and_list_prompts(client):
+    kw = dict(model="m", max_tokens=8, temperature=1.0, seed=3)
+    two = client.completions.create(prompt="def f(x):", n=2, **kw)
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[0].text != two.choices[1].text
+    assert [c.text for c in client.completions.create(prompt="def f(x):", n=2, **kw).choices] == [
+        c.text for c in two.choices]  # seeded: the same choices again
+    texts = client.completions.create(prompt=["def f(x):", "class A:"], **kw)
+    ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw)
+    assert [c.index for c in texts.choices] == [0, 1] and [c.index for c in ids.choices] == [0, 1]
+    assert texts.choices[0].text == two.choices[0].text  # a prompt's first choice, whatever its neighbours
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 16
+    best = client.completions.create(prompt="def f(x):", n=1, best_of=3, logprobs=0, **kw)
+    assert len(best.choices) == 1 and best.usage.completion_tokens == 24
+
+
+def test_logprobs_are_the_targets_and_echo_gives_the_prompts(client, engine):
+    r = client.completions.create(model="m", prompt="def f(x):\n", max_tokens=6, logprobs=3, echo=True, temperature=0)
+    lp = r.choices[0].logprobs
+    ids = engine.encode("def f(x):\n")
+    n = len(ids)
+    assert r.choices[0].text.startswith("def f(x):\n") and lp.token_logprobs[0] is None and len(lp.tokens) == n + 6
+    out = engine.generate(["def f(x):\n"], engine.spec.sampling.params(max_new_tokens=6))[0].output_ids
+    with torch.no_grad():
+        hidden, _ = full_forward(engine.target, torch.tensor([ids + out]))
+        want = torch.log_softmax(engine.target.logits(hidden[0]).float(), -1)  # [n+6, V]
+    full = ids + out
+    for t in range(1, n + 6):
+        assert lp.token_logprobs[t] == pytest.approx(float(want[t - 1, full[t]]), abs=1e-4)
+        assert len(lp.top_logprobs[t]) >= 3 and max(lp.top_logprobs[t].values()) == pytest.approx(
+            float(want[t - 1].max()), abs=1e-4)
+    only = client.completions.create(model="m", prompt=[ids], max_tokens=0, logprobs=1, echo=True)
+    assert only.usage.completion_tokens == 0 and only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+
+
+def test_max_tokens_null_min_tokens_stop_ids_penalties(client, engine):
+    rest = client.completions.create(model="m", prompt=[[5, 6]], max_tokens=None, extra_body={"max_tokens": None})
+    assert rest.usage.completion_tokens == SPEC.model.max_model_len - 2
+    kw = dict(model="m", prompt="def f(x):", max_tokens=10)
+    plain = client.completions.create(**kw)
+    penalised = client.completions.create(**kw, frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"282": -100})
+    assert penalised.choices[0].text != plain.choices[0].text
+    first = engine.encode(plain.choices[0].text)[0]
+    stopped = client.completions.create(**kw, extra_body={"stop_token_ids": [first], "ignore_eos": False})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    late = client.completions.create(**kw, extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    assert late.usage.completion_tokens >= 3
+
+
+@pytest.mark.parametrize("field, value", [("suffix", "x")])
+def test_unimplemented_openai_fields_are_a_400_naming_them(client, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="x", **{field: value})
+    assert info.value.status_code == 400 and field in info.value.message
