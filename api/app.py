@@ -14,10 +14,11 @@ from core.engine import RequestError
 from core.loop import EngineDead, EngineLoop, QueueFull
 from core.machine import describe_transitions
 
+from .chat import ChatRoute
 from .completions import CompletionsRoute
 from .metrics import Metrics
 from .native import GenerateRoute
-from .schemas import CompletionRequest, GenerateRequest
+from .schemas import ChatRequest, CompletionRequest, GenerateRequest
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -103,4 +104,9 @@ def _generation_routes(app: FastAPI, loop: EngineLoop, auth: Any) -> None:
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: CompletionRequest):
         route = CompletionsRoute(loop, body, model_name(loop))
+        return route.stream() if body.stream else await route.respond()
+
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat(body: ChatRequest):
+        route = ChatRoute(loop, body, model_name(loop))
         return route.stream() if body.stream else await route.respond()

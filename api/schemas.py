@@ -7,7 +7,7 @@ declared here so that a request using one gets a 400 naming it (``unimplemented`
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -166,4 +166,73 @@ class CompletionRequest(OpenAIBase):
             raise ValueError("best_of must be >= n")
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise ValueError("best_of > n cannot stream (the best are known only at the end); drop stream or best_of")
+        return self
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """A chat message; fields beyond role and content (name, tool_call_id, ...) reach the template as given."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # text parts joined, as servers do for string-content templates
+            out["content"] = "\n".join(p.text for p in self.content)
+        return out
+
+
+class ChatRequest(OpenAIBase):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: NewTokens | None = None  # deprecated name of max_completion_tokens
+    max_completion_tokens: NewTokens | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
+    # OpenAI fields draftline does not implement; their default (or a harmless value) is accepted
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    modalities: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
+        "audio", "function_call", "functions", "modalities", "parallel_tool_calls", "prediction", "reasoning_effort",
+        "response_format", "service_tier", "store", "metadata", "tools", "tool_choice", "web_search_options",
+        "verbosity")
+    HARMLESS: ClassVar[dict[str, list[Any]]] = {
+        "modalities": [["text"]], "response_format": [{"type": "text"}], "service_tier": ["auto", "default"],
+        "tool_choice": ["none"], "parallel_tool_calls": [True]}
+
+    def unimplemented(self) -> list[str]:
+        return [k for k in super().unimplemented() if getattr(self, k) not in self.HARMLESS.get(k, [])]
+
+    def options(self, defaults: SamplingOptions) -> SamplingOptions:
+        given = self.given(self.NAMES)
+        if "max_completion_tokens" in self.model_fields_set:
+            given["max_new_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            given["logprobs"] = self.top_logprobs or 0
+        return defaults.merged(given)
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> "ChatRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self

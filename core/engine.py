@@ -13,14 +13,15 @@ import torch
 from tokenizers import Tokenizer
 
 from .contract import Capacity
+from .logprobs import TokenLogprob
 from .machine import Machine, Plan
 from .policy import DraftPolicy
+from .models.chat_template import load_chat_template
 from .models.config import ConfigError
 from .models.loader import load_target, place, random_target
 from .models.target import TargetModel
 from .models.tokenizer import byte_tokenizer, load_tokenizer
 from .registry import BACKENDS, METHODS
-from .logprobs import TokenLogprob
 from .request import Request, Round, SpecStats
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -92,6 +93,7 @@ class Engine:
             target, tokenizer = build_target(spec, self.device, self.dtype)
             place(target, self.device, self.dtype)
         self.target, self.tokenizer = target, tokenizer
+        self.chat_template = load_chat_template(spec.model.tokenizer or spec.model.path)  # None: the checkpoint has none
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
         capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager)

@@ -112,3 +112,57 @@ def test_unimplemented_openai_fields_are_a_400_naming_them(client, field, value)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="m", prompt="x", **{field: value})
     assert info.value.status_code == 400 and field in info.value.message
+
+
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+
+
+def test_hf_reads_the_shipped_tokenizer_and_template_as_draftline_does(client, engine):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(SPECS / "tiny" / "target")
+    for text in ["def f(x):\n    return x  # héllo<|endoftext|>\n\n", "  a\n\n\n b\t\tc  ", "日本語 ✓"]:
+        assert hf.encode(text) == engine.tokenizer.encode(text).ids
+    ids = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    chat = client.chat.completions.create(model="m", messages=CHAT, max_tokens=10)
+    plain = client.completions.create(model="m", prompt=[ids], max_tokens=10)
+    assert chat.choices[0].message.content == plain.choices[0].text and chat.usage.prompt_tokens == len(ids)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+
+
+def test_chat_streamed_equals_plain_with_logprobs(client):
+    kw = dict(model="m", messages=CHAT, max_completion_tokens=8, temperature=0.7, seed=2, n=2, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for i, choice in enumerate(plain.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        streamed = [e for c in mine if c.logprobs for e in c.logprobs.content]
+        # equal up to float32 rounding: a position verified in a drafting window computes with other shapes
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-4)
+        assert len(choice.logprobs.content) == 8 and all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+    assert plain.choices[0].message.content != plain.choices[1].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"}),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("reasoning_effort", "high"), ("prediction", {"type": "content", "content": "x"}),
+])
+def test_unimplemented_chat_fields_are_a_400_naming_them(client, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=CHAT, **{field: value})
+    assert field in info.value.message
+
+
+def test_harmless_defaults_of_unimplemented_fields_are_accepted(client):
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=2, response_format={"type": "text"},
+                                       store=False, tool_choice="none", user="u", modalities=["text"])
+    assert r.usage.completion_tokens == 2
+
+
+def test_a_checkpoint_without_a_template_is_a_clear_400():
+    from conftest import tiny_spec
+    with background(tiny_spec()) as base:
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": CHAT})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
