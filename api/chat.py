@@ -63,10 +63,16 @@ class ChatRoute:
         choices = self.start()
         return sse(self._chunks(choices), choices)
 
-    def _chunk(self, index: int, delta: dict[str, Any], lp: Any = None, finish: str | None = None) -> dict[str, Any]:
+    def _chunk(self, index: int, delta: dict[str, Any], lp: Any = None, finish: str | None = None,
+               made: tuple[int, int] | None = None) -> dict[str, Any]:
         chunk = self.head | {"object": "chat.completion.chunk",
                              "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-        return chunk | ({"usage": None} if self.body.include_usage() else {})
+        opts = self.body.stream_options
+        if opts is None or not opts.include_usage:
+            return chunk
+        if opts.continuous_usage_stats and made is not None:  # vLLM's: this choice's usage so far
+            return chunk | {"usage": {"prompt_tokens": made[0], "completion_tokens": made[1], "total_tokens": sum(made)}}
+        return chunk | {"usage": None}
 
     async def _chunks(self, choices: list[fanout.Choice]) -> AsyncIterator[dict[str, Any]]:
         for c in choices:  # OpenAI opens each choice with the role
@@ -82,11 +88,12 @@ class ChatRoute:
             first = len(req.prompt_ids) + sent_ids[i]
             lp = self._logprobs(new, [req.logprobs.get(first + k) for k in range(len(new))])
             sent_ids[i] = len(u.output_ids)
+            made = (len(req.prompt_ids), sent_ids[i])
             if delta or lp:
-                yield self._chunk(i, {"content": delta}, lp)
+                yield self._chunk(i, {"content": delta}, lp, made=made)
             if u.finished is not None:
                 finished.append(u.finished)
-                yield self._chunk(i, {}, None, finish_reason(u.finished))
+                yield self._chunk(i, {}, None, finish_reason(u.finished), made)
         if self.body.include_usage():
             yield self.head | {"object": "chat.completion.chunk", "choices": [],
                                "usage": usage(finished[0].meta_info["prompt_tokens"], finished)}

@@ -168,7 +168,8 @@ class Engine:
         missing = params.features() - getattr(self.backend, "features", frozenset())
         if missing:
             raise RequestError(
-                f"the {self.backend_name} backend does not implement {', '.join(sorted(missing))} yet; "
+                f"the {self.backend_name} backend does not implement {', '.join(sorted(missing))} yet "
+                "(penalties: presence / frequency / repetition penalties, logit_bias, min_new_tokens); "
                 "drop those fields from the request, or serve a spec with backend: reference")
         vocab = self.target.config.vocab_size
         for name, ids in (("logit_bias", [i for i, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):

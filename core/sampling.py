@@ -53,7 +53,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def features(self) -> set[str]:
-        """What a backend must offer to run this request (Backend.features)."""
+        """What a backend must offer to run this request (Backend.features): "penalties"
+        (presence / frequency / repetition penalties, logit_bias, min_new_tokens), "logprobs",
+        "prompt_logprobs"."""
         need = {"penalties"} if self.adjusts_logits else set()
         return need | ({"logprobs"} if self.logprobs is not None else set()) | (
             {"prompt_logprobs"} if self.prompt_logprobs is not None else set())
