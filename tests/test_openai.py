@@ -40,6 +40,9 @@ def test_spec_defaults_apply_and_unseeded_requests_differ(client, url):
     plain = client.completions.create(model="m", prompt="def f(x):")
     assert plain.usage.completion_tokens == 9 and plain.choices[0].finish_reason == "length"  # the spec's defaults
     assert client.completions.create(model="m", prompt="def f(x):").choices[0].text == plain.choices[0].text  # greedy
+    unseeded = [client.completions.create(model="m", prompt="def f(x):", temperature=1.0).choices[0].text
+                for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
     sampled = [httpx.post(url + "/generate", json={"text": "def f(x):", "sampling_params": {"temperature": 1.0}}).json()
                for _ in range(2)]
     assert sampled[0]["output_ids"] != sampled[1]["output_ids"]

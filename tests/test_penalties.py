@@ -82,3 +82,13 @@ def test_greedy_with_drafting_equals_plain_when_penalised(plain, method, batch):
         assert [c.output_ids for c in got] == want, name
         accepted += sum(c.meta_info["spec_accepted_tokens"] for c in got)
     assert accepted > 0  # drafts were accepted, so the counts over accepted drafts were exercised
+
+
+def test_seeded_sampling_with_drafting_equals_plain_when_penalised(plain):
+    """Argmax drafts are accepted against the target's own keyed sample at each position, so a
+    seeded penalised request emits the same tokens drafted or not."""
+    drafted = Engine(load_spec(SPECS / "tiny-dflash.yaml"), plain.target, plain.tokenizer, draft_policy="always")
+    params = [_params(temperature=0.8, seed=31 + i, **PENALISED["mixed"]) for i in range(3)]
+    got = drafted.generate(PROMPTS[:3], params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in plain.generate(PROMPTS[:3], params)]
+    assert sum(c.meta_info["spec_accepted_tokens"] for c in got) > 0
