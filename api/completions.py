@@ -85,12 +85,12 @@ class CompletionsRoute:
     async def respond(self) -> dict[str, Any]:
         choices = self.start()
         done = await fanout.results(choices)
-        kept = self._best(choices, done)
-        prompt_tokens = sum(done[i].meta_info["prompt_tokens"] for i, c in enumerate(choices) if c.index % self.body.choices == 0)
+        kept = self._best(done)
+        prompt_tokens = sum(c.meta_info["prompt_tokens"] for c in done[:: self.body.choices])  # each prompt once
         out = [self._choice(n, c) for n, c in enumerate(kept)]
         return self.head | {"choices": out, "usage": usage(prompt_tokens, done)}
 
-    def _best(self, choices: list[fanout.Choice], done: list[Completion]) -> list[Completion]:
+    def _best(self, done: list[Completion]) -> list[Completion]:
         """best_of > n: per prompt, the n choices with the highest sum of the target's logprobs."""
         k, n = self.body.choices, self.body.n
         if k == n:

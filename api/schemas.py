@@ -57,9 +57,9 @@ class NativeSampling(Strict):
     logit_bias: LogitBias | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
 
-    NAMES: ClassVar[dict[str, str]] = {k: k for k in ("temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop",
-                            "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                            "repetition_penalty", "logit_bias")} | {"sampling_seed": "seed"}
+    NAMES: ClassVar[dict[str, str]] = {k: k for k in (
+        "temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")} | {"sampling_seed": "seed"}
 
 
 class GenerateRequest(Strict):
@@ -124,9 +124,9 @@ class OpenAIBase(Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
 
-    NAMES: ClassVar[dict[str, str]] = {k: k for k in ("temperature", "top_p", "top_k", "stop", "seed", "presence_penalty", "frequency_penalty",
-                            "repetition_penalty", "logit_bias", "ignore_eos", "stop_token_ids")} | {
-        "min_tokens": "min_new_tokens", "max_tokens": "max_new_tokens"}
+    NAMES: ClassVar[dict[str, str]] = {k: k for k in (
+        "temperature", "top_p", "top_k", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "ignore_eos", "stop_token_ids")} | {"min_tokens": "min_new_tokens", "max_tokens": "max_new_tokens"}
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
 
     def unimplemented(self) -> list[str]:
