@@ -1,5 +1,7 @@
 """SGLang's /generate with the fields the OpenAI routes have: batches, n, logprobs, penalties."""
 
+import json
+
 import httpx
 import pytest
 
@@ -56,3 +58,16 @@ def test_penalties_and_min_new_tokens(client):
     late = _gen(client, text="aaaa", sampling_params={"max_new_tokens": 12, "stop_token_ids": [first],
                                                       "min_new_tokens": 4, "ignore_eos": True})
     assert len(late["output_ids"]) >= 4 and first not in late["output_ids"][:4]
+
+
+def test_streamed_batch_ends_with_each_prompts_result(client):
+    body = {"text": ["def f(x):", "import os"], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    plain = _gen(client, **body)
+    finals = {}
+    with client.stream("POST", "/generate", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    finals[chunk["index"]] = chunk["output_ids"]
+    assert finals == {p["index"]: p["output_ids"] for p in plain}

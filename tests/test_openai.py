@@ -169,3 +169,16 @@ def test_a_checkpoint_without_a_template_is_a_clear_400():
     with background(tiny_spec()) as base:
         r = httpx.post(base + "/v1/chat/completions", json={"messages": CHAT})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_streamed_list_prompts_with_n_and_echo_equal_plain(client):
+    kw = dict(model="m", prompt=["def f(x):", "class A:"], n=2, max_tokens=6, temperature=0.8, seed=9, echo=True,
+              logprobs=1)
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert len(plain.choices) == 4
+    for choice in plain.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == "length"
+        streamed = [lp for c in mine for lp in c.logprobs.token_logprobs]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
