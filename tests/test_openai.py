@@ -150,12 +150,27 @@ def test_chat_streamed_equals_plain_with_logprobs(client):
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"}),
-    ("audio", {"voice": "alloy", "format": "wav"}), ("reasoning_effort", "high"), ("prediction", {"type": "content", "content": "x"}),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("reasoning_effort", "high"),
+    ("prediction", {"type": "content", "content": "x"}), ("function_call", "auto"), ("functions", [{"name": "f"}]),
+    ("modalities", ["text", "audio"]), ("service_tier", "flex"), ("store", True), ("metadata", {"k": "v"}),
+    ("tool_choice", "auto"), ("web_search_options", {"search_context_size": "low"}), ("verbosity", "low"),
 ])
 def test_unimplemented_chat_fields_are_a_400_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=CHAT, **{field: value})
-    assert field in info.value.message
+        client.chat.completions.create(model="m", messages=CHAT, extra_body={field: value})
+    assert info.value.status_code == 400 and field in info.value.message
+
+
+def test_every_implemented_field_at_once_is_accepted(client):
+    common = dict(model="m", n=2, stop=["zzz"], seed=1, temperature=0.5, top_p=0.9, presence_penalty=0.1,
+                  frequency_penalty=0.1, logit_bias={"5": 1.0}, user="u", stream_options=None)
+    extra = dict(top_k=20, min_tokens=1, repetition_penalty=1.1, ignore_eos=True, stop_token_ids=[3])
+    r = client.completions.create(prompt="def f(x):", max_tokens=3, echo=True, logprobs=2, best_of=3, **common,
+                                  extra_body=extra)
+    assert len(r.choices) == 2
+    c = client.chat.completions.create(messages=CHAT, max_completion_tokens=3, logprobs=True, top_logprobs=2, **common,
+                                       extra_body=extra | {"add_generation_prompt": True})
+    assert len(c.choices) == 2
 
 
 def test_harmless_defaults_of_unimplemented_fields_are_accepted(client):
