@@ -102,7 +102,8 @@ class Engine:
         self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         depth = spec.server.pipeline_depth
-        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, Stops(self._decode),
+        self.stops = Stops(self._decode)
+        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops,
                                self.backend.default_depth if depth == "auto" else depth)
         self._ids = itertools.count()
 
@@ -189,9 +190,10 @@ class Engine:
     def text(self, req: Request) -> str:
         """The completion text, cut before a matched stop string (which it does not include)."""
         text = self._decode(req.output_ids)
-        matched = (req.finish_reason or {}).get("matched")
-        if isinstance(matched, str) and matched in text:
-            text = text[: text.index(matched)]
+        if isinstance((req.finish_reason or {}).get("matched"), str):
+            hit = self.stops.stop_at(req, text)
+            if hit is not None:
+                text = text[: hit[0]]
         return text
 
     def generate(

@@ -92,3 +92,16 @@ def test_seeded_sampling_with_drafting_equals_plain_when_penalised(plain):
     got = drafted.generate(PROMPTS[:3], params)
     assert [c.output_ids for c in got] == [c.output_ids for c in plain.generate(PROMPTS[:3], params)]
     assert sum(c.meta_info["spec_accepted_tokens"] for c in got) > 0
+
+
+def test_stop_strings_count_only_after_min_new_tokens(plain):
+    free = plain.generate(PROMPTS[:1], _params())[0]
+    first = free.text.index("\n") if "\n" in free.text else None
+    assert first is not None and first < len(plain.tokenizer.decode(free.output_ids[:4]))  # a newline comes early
+    early = plain.generate(PROMPTS[:1], SamplingParams(max_new_tokens=16, ignore_eos=True, stop=("\n",)))[0]
+    assert early.text == free.text[:first] and early.meta_info["finish_reason"]["matched"] == "\n"
+    late = plain.generate(PROMPTS[:1], SamplingParams(max_new_tokens=16, ignore_eos=True, stop=("\n",), min_new_tokens=4))[0]
+    start = len(plain.tokenizer.decode(free.output_ids[:4]))
+    cut = free.text.find("\n", start)
+    assert late.text == (free.text if cut < 0 else free.text[:cut]) and len(late.output_ids) >= 4
+    assert len(late.text) > len(early.text)
