@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from core.engine import Completion, RequestError
-from core.loop import EngineDead, EngineLoop, Handle, QueueFull
+from core.engine import RequestError
+from core.loop import EngineDead, EngineLoop, QueueFull
 from core.machine import describe_transitions
 
+from .chat import ChatRoute
+from .completions import CompletionsRoute
 from .metrics import Metrics
-from .schemas import CompletionRequest, GenerateRequest, SamplingIn
+from .native import GenerateRoute
+from .schemas import ChatRequest, CompletionRequest, GenerateRequest
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -97,66 +98,15 @@ def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, auth: Any) 
 def _generation_routes(app: FastAPI, loop: EngineLoop, auth: Any) -> None:
     @app.post("/generate", dependencies=[auth])
     async def generate(body: GenerateRequest):
-        handle = loop.submit(body.prompt, body.sampling_params.params(), body.speculative, body.sampling_params.stops())
-        if body.stream:
-            return _sse(_native_chunks(handle), handle)
-        c = await handle.result()
-        return {"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta_info}
+        route = GenerateRoute(loop, body)
+        return route.stream() if body.stream else await route.respond()
 
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: CompletionRequest):
-        sampling: SamplingIn = body.sampling()
-        handle = loop.submit(body.prompt, sampling.params(), True, sampling.stops())
-        head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-                "model": body.model or model_name(loop)}
-        if body.stream:
-            return _sse(_openai_chunks(handle, head), handle)
-        c = await handle.result()
-        return head | {"choices": [_choice(c.text, c)], "usage": _usage(c)}
+        route = CompletionsRoute(loop, body, model_name(loop))
+        return route.stream() if body.stream else await route.respond()
 
-
-def _finish(c: Completion) -> str:
-    kind = (c.meta_info["finish_reason"] or {}).get("type")
-    return {"length": "length", "stop": "stop"}.get(kind, "abort")
-
-
-def _choice(text: str, c: Completion | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": None if c is None else _finish(c)}
-
-
-def _usage(c: Completion) -> dict[str, int]:
-    m = c.meta_info
-    return {"prompt_tokens": m["prompt_tokens"], "completion_tokens": m["completion_tokens"],
-            "total_tokens": m["prompt_tokens"] + m["completion_tokens"]}
-
-
-async def _native_chunks(handle: Handle) -> AsyncIterator[dict[str, Any]]:
-    async for u in handle.updates():
-        c = u.finished
-        meta = c.meta_info if c is not None else {"id": str(handle.req.rid), "finish_reason": None,
-                                                  "completion_tokens": len(u.output_ids)}
-        yield {"text": c.text if c else u.text, "output_ids": u.output_ids, "meta_info": meta}
-
-
-async def _openai_chunks(handle: Handle, head: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    sent = ""
-    async for u in handle.updates():
-        text = u.finished.text if u.finished else u.text
-        delta, sent = text[len(sent):], text
-        chunk = head | {"choices": [_choice(delta, u.finished)]}
-        yield chunk | ({"usage": _usage(u.finished)} if u.finished else {})
-
-
-def _sse(chunks: AsyncIterator[dict[str, Any]], handle: Handle) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        done = False
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            done = True
-            yield b"data: [DONE]\n\n"
-        finally:
-            if not done:  # the client went away mid-stream: free its slot at the next step
-                handle.cancel()
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat(body: ChatRequest):
+        route = ChatRoute(loop, body, model_name(loop))
+        return route.stream() if body.stream else await route.respond()

@@ -1,47 +1,77 @@
-"""Request and response shapes: SGLang's native /generate and OpenAI's /v1/completions."""
+"""Request shapes: SGLang's native /generate and OpenAI's /v1/completions and /v1/chat/completions.
+
+Each maps its own field names onto core.options.SamplingOptions (same bounds, the shared
+``Annotated`` types) and gives only the fields the request set, so the spec's ``sampling:``
+section supplies every default. Fields OpenAI defines that draftline does not implement are
+declared here so that a request using one gets a 400 naming it (``unimplemented``)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.sampling import MAX_SEED, SamplingParams
+from core.options import (LogitBias, NewTokens, Penalty, RepetitionPenalty, SamplingOptions, Seed, Temperature,
+                          TokenId, TopK, TopLogprobs, TopP)
 
-MAX_NEW_TOKENS = 1 << 20  # a sanity bound; the real one is max_model_len, checked per request
+MAX_CHOICES = 16  # n / best_of
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    def given(self, names: dict[str, str]) -> dict[str, Any]:
+        """{options field: value} for the request fields in ``names`` (wire name -> option name) it set."""
+        return {names[k]: getattr(self, k) for k in self.model_fields_set if k in names}
 
-class SamplingIn(Strict):
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(128, ge=1, le=MAX_NEW_TOKENS)
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+def prompt_list(prompt: Prompt) -> list[str | list[int]]:
+    """One prompt per choice group: a string, a list of strings, a list of ids or a list of id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        return [[]]  # the engine names the problem (an empty prompt)
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class NativeSampling(Strict):
+    """SGLang's sampling_params."""
+
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    max_new_tokens: NewTokens | None = None
+    min_new_tokens: NewTokens | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    sampling_seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
 
-    def params(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
-            seed=self.sampling_seed or 0, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-        )
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    NAMES: ClassVar[dict[str, str]] = {k: k for k in (
+        "temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")} | {"sampling_seed": "seed"}
 
 
 class GenerateRequest(Strict):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: SamplingIn = Field(default_factory=SamplingIn)
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     speculative: bool = True  # False: never draft for this request
     rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: TopLogprobs = 0
+    logprob_start_len: int = Field(-1, ge=-1)  # -1: output tokens only; s: prompt tokens from s on too
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -50,23 +80,159 @@ class GenerateRequest(Strict):
         return self
 
     @property
-    def prompt(self) -> str | list[int]:
-        return self.text if self.text is not None else self.input_ids
+    def prompts(self) -> list[str | list[int]]:
+        return prompt_list(self.text if self.text is not None else self.input_ids)
+
+    @property
+    def batched(self) -> bool:
+        p = self.text if self.text is not None else self.input_ids
+        return isinstance(p, list) and bool(p) and not all(isinstance(x, int) for x in p)
+
+    def options(self, defaults: SamplingOptions) -> SamplingOptions:
+        given = self.sampling_params.given(NativeSampling.NAMES)
+        if self.return_logprob:
+            given["logprobs"] = self.top_logprobs_num
+            if self.logprob_start_len >= 0:
+                given["prompt_logprobs"] = self.top_logprobs_num
+        return defaults.merged(given)
 
 
-class CompletionRequest(Strict):
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+
+
+class OpenAIBase(Strict):
+    """Fields shared by OpenAI's completions and chat completions (and vLLM's common extensions)."""
+
     model: str | None = None
-    prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    user: str | None = None
+    seed: Seed | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    user: str | None = None  # informational
+    # vLLM's extensions that harnesses send
+    top_k: TopK | None = None
+    min_tokens: NewTokens | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
 
-    def sampling(self) -> SamplingIn:
-        return SamplingIn(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                          max_new_tokens=self.max_tokens, stop=self.stop, sampling_seed=self.seed)
+    NAMES: ClassVar[dict[str, str]] = {k: k for k in (
+        "temperature", "top_p", "top_k", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "ignore_eos", "stop_token_ids")} | {"min_tokens": "min_new_tokens", "max_tokens": "max_new_tokens"}
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
+
+    def unimplemented(self) -> list[str]:
+        """The OpenAI fields this request sets that draftline does not implement."""
+        return [k for k in self.UNIMPLEMENTED if getattr(self, k) not in (None, False, [], {})]
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAIBase):
+    prompt: Prompt
+    max_tokens: NewTokens | None = None  # omitted: the spec's max_new_tokens; null: the rest of the context
+    echo: bool = False
+    logprobs: TopLogprobs | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    suffix: str | None = None  # not implemented (insertion)
+
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ("suffix",)
+
+    def options(self, defaults: SamplingOptions) -> SamplingOptions:
+        given = self.given(self.NAMES)
+        if self.logprobs is not None or self.choices > self.n:  # best_of ranks by the target's logprobs
+            given["logprobs"] = self.logprobs or 0
+        if self.echo and self.logprobs is not None:
+            given["prompt_logprobs"] = self.logprobs
+        return defaults.merged(given)
+
+    @property
+    def choices(self) -> int:
+        """Completions generated per prompt (best_of of them, of which n are returned)."""
+        return max(self.n, self.best_of or self.n)
+
+    @model_validator(mode="after")
+    def _best_of(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be >= n")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot stream (the best are known only at the end); drop stream or best_of")
+        return self
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """A chat message; fields beyond role and content (name, tool_call_id, ...) reach the template as given."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # text parts joined, as servers do for string-content templates
+            out["content"] = "\n".join(p.text for p in self.content)
+        return out
+
+
+class ChatRequest(OpenAIBase):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: NewTokens | None = None  # deprecated name of max_completion_tokens
+    max_completion_tokens: NewTokens | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
+    # OpenAI fields draftline does not implement; their default (or a harmless value) is accepted
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    modalities: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
+        "audio", "function_call", "functions", "modalities", "parallel_tool_calls", "prediction", "reasoning_effort",
+        "response_format", "service_tier", "store", "metadata", "tools", "tool_choice", "web_search_options",
+        "verbosity")
+    HARMLESS: ClassVar[dict[str, list[Any]]] = {
+        "modalities": [["text"]], "response_format": [{"type": "text"}], "service_tier": ["auto", "default"],
+        "tool_choice": ["none"], "parallel_tool_calls": [True]}
+
+    def unimplemented(self) -> list[str]:
+        return [k for k in super().unimplemented() if getattr(self, k) not in self.HARMLESS.get(k, [])]
+
+    def options(self, defaults: SamplingOptions) -> SamplingOptions:
+        given = self.given(self.NAMES)
+        if "max_completion_tokens" in self.model_fields_set:
+            given["max_new_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            given["logprobs"] = self.top_logprobs or 0
+        return defaults.merged(given)
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> "ChatRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self

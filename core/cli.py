@@ -364,7 +364,7 @@ def _generation_commands(sub) -> None:
 
 
 def _serving_commands(sub) -> None:
-    sv = sub.add_parser("serve", help="start the HTTP server (/generate, /v1/completions, /metrics, ...)")
+    sv = sub.add_parser("serve", help="start the HTTP server (/generate, /v1/completions, /v1/chat/completions, /metrics, ...)")
     sv.add_argument("--spec", default=str(DEFAULT_SPEC))
     sv.add_argument("--host", help="default: the spec's server.host (127.0.0.1)")
     sv.add_argument("--port", type=int, help="default: the spec's server.port (8000)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,8 +13,10 @@ import torch
 from tokenizers import Tokenizer
 
 from .contract import Capacity
+from .logprobs import TokenLogprob
 from .machine import Machine, Plan
 from .policy import DraftPolicy
+from .models.chat_template import load_chat_template
 from .models.config import ConfigError
 from .models.loader import load_target, place, random_target
 from .models.target import TargetModel
@@ -39,6 +41,9 @@ class Completion:
     output_ids: list[int]
     meta_info: dict[str, Any]
     rounds: list[Round] | None = field(default=None)
+    logprobs: list[TokenLogprob] | None = None  # one per output token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, None for the first
+    prompt_ids: list[int] = field(default_factory=list)
 
     def to_dict(self, trace: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
@@ -88,6 +93,7 @@ class Engine:
             target, tokenizer = build_target(spec, self.device, self.dtype)
             place(target, self.device, self.dtype)
         self.target, self.tokenizer = target, tokenizer
+        self.chat_template = load_chat_template(spec.model.tokenizer or spec.model.path)  # None: the checkpoint has none
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
         capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager)
@@ -96,7 +102,8 @@ class Engine:
         self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         depth = spec.server.pipeline_depth
-        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, Stops(self._decode),
+        self.stops = Stops(self._decode)
+        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops,
                                self.backend.default_depth if depth == "auto" else depth)
         self._ids = itertools.count()
 
@@ -131,10 +138,13 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False,
                      speculate: bool = True, stop: Sequence[str] = ()) -> Request:
-        if params.max_new_tokens < 1:
-            raise RequestError("max_new_tokens must be >= 1")
+        self._check_params(params)
         prompt_ids = self.encode(prompt)
         budget = self.spec.model.max_model_len - len(prompt_ids)
+        if params.max_new_tokens is None:  # the rest of the context
+            params = replace(params, max_new_tokens=budget)
+        if params.max_new_tokens < 0:
+            raise RequestError("max_new_tokens must be >= 0")
         if params.max_new_tokens > budget:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds max_model_len "
@@ -150,9 +160,22 @@ class Engine:
             stats=SpecStats(num_drafts=self.plan.num_speculative_tokens),
             rounds=[] if trace else None,
             speculate=speculate,
-            stop_strings=tuple(s for s in stop if s),
+            stop_strings=tuple(s for s in (*stop, *params.stop) if s),
         )
         return req
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """A request the backend cannot run exactly is refused, never run differently."""
+        missing = params.features() - getattr(self.backend, "features", frozenset())
+        if missing:
+            raise RequestError(
+                f"the {self.backend_name} backend does not implement {', '.join(sorted(missing))} yet "
+                "(penalties: presence / frequency / repetition penalties, logit_bias, min_new_tokens); "
+                "drop those fields from the request, or serve a spec with backend: reference")
+        vocab = self.target.config.vocab_size
+        for name, ids in (("logit_bias", [i for i, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= i < vocab for i in ids):
+                raise RequestError(f"{name}: token ids must lie in [0, {vocab}); the target's vocabulary has {vocab} tokens")
 
     def abort_running(self, message: str) -> None:
         """End every admitted request (after a step raised) and free their slots."""
@@ -167,9 +190,10 @@ class Engine:
     def text(self, req: Request) -> str:
         """The completion text, cut before a matched stop string (which it does not include)."""
         text = self._decode(req.output_ids)
-        matched = (req.finish_reason or {}).get("matched")
-        if isinstance(matched, str) and matched in text:
-            text = text[: text.index(matched)]
+        if isinstance((req.finish_reason or {}).get("matched"), str):
+            hit = self.stops.stop_at(req, text)
+            if hit is not None:
+                text = text[: hit[0]]
         return text
 
     def generate(
@@ -194,6 +218,7 @@ class Engine:
             "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
+            "seed": req.params.seed,  # replay a sampled request with this seed
             "spec_verify_ct": s.verify_ct,
             "spec_accept_length": round(s.accept_length, 4),
             "spec_accept_rate": round(s.accept_rate, 4),
@@ -205,4 +230,8 @@ class Engine:
             "tokens_per_s": round(len(req.output_ids) / elapsed, 2) if elapsed > 0 else 0.0,
             "e2e_latency": round(elapsed, 4),
         }
-        return Completion(text=self.text(req), output_ids=list(req.output_ids), meta_info=meta, rounds=req.rounds)
+        p, n = req.params, len(req.prompt_ids)
+        out_lp = None if p.logprobs is None else [req.logprobs.get(n + k) for k in range(len(req.output_ids))]
+        prompt_lp = None if p.prompt_logprobs is None else [None] + [req.logprobs.get(k) for k in range(1, n)]
+        return Completion(text=self.text(req), output_ids=list(req.output_ids), meta_info=meta, rounds=req.rounds,
+                          logprobs=out_lp, prompt_logprobs=prompt_lp, prompt_ids=list(req.prompt_ids))

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 
@@ -73,6 +74,8 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     cancelled: bool = False  # set from another thread; the machine frees the slot next step
     in_flight: int = 0  # rounds launched for it whose results the machine has not yet collected
+    # absolute position -> the target's logprob of the token there (params.logprobs / prompt_logprobs)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None

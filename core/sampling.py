@@ -29,17 +29,42 @@ class Stream(IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's resolved parameters (core.options.SamplingOptions is the user-facing,
+    validated form; its docs say what each field does)."""
+
     temperature: float = 0.0
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: the rest of the context, resolved per request
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings
+    min_new_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    logprobs: int | None = None  # top alternatives to report per output token; None: none
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def features(self) -> set[str]:
+        """What a backend must offer to run this request (Backend.features): "penalties"
+        (presence / frequency / repetition penalties, logit_bias, min_new_tokens), "logprobs",
+        "prompt_logprobs"."""
+        need = {"penalties"} if self.adjusts_logits else set()
+        return need | ({"logprobs"} if self.logprobs is not None else set()) | (
+            {"prompt_logprobs"} if self.prompt_logprobs is not None else set())
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits are changed before sampling (core.penalties) for this request."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_new_tokens)
 
 
 @dataclass(frozen=True)

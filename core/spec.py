@@ -23,7 +23,8 @@ from pydantic import (
 from .models.config import ConfigError, ModelConfig, model_config, read_config_json
 from .models.presets import TARGET_PRESETS, target_preset
 from .registry import METHODS, RegistryError
-from .sampling import MAX_SEED, SamplingParams
+from .options import SamplingOptions
+from .sampling import MAX_SEED
 
 
 class SpecError(ValueError):
@@ -106,21 +107,6 @@ class SpeculativeSpec(Strict):
         return []
 
 
-class SamplingSpec(Strict):
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
-    top_k: int = Field(-1, ge=-1)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(128, ge=1)
-    seed: int = Field(0, ge=0, le=MAX_SEED)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-
-    def params(self, **overrides: Any) -> SamplingParams:
-        fields = {**self.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
-        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
-        return SamplingParams(**fields)
-
-
 class ServerSpec(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -157,8 +143,15 @@ class Spec(Strict):
     model: ModelSpec
     speculative: SerializeAsAny[SpeculativeSpec] = Field(default_factory=lambda: _speculative({"method": "none"}))
     backend: Literal["reference", "cuda", "auto"] = "auto"
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     server: ServerSpec = Field(default_factory=ServerSpec)
+
+    @field_validator("sampling")
+    @classmethod
+    def _generates(cls, value: SamplingOptions) -> SamplingOptions:
+        if value.max_new_tokens == 0:  # a request may ask for 0 (its prompt's logprobs); a default may not
+            raise ValueError("sampling.max_new_tokens: must be >= 1 as every request's default (or null: the rest of the context)")
+        return value
 
     @field_validator("speculative", mode="before")
     @classmethod

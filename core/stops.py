@@ -20,6 +20,8 @@ class Stops:
         """The tokens of a round to keep and, when the request ends inside them, why: a stop
         id (kept), max_new_tokens or max_model_len."""
         out, total = len(req.output_ids), len(req.prompt_ids) + len(req.output_ids)
+        if req.params.max_new_tokens == 0:  # the prompt only (its logprobs): the prefill's token is dropped
+            return [], {"type": "length", "length": 0}
         for i, tok in enumerate(tokens, 1):
             if tok in req.stop_ids:
                 return tokens[:i], {"type": "stop", "matched": tok}
@@ -28,11 +30,18 @@ class Stops:
         return tokens, None
 
     def matched_string(self, req: Request) -> str | None:
-        """The first of the request's stop strings its text now contains, if any."""
-        if not req.stop_strings:
+        """The stop string that occurs first in the request's text, if any."""
+        hit = self.stop_at(req, self.decode(req.output_ids))
+        return None if hit is None else hit[1]
+
+    def stop_at(self, req: Request, text: str) -> tuple[int, str] | None:
+        """(where, which) of the earliest stop string in ``text`` (the request's output text).
+        Under min_new_tokens, stop strings count only after the text of those first tokens."""
+        if not req.stop_strings or len(req.output_ids) < req.params.min_new_tokens:
             return None
-        text = self.decode(req.output_ids)
-        return next((s for s in req.stop_strings if s in text), None)
+        start = len(self.decode(req.output_ids[: req.params.min_new_tokens])) if req.params.min_new_tokens else 0
+        hits = [(text.find(s, start), s) for s in req.stop_strings]
+        return min(((i, s) for i, s in hits if i >= 0), default=None)
 
     def apply(self, req: Request, tokens: list[int]) -> list[int]:
         """Append what the request keeps of ``tokens``; finish it if a rule says so."""

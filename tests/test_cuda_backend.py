@@ -337,3 +337,22 @@ def test_simulated_acceptance_gives_the_profiles_tau():
     assert [c.output_ids for c in got] == [c.output_ids[:40] for c in longer]
     tau = sum(c.meta_info["completion_tokens"] - 1 for c in got) / sum(c.meta_info["spec_verify_ct"] for c in got)
     assert abs(tau - expected_tau(0.7, 4)) < 0.5, tau
+
+
+@pytest.mark.parametrize("field, value, feature", [
+    ("frequency_penalty", 0.5, "penalties"), ("logit_bias", ((5, 1.0),), "penalties"), ("min_new_tokens", 3, "penalties"),
+    ("logprobs", 2, "logprobs"), ("prompt_logprobs", 0, "prompt_logprobs")])
+def test_features_the_backend_lacks_are_refused_not_run_differently(field, value, feature):
+    """Penalties and logprobs are the reference backend's for now: a cuda engine names what it
+    cannot do and runs nothing, rather than emitting tokens the request did not ask for."""
+    from core.engine import RequestError
+
+    engine = _cuda_none()
+    with pytest.raises(RequestError, match=f"cuda backend does not implement {feature}"):
+        engine.make_request(PROMPTS[0], SamplingParams(max_new_tokens=4, **{field: value}))
+    assert engine.make_request(PROMPTS[0], SamplingParams(max_new_tokens=4)).params.max_new_tokens == 4
+
+
+@functools.cache
+def _cuda_none() -> Engine:
+    return _engine("none", "cuda")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from core import logprobs
 from core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification
 from core.machine import Plan
 from core.methods.base import Drafter, Method
 from core.models.target import TargetModel
+from core.penalties import adjust_logits
 from core.request import Request
 from core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
 
@@ -22,6 +24,7 @@ from .kv import FrozenTargetKV, ReferenceKV
 
 class ReferenceBackend:
     name = "reference"
+    features = frozenset({"penalties", "logprobs", "prompt_logprobs"})  # everything SamplingParams asks
     max_depth = default_depth = 0  # synchronous: a round reads the request as the host booked it
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
@@ -65,15 +68,23 @@ class ReferenceBackend:
             positions = torch.arange(ids.shape[1], device=self.device)[None]  # [1, P]
             attn = self.kv.attention([req.kv], causal=True, persist=True)
             hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
+            if req.params.prompt_logprobs is not None:  # position t's logits predict the token at t + 1
+                logprobs.record(req.logprobs, 1, self.target.logits(hidden[0, :-1]), ids[0, 1:],
+                                req.params.prompt_logprobs)
             last_logits.append(self.target.logits(hidden[0, -1]))
             if self.drafter is not None:
                 self._keep_last(req, features[0, -1] if features is not None else None)
                 self.drafter.extend(req, None if features is None else features[0], 0)
         batch, logits = self._batch(reqs), torch.stack(last_logits)  # [N, V]
         finite = torch.isfinite(logits).all(dim=1).tolist()
-        probs = probs_from_logits(torch.nan_to_num(logits), batch)
+        adjusted = adjust_logits(logits[:, None], reqs, None)[:, 0]  # [N, V]
+        probs = probs_from_logits(torch.nan_to_num(adjusted), batch)
         at = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
-        tokens = sample(probs, batch.seed, at, Stream.SAMPLE).tolist()
+        tokens = sample(probs, batch.seed, at, Stream.SAMPLE)
+        for i, req in enumerate(reqs):
+            if req.params.logprobs is not None:
+                logprobs.record(req.logprobs, req.seq_len, logits[i : i + 1], tokens[i : i + 1], req.params.logprobs)
+        tokens = tokens.tolist()
         return RoundResult(finite=finite, accepted=[0] * len(reqs), tokens=[[t] for t in tokens],
                            drafted=[[] for _ in reqs])
 
@@ -121,11 +132,15 @@ class ReferenceBackend:
     @torch.inference_mode()
     def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
         batch = self._batch(reqs)
-        probs = probs_from_logits(verification.logits, batch)  # [N, K+1, V]
+        logits = adjust_logits(verification.logits, reqs, proposal.tokens)  # at each slot as plain decoding there
+        probs = probs_from_logits(logits, batch)  # [N, K+1, V]
         first = torch.tensor([r.seq_len for r in reqs], device=self.device)
         verdict = accept_drafts(probs, proposal.tokens, proposal.probs, batch.seed, first, batch.temperature == 0)
         for i, req in enumerate(reqs):
             accepted = int(verdict.num_accepted[i])
+            if req.params.logprobs is not None:  # the raw target's, at the positions this round keeps
+                logprobs.record(req.logprobs, req.seq_len, verification.logits[i, : accepted + 1],
+                                verdict.tokens[i, : accepted + 1], req.params.logprobs)
             # keep KV for the last token and the accepted drafts; the new token is not yet run
             self.kv.truncate(req.kv, req.seq_len + accepted)
             if self.drafter is not None:

@@ -1,0 +1,99 @@
+"""OpenAI's /v1/chat/completions: messages rendered with the checkpoint's chat template, the
+same sampling fields as completions, logprobs in the chat shape, streaming chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from core.engine import Completion, RequestError
+from core.logprobs import TokenLogprob
+from core.loop import EngineLoop
+from core.models.chat_template import ChatTemplateError
+
+from . import fanout
+from .completions import finish_reason, refuse_unimplemented, usage
+from .schemas import ChatRequest
+from .stream import sse
+
+
+class ChatRoute:
+    def __init__(self, loop: EngineLoop, body: ChatRequest, model: str):
+        refuse_unimplemented(body)
+        template = loop.engine.chat_template
+        if template is None:
+            raise RequestError("this checkpoint has no chat template (tokenizer_config.json `chat_template`); "
+                               "use /v1/completions, or add a template to the checkpoint folder")
+        try:
+            self.prompt = template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc)) from None
+        self.loop, self.body = loop, body
+        self.tokenizer = loop.engine.tokenizer
+        self.options = body.options(loop.engine.spec.sampling)
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": body.model or model}
+
+    def start(self) -> list[fanout.Choice]:
+        return fanout.submit(self.loop, [self.prompt], self.options, self.body.n)
+
+    def _entry(self, token: int, e: TokenLogprob | None) -> dict[str, Any]:
+        def one(t: int, lp: float | None) -> dict[str, Any]:
+            text = self.tokenizer.decode([t], skip_special_tokens=False)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        out = one(token, None if e is None else e.logprob)
+        return out | {"top_logprobs": [] if e is None else [one(t, lp) for t, lp in e.top[: self.body.top_logprobs or 0]]}
+
+    def _logprobs(self, ids: list[int], entries: list[TokenLogprob | None]) -> dict[str, Any] | None:
+        if not self.body.logprobs:
+            return None
+        return {"content": [self._entry(t, e) for t, e in zip(ids, entries)]}
+
+    async def respond(self) -> dict[str, Any]:
+        choices = self.start()
+        done = await fanout.results(choices)
+        out = [{"index": ch.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.output_ids, c.logprobs or []), "finish_reason": finish_reason(c)}
+               for ch, c in zip(choices, done)]
+        return self.head | {"object": "chat.completion", "choices": out,
+                            "usage": usage(done[0].meta_info["prompt_tokens"], done)}
+
+    def stream(self):
+        choices = self.start()
+        return sse(self._chunks(choices), choices)
+
+    def _chunk(self, index: int, delta: dict[str, Any], lp: Any = None, finish: str | None = None,
+               made: tuple[int, int] | None = None) -> dict[str, Any]:
+        chunk = self.head | {"object": "chat.completion.chunk",
+                             "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        opts = self.body.stream_options
+        if opts is None or not opts.include_usage:
+            return chunk
+        if opts.continuous_usage_stats and made is not None:  # vLLM's: this choice's usage so far
+            return chunk | {"usage": {"prompt_tokens": made[0], "completion_tokens": made[1], "total_tokens": sum(made)}}
+        return chunk | {"usage": None}
+
+    async def _chunks(self, choices: list[fanout.Choice]) -> AsyncIterator[dict[str, Any]]:
+        for c in choices:  # OpenAI opens each choice with the role
+            yield self._chunk(c.index, {"role": "assistant", "content": ""})
+        sent = {c.index: "" for c in choices}
+        sent_ids = {c.index: 0 for c in choices}
+        finished: list[Completion] = []
+        async for choice, u in fanout.merged(choices):
+            req, i = choice.handle.req, choice.index
+            text = u.finished.text if u.finished else u.text
+            delta, sent[i] = text[len(sent[i]):], text
+            new = u.output_ids[sent_ids[i]:]
+            first = len(req.prompt_ids) + sent_ids[i]
+            lp = self._logprobs(new, [req.logprobs.get(first + k) for k in range(len(new))])
+            sent_ids[i] = len(u.output_ids)
+            made = (len(req.prompt_ids), sent_ids[i])
+            if delta or lp:
+                yield self._chunk(i, {"content": delta}, lp, made=made)
+            if u.finished is not None:
+                finished.append(u.finished)
+                yield self._chunk(i, {}, None, finish_reason(u.finished), made)
+        if self.body.include_usage():
+            yield self.head | {"object": "chat.completion.chunk", "choices": [],
+                               "usage": usage(finished[0].meta_info["prompt_tokens"], finished)}
