@@ -7,7 +7,7 @@ Both rope layouts found in the wild load: top-level ``rope_theta`` / ``rope_scal
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,13 +149,21 @@ def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelC
 
 
 def dflash_config(raw: dict[str, Any]) -> DFlashConfig:
+    from .dialect import DFLASH_DIALECT, DFLASH_FIELDS, layer_values  # dialect.py reads this module's ConfigError
+
     if "DFlashDraftModel" not in (raw.get("architectures") or []):
         raise ConfigError(
             f"architectures {raw.get('architectures')} is not a DFlash drafter; "
             "expected ['DFlashDraftModel'] (the z-lab checkpoint dialect)"
         )
-    layers = model_config(raw, default_arch="qwen3")
+    DFLASH_DIALECT.check_keys(raw)
+    layer_values(raw)
     extra = raw.get("dflash_config") or {}
+    DFLASH_FIELDS.check_keys(extra, "config.json dflash_config")
+    if raw.get("model_type", "qwen3") != "qwen3":
+        raise ConfigError(f"config.json: model_type {raw['model_type']!r}; DFlash drafters (z-lab dialect) are "
+                          "Qwen3-style layers with q/k norms (model_type: qwen3)")
+    layers = replace(model_config(raw, default_arch="qwen3"), arch="qwen3")
     if "num_target_layers" not in raw:
         raise ConfigError("config.json lacks the field 'num_target_layers'")
     n_target = int(raw["num_target_layers"])

@@ -8,15 +8,16 @@ vocabulary, mapped to target ids by ``d2t`` (target id = draft id + d2t[draft id
 step feeds the layer's pre-norm output back as the next step's h, without ``fc``. The
 drafter keeps its own one-layer KV cache; it has no embedding of its own (the target's).
 
-Two checkpoint dialects are read: EAGLE / SpecForge (``LlamaForCausalLMEagle3``; weights
-``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and the ``speculators``
-wrapper (``speculators_model_type: eagle3``, the layer's fields under
-``transformer_layer_config``, its weights under ``layers.0.*``).
+Two checkpoint dialects are read (eagle3_config.py): EAGLE / SpecForge
+(``LlamaForCausalLMEagle3``; weights ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
+``t2d``) and ``speculators`` (``speculators_model_type: eagle3``, the layer's weights under
+``layers.0.*``, with its options: ``input_norm`` or ``fc_norm.i`` before ``fc``, a Qwen3 layer's
+q/k norms, the normed output fed back). A checkpoint's ``embed_tokens`` is the head's own
+embedding where it differs from the target's (a head trained with its embedding unfrozen).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,58 +26,12 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from .checkpoint import CheckpointError, load_weights, tensor_files
-from .config import ConfigError, ModelConfig, model_config, read_config_json
+from .config import ModelConfig, read_config_json
+from .eagle3_config import EAGLE_DIALECT, SPECULATORS_DIALECT, Eagle3Config, default_aux_layer_ids, eagle3_config
 from .layers import MLP, Attention, AttentionFn, RMSNorm, Rotary
 from .presets import lookup_preset
 
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    layer: ModelConfig  # the one decoder layer (vocab_size: the target's)
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] | None  # target layers whose *input* is tapped; None: (2, N/2, N-3)
-    norm_before_residual: bool = False  # speculators option (its own default): the residual is the normed h
-    dialect: str = "eagle"  # "eagle" (EAGLE / SpecForge) or "speculators"
-
-    @property
-    def num_aux(self) -> int:
-        return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
-
-
-def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    return (2, num_target_layers // 2, num_target_layers - 3)
-
-
-def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
-    """Either dialect's config.json -> Eagle3Config (ConfigError naming what is wrong)."""
-    if raw.get("speculators_model_type") is not None:
-        return _speculators(raw)
-    if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
-        raise ConfigError(
-            f"architectures {raw.get('architectures')} is not an EAGLE-3 drafter; expected "
-            "['LlamaForCausalLMEagle3'] (EAGLE / SpecForge) or a speculators config with "
-            "speculators_model_type: eagle3")
-    layer = replace(model_config({**raw, "num_hidden_layers": 1}, default_arch="llama"), arch="llama")
-    # SpecForge's eagle_config ids name layers whose *output* is tapped: the input of the next one
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-                        target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
-                        aux_layer_ids=None if ids is None else tuple(int(i) + 1 for i in ids))
-
-
-def _speculators(raw: dict[str, Any]) -> Eagle3Config:
-    if raw["speculators_model_type"] != "eagle3":
-        raise ConfigError(f"speculators_model_type {raw['speculators_model_type']!r} is not eagle3")
-    inner = raw.get("transformer_layer_config")
-    if not isinstance(inner, dict):
-        raise ConfigError("speculators config lacks transformer_layer_config (the draft layer's Llama fields)")
-    layer = replace(model_config({**inner, "num_hidden_layers": 1}, default_arch="llama"), arch="llama")
-    ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-                        target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
-                        aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
-                        norm_before_residual=bool(raw.get("norm_before_residual", False)), dialect="speculators")
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "eagle3_config", "load_eagle3"]
 
 
 class Eagle3Layer(nn.Module):
@@ -111,12 +66,46 @@ class Eagle3DraftModel(nn.Module):
         lc = cfg.layer
         self.config = cfg
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, lc.hidden_size, bias=False)
+        if cfg.norm_before_fc:  # over the concatenated features [.., taps*H]
+            self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, lc.rms_norm_eps)
+        if cfg.fc_norm:  # one per tapped layer's features
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, lc.rms_norm_eps) for _ in range(cfg.num_aux))
+        self.embed_tokens: nn.Embedding | None = None  # the head's own embedding, when it has one (own_embedding)
         self.midlayer = Eagle3Layer(lc, cfg.norm_before_residual)
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.lm_head = nn.Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [Vd] offsets
         self.register_buffer("t2d", torch.zeros(lc.vocab_size, dtype=torch.bool))  # [V] in the draft vocab
         self.rotary = Rotary(lc.rope, lc.head_dim)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """Target features [..., taps*H] -> the first step's hidden [..., H]: fc, after the
+        checkpoint's feature norms (norm_before_fc: one over all; fc_norm: one per tap)."""
+        if self.config.norm_before_fc:
+            features = self.input_norm(features)
+        if self.config.fc_norm:
+            chunks = features.chunk(self.config.num_aux, dim=-1)
+            features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(features)
+
+    def embed(self, target, ids: Tensor) -> Tensor:
+        """ids [...] -> the head's input embeddings [..., H]: its own, else the target's."""
+        return target.embed(ids) if self.embed_tokens is None else self.embed_tokens.weight[ids]
+
+    def own_embedding(self, weight: Tensor | None) -> None:
+        """Keep ``weight`` [V, H] as the head's own embedding (None: read the target's)."""
+        if weight is None:
+            self.embed_tokens = None
+            return
+        self.embed_tokens = nn.Embedding(*weight.shape, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def next_hidden(self, out: Tensor, normed: Tensor | None = None) -> Tensor:
+        """What a chain step feeds the next: the layer's output, or its final norm (norm_output)."""
+        if not self.config.norm_output:
+            return out
+        return self.norm(out) if normed is None else normed
 
     def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """One drafter forward: embeds [B, T, H] of the next tokens, hidden [B, T, H] (fc of the
@@ -173,24 +162,64 @@ def _names(model: Eagle3DraftModel) -> dict[str, str]:
 
 
 def load_eagle3(folder: str | Path) -> Eagle3DraftModel:
+    """The head of either dialect; every tensor in the folder is loaded or refused by name."""
     model = Eagle3DraftModel(eagle3_config(read_config_json(folder)))
-    load_weights(model, folder, names=_names(model))
+    unused = set(load_weights(model, folder, names=_names(model)))
     files = tensor_files(folder)
-    for name in ("d2t", "t2d"):
-        buf = getattr(model, name)
-        if name not in files:
-            if model.config.draft_vocab_size == model.config.layer.vocab_size:
-                if name == "t2d":
-                    buf.fill_(True)  # the full vocabulary: identity mapping
-                continue
-            raise CheckpointError(f"{folder}: missing tensor {name} (the draft vocabulary's mapping to target ids)")
-        with safe_open(files[name], framework="pt") as f:
-            tensor = f.get_tensor(name)
-        if tuple(tensor.shape) != tuple(buf.shape):
-            raise CheckpointError(f"{folder}: {name} has shape {list(tensor.shape)}, expected {list(buf.shape)} "
-                                  "(draft_vocab_size and vocab_size in config.json)")
-        buf.copy_(tensor.to(buf.dtype))
+    dialect = SPECULATORS_DIALECT if model.config.dialect == "speculators" else EAGLE_DIALECT
+    dialect.check_tensors(unused - {"d2t", "t2d", "embed_tokens.weight"}, folder)
+    read = {name: _tensor(files, name) for name in ("d2t", "t2d", "embed_tokens.weight") if name in files}
+    _vocab_map(model, read.get("d2t"), read.get("t2d"), folder)
+    if "embed_tokens.weight" in read:
+        emb = read["embed_tokens.weight"]
+        want = [model.config.layer.vocab_size, model.config.layer.hidden_size]
+        if list(emb.shape) != want:
+            raise CheckpointError(f"{folder}: embed_tokens.weight has shape {list(emb.shape)}, the config implies {want}")
+        model.own_embedding(emb.float())  # until compared with the target's (keep_own_embedding)
     return model.eval()
+
+
+def _tensor(files: dict[str, Path], name: str) -> Tensor:
+    with safe_open(files[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _vocab_map(model: Eagle3DraftModel, d2t: Tensor | None, t2d: Tensor | None, folder) -> None:
+    """d2t (draft id -> target id offset) and t2d (target ids in the draft vocabulary): read,
+    derived from each other, or the identity of a full vocabulary; they must agree."""
+    vd, v = model.config.draft_vocab_size, model.config.layer.vocab_size
+    if d2t is None:
+        if vd != v:
+            raise CheckpointError(f"{folder}: missing tensor d2t (the draft vocabulary's mapping to target ids)")
+        d2t = torch.zeros(vd, dtype=torch.int64)
+    if tuple(d2t.shape) != (vd,):
+        raise CheckpointError(f"{folder}: d2t has shape {list(d2t.shape)}, expected {[vd]} "
+                              "(draft_vocab_size and vocab_size in config.json)")
+    ids = torch.arange(vd) + d2t.long()
+    if bool((ids < 0).any() | (ids >= v).any()):
+        raise CheckpointError(f"{folder}: d2t maps draft ids outside the target vocabulary 0..{v - 1}")
+    derived = torch.zeros(v, dtype=torch.bool)
+    derived[ids] = True
+    if t2d is not None:
+        if tuple(t2d.shape) != (v,):
+            raise CheckpointError(f"{folder}: t2d has shape {list(t2d.shape)}, expected {[v]} "
+                                  "(draft_vocab_size and vocab_size in config.json)")
+        if not torch.equal(t2d.bool(), derived):
+            raise CheckpointError(f"{folder}: t2d and d2t disagree on which target ids the draft vocabulary holds")
+    model.d2t.copy_(d2t)
+    model.t2d.copy_(derived)
+
+
+def keep_own_embedding(model: Eagle3DraftModel, target) -> bool:
+    """Drop a checkpoint embedding equal to the target's (a frozen copy: the target's is read
+    instead); keep one that differs (trained with the head). -> whether the head has its own."""
+    if model.embed_tokens is None:
+        return False
+    theirs = target.model.embed_tokens.weight
+    if torch.equal(model.embed_tokens.weight.to(theirs.device, theirs.dtype), theirs):
+        model.own_embedding(None)
+        return False
+    return True
 
 
 # Random-init shapes, as config.json dictionaries (either dialect parses the same way).

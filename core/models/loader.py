@@ -9,6 +9,7 @@ import torch
 from .checkpoint import load_weights
 from .config import dflash_config, model_config, read_config_json
 from .dflash import DFlashDraftModel
+from .dialect import DFLASH_DIALECT
 from .layers import Rotary, init_random
 from .presets import dflash_preset, target_preset
 from .target import TargetModel
@@ -49,7 +50,7 @@ def _materialize(build, seed: int, std: float, device: torch.device, dtype: torc
 
 def load_dflash(folder: str | Path) -> DFlashDraftModel:
     model = DFlashDraftModel(dflash_config(read_config_json(folder)))
-    load_weights(model, folder)
+    DFLASH_DIALECT.check_tensors(load_weights(model, folder), folder)
     return model.eval()
 
 

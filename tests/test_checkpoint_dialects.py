@@ -1,0 +1,142 @@
+"""No silent fields: every drafter dialect refuses a config key or a tensor it does not know,
+by name, and refuses values its modules do not compute; nothing is dropped quietly."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_spec
+from core.engine import Engine
+from core.models.checkpoint import CheckpointError, save_checkpoint
+from core.models.config import ConfigError
+from core.models.eagle3 import PRESETS as EAGLE3_PRESETS
+from core.models.eagle3 import load_eagle3, random_eagle3
+from core.models.gemma4_mtp import PRESETS as MTP_PRESETS
+from core.models.gemma4_mtp import load_mtp, random_mtp
+from core.models.loader import load_dflash, random_dflash, random_target
+from core.models.presets import DRAFT_PRESETS
+
+SPECULATORS = Path(__file__).parent / "fixtures" / "speculators" / "llama"
+
+
+def _dflash(folder: Path) -> Path:
+    return save_checkpoint(folder, DRAFT_PRESETS["micro-dflash"], random_dflash("micro-dflash", 0))
+
+
+def _eagle(folder: Path) -> Path:
+    model = random_eagle3("micro-eagle3", 0)
+    return save_checkpoint(folder, EAGLE3_PRESETS["micro-eagle3"], model, extra={"d2t": model.d2t, "t2d": model.t2d})
+
+
+def _speculators(folder: Path) -> Path:
+    shutil.copytree(SPECULATORS, folder, ignore=shutil.ignore_patterns("reference.safetensors"))
+    return folder
+
+
+def _mtp(folder: Path) -> Path:
+    return save_checkpoint(folder, MTP_PRESETS["micro-mtp"], random_mtp("micro-mtp", 0))
+
+
+DIALECTS = {  # name in messages -> (writer, loader)
+    "z-lab DFlash": (_dflash, load_dflash),
+    "EAGLE / SpecForge EAGLE-3": (_eagle, load_eagle3),
+    "speculators EAGLE-3": (_speculators, load_eagle3),
+    "frozen-KV MTP": (_mtp, load_mtp),
+}
+
+
+def _edit_config(folder: Path, edit) -> None:
+    raw = json.loads((folder / "config.json").read_text())
+    edit(raw)
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+def _add_tensor(folder: Path, name: str) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    tensors[name] = torch.zeros(4)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_each_dialect_refuses_an_unknown_key_and_an_unknown_tensor(tmp_path, dialect):
+    write, load = DIALECTS[dialect]
+    load(write(tmp_path / "ok"))  # the dialect's own checkpoint loads
+
+    folder = write(tmp_path / "key")
+    _edit_config(folder, lambda raw: raw.update(attention_sink_tokens=4))
+    with pytest.raises(ConfigError, match=rf"key 'attention_sink_tokens' is not part of the {dialect}.*Remove the key"):
+        load(folder)
+
+    folder = write(tmp_path / "tensor")
+    _add_tensor(folder, "extra_proj.weight")
+    with pytest.raises(CheckpointError, match=rf"tensor 'extra_proj.weight' is not part of the {dialect}"):
+        load(folder)
+
+
+@pytest.mark.parametrize("writer,section,where", [
+    (_speculators, "transformer_layer_config", "transformer_layer_config"),
+    (_speculators, "speculators_config", "speculators_config"),
+    (_eagle, "eagle_config", "eagle_config"),
+    (_dflash, "dflash_config", "dflash_config"),
+])
+def test_nested_sections_refuse_unknown_keys(tmp_path, writer, section, where):
+    folder = writer(tmp_path / "c")
+    _edit_config(folder, lambda raw: raw.setdefault(section, {}).update(new_knob=1))
+    with pytest.raises(ConfigError, match=rf"config.json {where}: key 'new_knob'"):
+        load_eagle3(folder) if writer is not _dflash else load_dflash(folder)
+
+
+def _layer(raw: dict) -> dict:
+    return raw["transformer_layer_config"]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: _layer(r).update(layer_types=["sliding_attention"], sliding_window=8),
+     r"layer_types gives layer\(s\) \[0\] attention \['sliding_attention'\]"),
+    (lambda r: _layer(r).update(use_sliding_window=True), "use_sliding_window: true is not supported"),
+    (lambda r: _layer(r).update(num_hidden_layers=2), "num_hidden_layers 2; draftline runs EAGLE-3 heads of one"),
+    (lambda r: _layer(r).update(model_type="mistral"), "model_type 'mistral' is not supported"),
+    (lambda r: _layer(r).update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (lambda r: _layer(r).update(mlp_bias=True), "mlp_bias: true is not supported"),
+    (lambda r: _layer(r)["rope_parameters"].update(partial_rotary_factor=0.5),
+     "rope_parameters.partial_rotary_factor is not read"),
+    (lambda r: r.update(norm_before_fc=True, fc_norm=True), "norm_before_fc and fc_norm are both true"),
+    (lambda r: r["speculators_config"].update(algorithm="dflash"), "algorithm 'dflash' is not eagle3"),
+])
+def test_speculators_values_it_does_not_compute_are_refused(tmp_path, edit, message):
+    folder = _speculators(tmp_path / "c")
+    _edit_config(folder, edit)
+    with pytest.raises(ConfigError, match=message):
+        load_eagle3(folder)
+
+
+def test_a_missing_option_tensor_is_named(tmp_path):
+    folder = _speculators(tmp_path / "c")
+    _edit_config(folder, lambda raw: raw.update(norm_before_fc=True))  # input_norm.weight is not in the file
+    with pytest.raises(CheckpointError, match="missing tensor.*input_norm.weight"):
+        load_eagle3(folder)
+
+
+def test_vocabulary_maps_must_agree(tmp_path):
+    folder = _speculators(tmp_path / "c")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["t2d"] = ~tensors["t2d"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="t2d and d2t disagree"):
+        load_eagle3(folder)
+
+
+def test_a_frozen_copy_of_the_target_embedding_is_dropped(tmp_path):
+    """A head whose embed_tokens is the target's reads the target's (one copy in memory);
+    one whose embed_tokens differs keeps its own (test_speculators_heads)."""
+    folder = _speculators(tmp_path / "c")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["embed_tokens.weight"] = random_target("tiny-qwen3", 0).model.embed_tokens.weight.detach().clone()
+    save_file({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+              str(folder / "model.safetensors"))
+    engine = Engine(tiny_spec({"method": "eagle3", "draft": {"path": str(folder)}}))
+    assert engine.backend.drafter.model.embed_tokens is None

@@ -1,0 +1,89 @@
+"""speculators EAGLE-3 heads, as the real ``speculators`` package writes them: each option's
+fixture (tests/fixtures/speculators, written by make_fixtures.py there) gives the logits
+speculators' own forward gave, within 1e-4 in float32; each option changes them; and greedy
+output with every fixture is the target's own."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_spec
+from core.engine import Engine
+from core.methods.eagle3 import chain_outputs
+from core.models.eagle3 import Eagle3DraftModel, load_eagle3
+from core.sampling import SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+
+
+def _logits(model: Eagle3DraftModel, ref: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(draftline's, speculators') draft-vocabulary logits per training-time-test step, on the
+    rows both define. speculators' row t of step j is the chain started at t; chain_outputs
+    indexes by position, so that chain's step j sits at t + j."""
+    steps = sum(k.startswith("logits.") for k in ref)
+    length = ref["input_ids"].shape[1]
+    with torch.no_grad():
+        outs = chain_outputs(model, model.embed(None, ref["input_ids"]), model.fuse(ref["hidden_states"]), steps)
+        return [(model.lm_head(model.norm(out))[:, j:], ref[f"logits.{j}"][:, : length - j])
+                for j, out in enumerate(outs)]
+
+
+def test_every_fixture_is_here():
+    assert NAMES == sorted(["fc-norm", "full-vocab", "layer-zero", "llama", "norm-before-fc", "norm-before-residual",
+                            "norm-output", "qwen3", "trained-defaults"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_equal_speculators_forward(name):
+    folder = FIXTURES / name
+    model = load_eagle3(folder)
+    assert model.embed_tokens is not None  # no target to compare with here: the checkpoint's embedding
+    for j, (got, want) in enumerate(_logits(model, load_file(folder / "reference.safetensors"))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"{name}, step {j}")
+
+
+@pytest.mark.parametrize("name,off", [
+    ("norm-before-fc", {"norm_before_fc": False}),
+    ("fc-norm", {"fc_norm": False}),
+    ("norm-output", {"norm_output": False}),
+    ("norm-before-residual", {"norm_before_residual": False}),
+    ("qwen3", "llama"),
+])
+def test_each_option_changes_the_drafts(name, off):
+    """The fixtures are sensitive: the same weights with the option dropped give other logits."""
+    folder = FIXTURES / name
+    loaded = load_eagle3(folder)
+    cfg = loaded.config
+    cfg = replace(cfg, layer=replace(cfg.layer, arch=off)) if isinstance(off, str) else replace(cfg, **off)
+    model = Eagle3DraftModel(cfg)
+    model.own_embedding(loaded.embed_tokens.weight)
+    model.load_state_dict(loaded.state_dict(), strict=False)  # the dropped option's weights go unused
+    ref = load_file(folder / "reference.safetensors")
+    assert max(float((got - want).abs().max()) for got, want in _logits(model.eval(), ref)) > 1e-2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_output_equals_none(name):
+    spec = tiny_spec({"method": "eagle3", "draft": {"path": str(FIXTURES / name)}, "num_speculative_tokens": 3})
+    engine = Engine(spec)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "hello"]
+    got = [c.output_ids for c in engine.generate(prompts, params)]
+    assert got == [c.output_ids for c in engine.with_method({"method": "none"}).generate(prompts, params)]
+    assert engine.backend.drafter.model.embed_tokens is not None  # the fixture's embedding is not the random target's
+
+
+def test_tap_minus_one_is_the_embedding_output():
+    """Layer id 0 (speculators: the input of layer 0) is the plan's tap -1: the embeddings."""
+    from conftest import full_forward
+    from core.models.loader import random_target
+
+    target = random_target("tiny-qwen3", 0)
+    ids = torch.randint(0, 384, (1, 7))
+    _, features = full_forward(target, ids, (-1, 2))
+    assert torch.equal(features[..., :128], target.embed(ids))
+    assert torch.equal(features[..., 128:], full_forward(target, ids, (2,))[1])
