@@ -138,7 +138,9 @@ class DFlashMethod(Method):
             drafter_kv="own",
             draft_sample_method=self.cfg.draft_sample_method,
             block_size=r.block_size,
-            drafter=f"{drafter.layers.num_layers} layers, hidden {drafter.layers.hidden_size} ({src})",
+            drafter=f"{drafter.layers.num_layers} layers, hidden {drafter.layers.hidden_size} (z-lab DFlash dialect, "
+                    f"{src}); options: trained block size {drafter.block_size}, mask token {drafter.mask_token_id}, "
+                    f"tapped layer outputs {list(drafter.target_layer_ids)} of {drafter.num_target_layers}",
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
