@@ -127,8 +127,8 @@ EAGLE3 = {"method": "eagle3", "draft": {"random_init": {"preset": "tiny-eagle3",
 
 @pytest.mark.parametrize("section,message", [
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"target_layer_ids": [1, 3, 6]}, r"\[6\] outside 0\.\.5"),
-    ({"target_layer_ids": [-1, 3, 4]}, r"\[-1\] outside 0\.\.5"),
+    ({"target_layer_ids": [1, 3, 7]}, r"\[7\] outside 0\.\.6"),
+    ({"target_layer_ids": [-1, 3, 4]}, r"\[-1\] outside 0\.\.6"),
     ({"target_layer_ids": [1, 3]}, "2 ids given, the drafter's fc takes 3"),
     ({"draft": {"random_init": {"preset": "nope"}}}, "unknown eagle3 preset 'nope'"),
 ])

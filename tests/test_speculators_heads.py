@@ -77,8 +77,9 @@ def test_greedy_output_equals_none(name):
     assert engine.backend.drafter.model.embed_tokens is not None  # the fixture's embedding is not the random target's
 
 
-def test_tap_minus_one_is_the_embedding_output():
-    """Layer id 0 (speculators: the input of layer 0) is the plan's tap -1: the embeddings."""
+def test_taps_at_both_ends():
+    """Layer id 0 (speculators: the input of layer 0) is the plan's tap -1, the embeddings;
+    layer id N (the input of a layer after the last) is tap N - 1, the output before the norm."""
     from conftest import full_forward
     from core.models.loader import random_target
 
@@ -87,3 +88,27 @@ def test_tap_minus_one_is_the_embedding_output():
     _, features = full_forward(target, ids, (-1, 2))
     assert torch.equal(features[..., :128], target.embed(ids))
     assert torch.equal(features[..., 128:], full_forward(target, ids, (2,))[1])
+    hidden, last = full_forward(target, ids, (5,))
+    assert torch.equal(target.model.norm(last), hidden)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_backend_drafts_what_the_reference_drafts(name):
+    """The cuda backend's fused chain (graphs, Triton kernels) computes each option as the
+    reference does: float32, the same tokens and the same drafts every round; bf16 greedy
+    output equals `none`'s."""
+    from conftest import respec
+
+    method = {"method": "eagle3", "draft": {"path": str(FIXTURES / name)}, "num_speculative_tokens": 3}
+    spec = tiny_spec(method, max_batch_size=4, device="cuda", dtype="float32", max_model_len=128)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "x", "import os\nclass A:\n", "hello world"]
+    ref = Engine(spec).generate(prompts, params, trace=True)
+    got = Engine(respec(spec, "cuda")).generate(prompts, params, trace=True)
+    for r, g in zip(ref, got):
+        assert g.output_ids == r.output_ids
+        assert [x.drafted for x in g.rounds] == [x.drafted for x in r.rounds]
+    bf16 = Engine(respec(spec, "cuda", dtype="bfloat16"))
+    assert [c.output_ids for c in bf16.generate(prompts, params)] == \
+        [c.output_ids for c in bf16.with_method({"method": "none"}).generate(prompts, params)]

@@ -78,10 +78,11 @@ def _problems(cfg: Eagle3Spec, target: ModelConfig | None, drafter: Eagle3Config
     if target is None:
         return out
     ids = aux_layer_ids(cfg, drafter, target.num_layers)
-    bad = [i for i in ids if not 0 <= i < target.num_layers]
+    bad = [i for i in ids if not 0 <= i <= target.num_layers]
     if bad:
-        out.append(f"speculative.target_layer_ids: {bad} outside 0..{target.num_layers - 1} (each id names a target "
-                   "layer whose input is tapped; 0: the embedding output)")
+        out.append(f"speculative.target_layer_ids: {bad} outside 0..{target.num_layers} (each id names a target "
+                   f"layer whose input is tapped; 0: the embedding output, {target.num_layers}: the last layer's "
+                   "output before the final norm)")
     if drafter.target_hidden_size != target.hidden_size:
         out.append(f"speculative.draft: the drafter's fc expects features of width {drafter.target_hidden_size}, "
                    f"this target's hidden_size is {target.hidden_size}; use the drafter made for this target")
