@@ -21,6 +21,7 @@ from core.models.loader import load_dflash, random_dflash, random_target
 from core.models.presets import DRAFT_PRESETS
 
 SPECULATORS = Path(__file__).parent / "fixtures" / "speculators" / "llama"
+SPECULATORS_DFLASH = SPECULATORS.parent / "dflash"
 
 
 def _dflash(folder: Path) -> Path:
@@ -37,6 +38,11 @@ def _speculators(folder: Path) -> Path:
     return folder
 
 
+def _speculators_dflash(folder: Path) -> Path:
+    shutil.copytree(SPECULATORS_DFLASH, folder, ignore=shutil.ignore_patterns("reference.safetensors"))
+    return folder
+
+
 def _mtp(folder: Path) -> Path:
     return save_checkpoint(folder, MTP_PRESETS["micro-mtp"], random_mtp("micro-mtp", 0))
 
@@ -45,6 +51,7 @@ DIALECTS = {  # name in messages -> (writer, loader)
     "z-lab DFlash": (_dflash, load_dflash),
     "EAGLE / SpecForge EAGLE-3": (_eagle, load_eagle3),
     "speculators EAGLE-3": (_speculators, load_eagle3),
+    "speculators DFlash": (_speculators_dflash, load_dflash),
     "frozen-KV MTP": (_mtp, load_mtp),
 }
 
@@ -82,12 +89,14 @@ def test_each_dialect_refuses_an_unknown_key_and_an_unknown_tensor(tmp_path, dia
     (_speculators, "speculators_config", "speculators_config"),
     (_eagle, "eagle_config", "eagle_config"),
     (_dflash, "dflash_config", "dflash_config"),
+    (_speculators_dflash, "speculators_config", "speculators_config"),
+    (_speculators_dflash, "transformer_layer_config", "transformer_layer_config"),
 ])
 def test_nested_sections_refuse_unknown_keys(tmp_path, writer, section, where):
     folder = writer(tmp_path / "c")
     _edit_config(folder, lambda raw: raw.setdefault(section, {}).update(new_knob=1))
     with pytest.raises(ConfigError, match=rf"config.json {where}: key 'new_knob'"):
-        load_eagle3(folder) if writer is not _dflash else load_dflash(folder)
+        load_eagle3(folder) if writer in (_speculators, _eagle) else load_dflash(folder)
 
 
 def _layer(raw: dict) -> dict:
@@ -112,6 +121,20 @@ def test_speculators_values_it_does_not_compute_are_refused(tmp_path, edit, mess
     _edit_config(folder, edit)
     with pytest.raises(ConfigError, match=message):
         load_eagle3(folder)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: r.update(draft_vocab_size=256), "draft_vocab_size 256 != vocab_size 384: a DFlash drafter with a reduced"),
+    (lambda r: r.update(sample_from_anchor=True), "sample_from_anchor: true"),
+    (lambda r: r["speculators_config"].update(algorithm="dspark"), "algorithm 'dspark' is not dflash"),
+    (lambda r: r.update(speculators_model_type="eagle3"), "not a DFlash drafter \\(an EAGLE-3 head: use method: eagle3\\)"),
+    (lambda r: _layer(r).update(layer_types=["full_attention", "sliding_attention"]), r"layer\(s\) \[1\]"),
+])
+def test_speculators_dflash_values_it_does_not_compute_are_refused(tmp_path, edit, message):
+    folder = _speculators_dflash(tmp_path / "c")
+    _edit_config(folder, edit)
+    with pytest.raises(ConfigError, match=message):
+        load_dflash(folder)
 
 
 def test_a_missing_option_tensor_is_named(tmp_path):

@@ -17,7 +17,7 @@ from core.models.eagle3 import Eagle3DraftModel, load_eagle3
 from core.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name != "dflash")  # EAGLE-3 heads
 
 
 def _logits(model: Eagle3DraftModel, ref: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -112,3 +112,40 @@ def test_cuda_backend_drafts_what_the_reference_drafts(name):
     bf16 = Engine(respec(spec, "cuda", dtype="bfloat16"))
     assert [c.output_ids for c in bf16.generate(prompts, params)] == \
         [c.output_ids for c in bf16.with_method({"method": "none"}).generate(prompts, params)]
+
+
+def test_speculators_dflash_logits_equal_speculators_forward():
+    """A DFlash drafter in the speculators format: each block [anchor token, MASK x (B-1)]
+    over the features strictly before its anchor gives speculators' logits (the target's
+    embedding and read-out, which the checkpoint does not store, come with the reference)."""
+    import torch.nn.functional as F
+
+    from core.models.loader import load_dflash
+
+    folder = FIXTURES / "dflash"
+    ref = load_file(folder / "reference.safetensors")
+    model = load_dflash(folder)
+    cfg = model.config
+    assert cfg.dialect == "speculators DFlash" and cfg.target_layer_ids == (-1, 2, 5) and cfg.block_size == 4
+    embed, head = ref["embed_tokens.weight"], ref["lm_head.weight"]
+    with torch.no_grad():
+        for a, want in zip(ref["anchors"].tolist(), ref["logits"]):
+            ctx = model.context_kv(ref["hidden_states"][:, :a], torch.arange(a)[None])
+
+            def attend(layer, q, k, v, ctx=ctx):
+                keys, values = torch.cat([ctx[layer][0], k], 2), torch.cat([ctx[layer][1], v], 2)
+                return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+            block = torch.tensor([[int(ref["input_ids"][0, a])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+            hidden = model(embed[block], a + torch.arange(cfg.block_size)[None], attend)
+            torch.testing.assert_close(hidden[0] @ head.T, want, rtol=0, atol=1e-4, msg=f"anchor {a}")
+
+
+def test_speculators_dflash_greedy_output_equals_none():
+    spec = tiny_spec({"method": "dflash", "draft": {"path": str(FIXTURES / "dflash")}})
+    engine = Engine(spec)
+    assert engine.plan.target_layer_ids == (-1, 2, 5) and engine.plan.num_speculative_tokens == 3
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "hello"]
+    got = [c.output_ids for c in engine.generate(prompts, params)]
+    assert got == [c.output_ids for c in engine.with_method({"method": "none"}).generate(prompts, params)]

@@ -96,9 +96,10 @@ def _problems(cfg: DFlashSpec, target: ModelConfig | None, drafter: DFlashConfig
 
 def _against_target(r: Resolved, drafter: DFlashConfig, target: ModelConfig) -> list[str]:
     out = []
-    bad = [i for i in r.layer_ids if not 0 <= i < target.num_layers]
+    bad = [i for i in r.layer_ids if not -1 <= i < target.num_layers]
     if bad:
-        out.append(f"speculative.target_layer_ids: {bad} outside the target's layers 0..{target.num_layers - 1}")
+        out.append(f"speculative.target_layer_ids: {bad} outside the target's layers 0..{target.num_layers - 1} "
+                   "(ids name layers whose output is tapped; -1: the embedding output)")
     if drafter.layers.hidden_size != target.hidden_size:
         out.append(
             f"speculative.draft: drafter hidden_size {drafter.layers.hidden_size} != target hidden_size "
@@ -106,7 +107,7 @@ def _against_target(r: Resolved, drafter: DFlashConfig, target: ModelConfig) -> 
         )
     if r.mask_token_id >= target.vocab_size:
         out.append(f"speculative.mask_token_id: {r.mask_token_id} is outside the target vocabulary ({target.vocab_size})")
-    if drafter.num_target_layers != target.num_layers:
+    if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_layers:
         out.append(
             f"speculative.draft: drafter was trained for a {drafter.num_target_layers}-layer target, "
             f"this target has {target.num_layers}; use the drafter made for this target"
@@ -138,9 +139,11 @@ class DFlashMethod(Method):
             drafter_kv="own",
             draft_sample_method=self.cfg.draft_sample_method,
             block_size=r.block_size,
-            drafter=f"{drafter.layers.num_layers} layers, hidden {drafter.layers.hidden_size} (z-lab DFlash dialect, "
-                    f"{src}); options: trained block size {drafter.block_size}, mask token {drafter.mask_token_id}, "
-                    f"tapped layer outputs {list(drafter.target_layer_ids)} of {drafter.num_target_layers}",
+            drafter=f"{drafter.layers.num_layers} layers, hidden {drafter.layers.hidden_size} ({drafter.dialect} "
+                    f"dialect, {src}); options: trained block size {drafter.block_size}, mask token "
+                    f"{drafter.mask_token_id}, tapped layer outputs {list(drafter.target_layer_ids)}"
+                    + ("" if drafter.num_target_layers is None else f" of {drafter.num_target_layers}")
+                    + (" (-1: the embedding output)" if -1 in drafter.target_layer_ids else ""),
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:

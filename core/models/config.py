@@ -64,8 +64,9 @@ class DFlashConfig:
     layers: ModelConfig
     block_size: int
     mask_token_id: int | None
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    target_layer_ids: tuple[int, ...]  # target layers whose *output* is tapped (-1: the embedding output)
+    num_target_layers: int | None  # the target trained against (None: the checkpoint does not say)
+    dialect: str = "z-lab DFlash"
 
 
 def default_dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -151,6 +152,10 @@ def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelC
 def dflash_config(raw: dict[str, Any]) -> DFlashConfig:
     from .dialect import DFLASH_DIALECT, DFLASH_FIELDS, layer_values  # dialect.py reads this module's ConfigError
 
+    if raw.get("speculators_model_type") is not None:
+        from .speculators_dflash import speculators_dflash_config
+
+        return speculators_dflash_config(raw)
     if "DFlashDraftModel" not in (raw.get("architectures") or []):
         raise ConfigError(
             f"architectures {raw.get('architectures')} is not a DFlash drafter; "

@@ -120,3 +120,13 @@ DFLASH_FIELDS = Dialect("z-lab DFlash (dflash_config)", read=frozenset({"mask_to
 
 # the frozen-KV MTP drafter (architectures: [Gemma4MTPDrafter]), as draftline writes it
 MTP_DIALECT = layer_dialect("frozen-KV MTP (Gemma4MTPDrafter)", extra_read=("qk_norm", "target_hidden_size"))
+
+
+def speculators_runtime(name: str) -> Dialect:
+    """What speculators_config holds beside the algorithm: how speculators' own runtime proposes
+    and verifies; draftline's spec decides K and its acceptance rule (lossless either way)."""
+    return Dialect(f"{name} (speculators_config)", read=frozenset({"algorithm"}), inert={
+        "proposal_methods": "speculators' runtime proposal settings; the spec's K or block size decides",
+        "default_proposal_method": "speculators' runtime proposal settings; the spec decides",
+        "verifier": "names the target trained against; the spec names the target, checked by shape",
+    })

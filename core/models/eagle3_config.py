@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .config import ConfigError, ModelConfig, model_config
-from .dialect import Dialect, layer_dialect, layer_values
+from .dialect import Dialect, layer_dialect, layer_values, speculators_runtime
 
 
 @dataclass(frozen=True)
@@ -80,13 +80,7 @@ SPECULATORS_DIALECT = Dialect(
     },
 )
 SPECULATORS_LAYER = layer_dialect("speculators EAGLE-3 (transformer_layer_config)")
-# what speculators_config holds beside the algorithm: how speculators' own runtime proposes and
-# verifies; draftline's spec decides K and its acceptance rule (lossless either way)
-SPECULATORS_RUNTIME = Dialect("speculators EAGLE-3 (speculators_config)", read=frozenset({"algorithm"}), inert={
-    "proposal_methods": "speculators' runtime proposal settings; the spec's num_speculative_tokens decides K",
-    "default_proposal_method": "speculators' runtime proposal settings; the spec decides",
-    "verifier": "names the target trained against; the spec names the target, checked by shape",
-})
+SPECULATORS_RUNTIME = speculators_runtime("speculators EAGLE-3")
 
 
 def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
@@ -115,7 +109,8 @@ def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
 
 def _speculators(raw: dict[str, Any]) -> Eagle3Config:
     if raw["speculators_model_type"] != "eagle3":
-        raise ConfigError(f"speculators_model_type {raw['speculators_model_type']!r} is not eagle3")
+        use = " (a DFlash drafter: use method: dflash)" if raw["speculators_model_type"] == "dflash" else ""
+        raise ConfigError(f"speculators_model_type {raw['speculators_model_type']!r} is not eagle3{use}")
     SPECULATORS_DIALECT.check_keys(raw)
     runtime = raw.get("speculators_config") or {}
     SPECULATORS_RUNTIME.check_keys(runtime, "config.json speculators_config")

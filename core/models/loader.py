@@ -10,6 +10,7 @@ from .checkpoint import load_weights
 from .config import dflash_config, model_config, read_config_json
 from .dflash import DFlashDraftModel
 from .dialect import DFLASH_DIALECT
+from .speculators_dflash import SPECULATORS_DFLASH
 from .layers import Rotary, init_random
 from .presets import dflash_preset, target_preset
 from .target import TargetModel
@@ -50,7 +51,8 @@ def _materialize(build, seed: int, std: float, device: torch.device, dtype: torc
 
 def load_dflash(folder: str | Path) -> DFlashDraftModel:
     model = DFlashDraftModel(dflash_config(read_config_json(folder)))
-    DFLASH_DIALECT.check_tensors(load_weights(model, folder), folder)
+    dialect = SPECULATORS_DFLASH if model.config.dialect == SPECULATORS_DFLASH.name else DFLASH_DIALECT
+    dialect.check_tensors(load_weights(model, folder), folder)
     return model.eval()
 
 
