@@ -93,7 +93,7 @@ def test_taps_at_both_ends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + ["dflash"])
 def test_cuda_backend_drafts_what_the_reference_drafts(name):
     """The cuda backend's fused chain (graphs, Triton kernels) computes each option as the
     reference does: float32, the same tokens and the same drafts every round; bf16 greedy
@@ -101,6 +101,8 @@ def test_cuda_backend_drafts_what_the_reference_drafts(name):
     from conftest import respec
 
     method = {"method": "eagle3", "draft": {"path": str(FIXTURES / name)}, "num_speculative_tokens": 3}
+    if name == "dflash":
+        method = {"method": "dflash", "draft": {"path": str(FIXTURES / name)}}
     spec = tiny_spec(method, max_batch_size=4, device="cuda", dtype="float32", max_model_len=128)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompts = ["def fibonacci(n):", "x", "import os\nclass A:\n", "hello world"]
