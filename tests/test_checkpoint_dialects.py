@@ -47,12 +47,29 @@ def _mtp(folder: Path) -> Path:
     return save_checkpoint(folder, MTP_PRESETS["micro-mtp"], random_mtp("micro-mtp", 0))
 
 
+ANGELSLIM = {  # the keys of AngelSlim's qwen3-8b-eagle3.json training config, at tiny-eagle3's shape
+    "architectures": ["Eagle3LlamaForCausalLM"], "model_type": "llama", "target_model_type": "qwen3",
+    "torch_dtype": "bfloat16", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "head_dim": 32, "hidden_act": "silu", "hidden_size": 128, "initializer_range": 0.02,
+    "intermediate_size": 256, "max_position_embeddings": 4096, "max_window_layers": 6, "num_attention_heads": 4,
+    "num_hidden_layers": 1, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000.0, "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 384, "draft_vocab_size": 256,
+}
+
+
+def _angelslim(folder: Path) -> Path:
+    model = random_eagle3("tiny-eagle3", 0)
+    return save_checkpoint(folder, ANGELSLIM, model, extra={"d2t": model.d2t, "t2d": model.t2d})
+
+
 DIALECTS = {  # name in messages -> (writer, loader)
     "z-lab DFlash": (_dflash, load_dflash),
     "EAGLE / SpecForge EAGLE-3": (_eagle, load_eagle3),
     "speculators EAGLE-3": (_speculators, load_eagle3),
     "speculators DFlash": (_speculators_dflash, load_dflash),
     "frozen-KV MTP": (_mtp, load_mtp),
+    "AngelSlim EAGLE-3": (_angelslim, load_eagle3),
 }
 
 
@@ -163,3 +180,21 @@ def test_a_frozen_copy_of_the_target_embedding_is_dropped(tmp_path):
               str(folder / "model.safetensors"))
     engine = Engine(tiny_spec({"method": "eagle3", "draft": {"path": str(folder)}}))
     assert engine.backend.drafter.model.embed_tokens is None
+
+
+
+def test_angelslim_heads_load_with_its_tap_convention(tmp_path):
+    """No ids in the config: AngelSlim's targets tap the inputs of layers 2, N/2 and N-3, so
+    the plan taps the outputs of layers 1, 2, 2 of the 6-layer target."""
+    folder = _angelslim(tmp_path / "a")
+    assert load_eagle3(folder).config.dialect == "angelslim"
+    engine = Engine(tiny_spec({"method": "eagle3", "draft": {"path": str(folder)}}))
+    assert engine.plan.target_layer_ids == (1, 2, 2)
+    assert "AngelSlim EAGLE-3 dialect" in engine.plan.drafter
+
+
+def test_angelslim_mrope_heads_are_refused(tmp_path):
+    folder = _angelslim(tmp_path / "a")
+    _edit_config(folder, lambda raw: raw.update(rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}))
+    with pytest.raises(ConfigError, match="rope_scaling.mrope_section is not read"):
+        load_eagle3(folder)

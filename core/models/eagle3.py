@@ -8,9 +8,9 @@ vocabulary, mapped to target ids by ``d2t`` (target id = draft id + d2t[draft id
 step feeds the layer's pre-norm output back as the next step's h, without ``fc``. The
 drafter keeps its own one-layer KV cache; it has no embedding of its own (the target's).
 
-Two checkpoint dialects are read (eagle3_config.py): EAGLE / SpecForge
+Three checkpoint dialects are read (eagle3_config.py): EAGLE / SpecForge
 (``LlamaForCausalLMEagle3``; weights ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
-``t2d``) and ``speculators`` (``speculators_model_type: eagle3``, the layer's weights under
+``t2d``), AngelSlim (``Eagle3LlamaForCausalLM``, the same weights) and ``speculators`` (``speculators_model_type: eagle3``, the layer's weights under
 ``layers.0.*``, with its options: ``input_norm`` or ``fc_norm.i`` before ``fc``, a Qwen3 layer's
 q/k norms, the normed output fed back). A checkpoint's ``embed_tokens`` is the head's own
 embedding where it differs from the target's (a head trained with its embedding unfrozen).
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .checkpoint import CheckpointError, load_weights, tensor_files
 from .config import ModelConfig, read_config_json
-from .eagle3_config import EAGLE_DIALECT, SPECULATORS_DIALECT, Eagle3Config, default_aux_layer_ids, eagle3_config
+from .eagle3_config import DIALECTS, Eagle3Config, default_aux_layer_ids, eagle3_config
 from .layers import MLP, Attention, AttentionFn, RMSNorm, Rotary
 from .presets import lookup_preset
 
@@ -166,8 +166,7 @@ def load_eagle3(folder: str | Path) -> Eagle3DraftModel:
     model = Eagle3DraftModel(eagle3_config(read_config_json(folder)))
     unused = set(load_weights(model, folder, names=_names(model)))
     files = tensor_files(folder)
-    dialect = SPECULATORS_DIALECT if model.config.dialect == "speculators" else EAGLE_DIALECT
-    dialect.check_tensors(unused - {"d2t", "t2d", "embed_tokens.weight"}, folder)
+    DIALECTS[model.config.dialect].check_tensors(unused - {"d2t", "t2d", "embed_tokens.weight"}, folder)
     read = {name: _tensor(files, name) for name in ("d2t", "t2d", "embed_tokens.weight") if name in files}
     _vocab_map(model, read.get("d2t"), read.get("t2d"), folder)
     if "embed_tokens.weight" in read:

@@ -1,8 +1,9 @@
-"""EAGLE-3 head configurations, from the two checkpoint dialects' ``config.json``.
+"""EAGLE-3 head configurations, from the three checkpoint dialects' ``config.json``.
 
 EAGLE / SpecForge (``architectures: [LlamaForCausalLMEagle3]``): the draft layer's Llama
 fields at the top level, ``eagle_config.eagle_aux_hidden_state_layer_ids`` naming target layers
-whose *output* is tapped. speculators (``speculators_model_type: eagle3``): the draft layer's
+whose *output* is tapped. AngelSlim (``[Eagle3LlamaForCausalLM]``): the same fields and
+weights; its heads tap the inputs of layers 2, N/2 and N-3 and the config names no ids. speculators (``speculators_model_type: eagle3``): the draft layer's
 Llama or Qwen3 fields under ``transformer_layer_config``, ``eagle_aux_hidden_state_layer_ids``
 naming layers whose *input* is tapped (0: the embedding output), and the options that change
 the head's function (``norm_before_fc``, ``fc_norm``, ``norm_output``, ``norm_before_residual``).
@@ -28,7 +29,7 @@ class Eagle3Config:
     norm_before_fc: bool = False  # one RMSNorm (input_norm) over the concatenated features before fc
     fc_norm: bool = False  # one RMSNorm per tapped layer's features (fc_norm.i) before fc
     norm_output: bool = False  # a chain step feeds back norm(out), not out
-    dialect: str = "eagle"  # "eagle" (EAGLE / SpecForge) or "speculators"
+    dialect: str = "eagle"  # "eagle" (EAGLE / SpecForge), "angelslim" or "speculators": a key of DIALECTS
 
     @property
     def num_aux(self) -> int:
@@ -50,7 +51,7 @@ class Eagle3Config:
 
     @property
     def dialect_name(self) -> str:
-        return SPECULATORS_DIALECT.name if self.dialect == "speculators" else EAGLE_DIALECT.name
+        return DIALECTS[self.dialect].name
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
@@ -60,6 +61,13 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
 EAGLE_DIALECT = layer_dialect(
     "EAGLE / SpecForge EAGLE-3",
     extra_read=("draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual"),
+)
+# AngelSlim (Tencent) heads: the EAGLE layout and tensor names under another architecture name;
+# its targets tap the inputs of layers 2, N/2 and N-3 (draftline's default), and the config names none
+ANGELSLIM_DIALECT = layer_dialect(
+    "AngelSlim EAGLE-3", extra_read=("draft_vocab_size", "target_hidden_size"),
+    extra_inert={"target_model_type": "names the target family trained against; the spec names the target, "
+                                      "checked by shape"},
 )
 EAGLE_CONFIG_KEYS = Dialect("EAGLE / SpecForge EAGLE-3 (eagle_config)", read=frozenset({
     "eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state"}))
@@ -87,11 +95,13 @@ def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
     """Either dialect's config.json -> Eagle3Config (ConfigError naming what is wrong)."""
     if raw.get("speculators_model_type") is not None:
         return _speculators(raw)
+    if "Eagle3LlamaForCausalLM" in (raw.get("architectures") or []):
+        return _angelslim(raw)
     if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
         raise ConfigError(
             f"architectures {raw.get('architectures')} is not an EAGLE-3 drafter; expected "
-            "['LlamaForCausalLMEagle3'] (EAGLE / SpecForge) or a speculators config with "
-            "speculators_model_type: eagle3")
+            "['LlamaForCausalLMEagle3'] (EAGLE / SpecForge), ['Eagle3LlamaForCausalLM'] (AngelSlim) or a "
+            "speculators config with speculators_model_type: eagle3")
     EAGLE_DIALECT.check_keys(raw)
     eagle = raw.get("eagle_config") or {}
     EAGLE_CONFIG_KEYS.check_keys(eagle, "config.json eagle_config")
@@ -105,6 +115,14 @@ def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
                         target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
                         aux_layer_ids=None if ids is None else tuple(int(i) + 1 for i in ids),
                         norm_before_residual=bool(raw.get("norm_before_residual", False)))
+
+
+def _angelslim(raw: dict[str, Any]) -> Eagle3Config:
+    ANGELSLIM_DIALECT.check_keys(raw)
+    layer = _layer(raw, "config.json", ("llama",))  # Eagle3LlamaForCausalLM: a Llama layer
+    return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
+                        target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
+                        aux_layer_ids=None, dialect="angelslim")
 
 
 def _speculators(raw: dict[str, Any]) -> Eagle3Config:
@@ -146,3 +164,6 @@ def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...]) -> ModelConf
                           "layer, so a deeper head would lose its other layers. Use a one-layer head")
     cfg = model_config({**raw, "num_hidden_layers": 1}, default_arch=kind)
     return replace(cfg, arch=kind)
+
+
+DIALECTS = {"eagle": EAGLE_DIALECT, "angelslim": ANGELSLIM_DIALECT, "speculators": SPECULATORS_DIALECT}
