@@ -198,3 +198,28 @@ def test_angelslim_mrope_heads_are_refused(tmp_path):
     _edit_config(folder, lambda raw: raw.update(rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}))
     with pytest.raises(ConfigError, match="rope_scaling.mrope_section is not read"):
         load_eagle3(folder)
+
+
+def test_specforge_fc_norm_and_norm_output(tmp_path):
+    """SpecForge's fc_norm (an RMSNorm per tapped layer before fc) and norm_output: false
+    (lm_head reads the layer's output without the final norm; speculators' norm_output means
+    something else: the normed output fed back)."""
+    from dataclasses import replace
+
+    from core.models.eagle3 import Eagle3DraftModel, preset_config
+    from core.models.layers import init_random
+
+    cfg = replace(preset_config("micro-eagle3"), fc_norm=True, readout_norm=False)
+    model = Eagle3DraftModel(cfg)
+    init_random(model, 0, 0.1)
+    model.t2d.fill_(True)  # the full vocabulary
+    raw = {**EAGLE3_PRESETS["micro-eagle3"], "fc_norm": True, "norm_output": False}
+    loaded = load_eagle3(save_checkpoint(tmp_path / "h", raw, model, extra={"d2t": model.d2t, "t2d": model.t2d}))
+    assert loaded.config.fc_norm and not loaded.config.readout_norm and not loaded.config.norm_output
+    feats, out = torch.randn(5, 96), torch.randn(5, 32)
+    with torch.no_grad():
+        normed = torch.cat([n(c) for n, c in zip(model.fc_norm, feats.chunk(3, dim=-1))], dim=-1)
+        torch.testing.assert_close(loaded.fuse(feats), model.fc(normed))
+        torch.testing.assert_close(loaded.logits(out)[:, loaded.draft_ids()], model.lm_head(out))
+        assert torch.equal(loaded.next_hidden(out), out)
+    assert "no final norm before lm_head" in ", ".join(loaded.config.options())

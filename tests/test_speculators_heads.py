@@ -28,7 +28,7 @@ def _logits(model: Eagle3DraftModel, ref: dict) -> list[tuple[torch.Tensor, torc
     length = ref["input_ids"].shape[1]
     with torch.no_grad():
         outs = chain_outputs(model, model.embed(None, ref["input_ids"]), model.fuse(ref["hidden_states"]), steps)
-        return [(model.lm_head(model.norm(out))[:, j:], ref[f"logits.{j}"][:, : length - j])
+        return [(model.lm_head(model.readout(out))[:, j:], ref[f"logits.{j}"][:, : length - j])
                 for j, out in enumerate(outs)]
 
 

@@ -238,7 +238,7 @@ class Eagle3Drafter(Drafter):
                                              self.model.fuse(rows.features[:, None]), first[:, None], attn)
         tokens = []
         for j in range(self.plan.num_speculative_tokens):
-            tokens.append(self.model.greedy(normed[:, 0], rows.head_argmax))  # [N]
+            tokens.append(self.model.greedy(self.model.readout(out, normed)[:, 0], rows.head_argmax))  # [N]
             if j == self.plan.num_speculative_tokens - 1:
                 break
             at = first + 1 + j
@@ -351,7 +351,7 @@ def training_loss(model: Eagle3DraftModel, target: TargetModel, tokens: Tensor, 
     want = p[:, 1:]  # position t's head output predicts x_{t+2}: the target's distribution at t+1
     total, weights, correct = 0.0, 0.0, []
     for j, out in enumerate(outs):
-        logp = F.log_softmax(model.lm_head(model.norm(out)).float(), dim=-1)  # [b, L-1, Vd]
+        logp = F.log_softmax(model.lm_head(model.readout(out)).float(), dim=-1)  # [b, L-1, Vd]
         valid = torch.arange(length - 1, device=dev) >= j  # a chain of j steps needs t >= j
         ce = -(want * logp).sum(-1)[:, valid]
         total = total + decay**j * ce.mean()

@@ -107,6 +107,12 @@ class Eagle3DraftModel(nn.Module):
             return out
         return self.norm(out) if normed is None else normed
 
+    def readout(self, out: Tensor, normed: Tensor | None = None) -> Tensor:
+        """What lm_head reads: the final norm of the layer's output (or the output itself)."""
+        if not self.config.readout_norm:
+            return out
+        return self.norm(out) if normed is None else normed
+
     def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """One drafter forward: embeds [B, T, H] of the next tokens, hidden [B, T, H] (fc of the
         target features, or the previous step's output) at positions [B, T] -> output [B, T, H]."""
@@ -130,7 +136,7 @@ class Eagle3DraftModel(nn.Module):
         return layer_fn(m, normed if m.norm_before_residual else hidden, x, positions, self.rotary, 0, self.norm)
 
     def greedy(self, normed: Tensor, head_argmax) -> Tensor:
-        """The greedy token over the target vocabulary from normed outputs [..., H]: the draft
+        """The greedy token over the target vocabulary from what lm_head reads [..., H] (readout()): the draft
         vocabulary's argmax mapped to its target id (``head_argmax`` may be a backend's readout
         that writes no logits). Equal to logits(out).argmax(-1) when draft ids are ascending
         (ties: the first in either order): check ascending_ids() first."""
@@ -144,7 +150,7 @@ class Eagle3DraftModel(nn.Module):
     def logits(self, out: Tensor) -> Tensor:
         """Layer output [..., H] -> float32 logits over the *target* vocabulary [..., V]: the
         draft vocabulary's logits at their target ids, -inf elsewhere (never drafted)."""
-        small = self.lm_head(self.norm(out)).float()  # [..., Vd]
+        small = self.lm_head(self.readout(out)).float()  # [..., Vd]
         full = small.new_full((*small.shape[:-1], self.config.layer.vocab_size), float("-inf"))
         ids = torch.arange(small.shape[-1], device=small.device) + self.d2t
         return full.index_copy_(-1, ids, small)

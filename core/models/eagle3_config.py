@@ -28,7 +28,8 @@ class Eagle3Config:
     norm_before_residual: bool = False  # the layer's residual is hidden_norm(h), not h
     norm_before_fc: bool = False  # one RMSNorm (input_norm) over the concatenated features before fc
     fc_norm: bool = False  # one RMSNorm per tapped layer's features (fc_norm.i) before fc
-    norm_output: bool = False  # a chain step feeds back norm(out), not out
+    norm_output: bool = False  # a chain step feeds back norm(out), not out (speculators' norm_output)
+    readout_norm: bool = True  # lm_head reads norm(out); False: out itself (SpecForge's norm_output: false)
     dialect: str = "eagle"  # "eagle" (EAGLE / SpecForge), "angelslim" or "speculators": a key of DIALECTS
 
     @property
@@ -42,6 +43,8 @@ class Eagle3Config:
                    else f"draft vocabulary {self.draft_vocab_size} of {self.layer.vocab_size}")
         out += [name for name in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
                 if getattr(self, name)]
+        if not self.readout_norm:
+            out.append("no final norm before lm_head (norm_output: false)")
         if self.aux_layer_ids is None:
             out.append("tapped layer inputs: the default (2, N/2, N-3)")
         else:
@@ -60,7 +63,10 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
 
 EAGLE_DIALECT = layer_dialect(
     "EAGLE / SpecForge EAGLE-3",
-    extra_read=("draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual"),
+    extra_read=("draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual", "fc_norm",
+                "norm_output"),
+    extra_inert={"target_model_type": "names the target family trained against; the spec names the target, "
+                                      "checked by shape"},
 )
 # AngelSlim (Tencent) heads: the EAGLE layout and tensor names under another architecture name;
 # its targets tap the inputs of layers 2, N/2 and N-3 (draftline's default), and the config names none
@@ -114,7 +120,10 @@ def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
     return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
                         target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
                         aux_layer_ids=None if ids is None else tuple(int(i) + 1 for i in ids),
-                        norm_before_residual=bool(raw.get("norm_before_residual", False)))
+                        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                        fc_norm=bool(raw.get("fc_norm", False)),
+                        # SpecForge's norm_output (default true) says whether lm_head reads the final norm
+                        readout_norm=bool(raw.get("norm_output", True)))
 
 
 def _angelslim(raw: dict[str, Any]) -> Eagle3Config:
