@@ -121,9 +121,11 @@ def _layer(raw: dict) -> dict:
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda r: _layer(r).update(layer_types=["sliding_attention"], sliding_window=8),
-     r"layer_types gives layer\(s\) \[0\] attention \['sliding_attention'\]"),
-    (lambda r: _layer(r).update(use_sliding_window=True), "use_sliding_window: true is not supported"),
+    (lambda r: _layer(r).update(layer_types=["chunked_attention"]),
+     r"layer_types gives layer\(s\) \[0\] attention \['chunked_attention'\]"),
+    (lambda r: _layer(r).update(layer_types=["sliding_attention"], sliding_window=None),
+     "sliding_attention layers need a positive sliding_window, got None"),
+    (lambda r: _layer(r).update(use_sliding_window=True), "use_sliding_window: true without layer_types"),
     (lambda r: _layer(r).update(num_hidden_layers=2), "num_hidden_layers 2; draftline runs EAGLE-3 heads of one"),
     (lambda r: _layer(r).update(model_type="mistral"), "model_type 'mistral' is not supported"),
     (lambda r: _layer(r).update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),

@@ -34,7 +34,7 @@ def _logits(model: Eagle3DraftModel, ref: dict) -> list[tuple[torch.Tensor, torc
 
 def test_every_fixture_is_here():
     assert NAMES == sorted(["fc-norm", "full-vocab", "layer-zero", "llama", "norm-before-fc", "norm-before-residual",
-                            "norm-output", "qwen3", "trained-defaults"])
+                            "norm-output", "qwen3", "sliding-window", "trained-defaults"])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -93,7 +93,7 @@ def test_taps_at_both_ends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", NAMES + ["dflash"])
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "sliding-window"] + ["dflash"])  # sliding: refused
 def test_cuda_backend_drafts_what_the_reference_drafts(name):
     """The cuda backend's fused chain (graphs, Triton kernels) computes each option as the
     reference does: float32, the same tokens and the same drafts every round; bf16 greedy
@@ -151,3 +151,66 @@ def test_speculators_dflash_greedy_output_equals_none():
     prompts = ["def fibonacci(n):", "hello"]
     got = [c.output_ids for c in engine.generate(prompts, params)]
     assert got == [c.output_ids for c in engine.with_method({"method": "none"}).generate(prompts, params)]
+
+
+def test_sliding_window_chain_equals_uncached_recompute():
+    """The reference drafter's cached chain with a sliding window (anchored at the chain's
+    start, as speculators trains it) against a recomputation over the whole sequence with the
+    window as an explicit mask, over rounds that accept different numbers of drafts."""
+    from types import SimpleNamespace
+
+    from backends.reference.kv import ReferenceKV
+    from conftest import full_forward
+    from core.machine import Plan
+    from core.methods.eagle3 import Eagle3Drafter
+    from core.models.loader import random_target
+
+    torch.manual_seed(0)
+    target, model = random_target("tiny-qwen3", 0), load_eagle3(FIXTURES / "sliding-window")
+    window, k, taps = model.config.sliding_window, 3, (0, 1, 2)
+    plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=k, target_layer_ids=taps)
+    drafter = Eagle3Drafter(model, target, ReferenceKV(), plan)
+
+    def uncached(tokens: list[int]) -> list[int]:
+        ids = torch.tensor([tokens])
+        _, feats = full_forward(target, ids[:, :-1], taps)
+        embeds, hidden, start, drafts = model.embed(None, ids[:, 1:]), model.fuse(feats), len(tokens) - 2, []
+        for _ in range(k):
+            n = embeds.shape[1]
+            p = torch.arange(n)
+            sees = (p[None] <= p[:, None]) & (p[None] > p[:, None].clamp(max=start) - window)
+
+            def attend(layer, q, kk, v, sees=sees):
+                return torch.nn.functional.scaled_dot_product_attention(q, kk, v, attn_mask=sees, enable_gqa=True)
+
+            out = model.step(embeds, hidden, p[None], attend)
+            drafts.append(int(model.logits(out[0, -1]).argmax()))
+            embeds = torch.cat([embeds, model.embed(None, torch.tensor([[drafts[-1]]]))], dim=1)
+            hidden = torch.cat([hidden, model.next_hidden(out[:, -1:])], dim=1)
+        return drafts
+
+    tokens = torch.randint(0, 256, (12,)).tolist()
+    req = SimpleNamespace(draft_state=None, token_ids=tokens)
+    with torch.no_grad():
+        drafter.extend(req, full_forward(target, torch.tensor([tokens[:-1]]), taps)[1][0], 0)
+        for accepted in (2, 0, k):
+            got = drafter.propose([req], None).tokens[0].tolist()
+            assert got == uncached(req.token_ids)
+            first = len(req.token_ids) - 1
+            req.token_ids = req.token_ids + got[:accepted] + [int(torch.randint(0, 256, ()))]
+            drafter.extend(req, full_forward(target, torch.tensor([req.token_ids[:-1]]), taps)[1][0, first:], first)
+
+
+def test_sliding_window_heads_refuse_the_cuda_backend():
+    """The cuda backend's drafter caches have no sliding window: refused, naming the fix."""
+    pytest.importorskip("triton")
+    from backends.cuda.kv import StaticStore
+    from core.machine import Plan
+    from core.methods.eagle3 import Eagle3Drafter
+    from core.models.config import ConfigError
+    from core.models.loader import random_target
+
+    plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=3, target_layer_ids=(0, 1, 2))
+    with pytest.raises(ConfigError, match="sliding window of 4 positions.*backend: reference"):
+        Eagle3Drafter(load_eagle3(FIXTURES / "sliding-window"), random_target("tiny-qwen3", 0),
+                      StaticStore(2, 64, torch.device("cpu")), plan)

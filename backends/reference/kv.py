@@ -19,9 +19,12 @@ class KVCache:
         return 0 if not self.k or self.k[0] is None else self.k[0].shape[1]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None,
+           anchor: int | None = None) -> Tensor:
     """q [Hq, T, D] over k, v [Hkv, S, D] -> [Hq, T, D]. The T queries are the last T keys'
-    positions; with ``causal`` each sees keys up to and including its own position."""
+    positions; with ``causal`` each sees keys up to and including its own position, and with a
+    sliding ``window`` only keys past min(own, anchor) - window: a query after ``anchor`` (a
+    draft chain's later steps, anchored at its start) keeps the window its chain started with."""
     hq, t, d = q.shape
     hkv, s, _ = k.shape
     k = k.repeat_interleave(hq // hkv, dim=0)  # grouped-query: each KV head serves hq/hkv heads
@@ -29,8 +32,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
     scores = (q.float() @ k.float().transpose(-1, -2)) * d**-0.5  # [Hq, T, S]
     if causal:
         own = torch.arange(s - t, s, device=q.device)[:, None]  # [T, 1] key index of each query
-        visible = torch.arange(s, device=q.device)[None, :] <= own  # [T, S]
+        keys = torch.arange(s, device=q.device)[None, :]
+        visible = keys <= own  # [T, S]
+        if window is not None:
+            start = own if anchor is None else own.clamp(max=anchor)
+            visible &= keys > start - window
         scores = scores.masked_fill(~visible, float("-inf"))
+    elif window is not None:
+        raise ValueError("a sliding window needs causal attention (the key positions are the cache's)")
     return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
 
 
@@ -45,6 +54,8 @@ class CachedAttention:
     caches: list[KVCache]
     causal: bool
     persist: bool
+    window: int | None = None  # sliding-window attention (see attend)
+    anchor: int | None = None  # where the window of queries past it is measured from
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = []
@@ -55,7 +66,7 @@ class CachedAttention:
                 values = torch.cat([cache.v[layer], values], dim=1)
             if self.persist:
                 cache.k[layer], cache.v[layer] = keys, values
-            out.append(attend(q[b], keys, values, self.causal))
+            out.append(attend(q[b], keys, values, self.causal, self.window, self.anchor))
         return torch.stack(out)
 
 
@@ -77,8 +88,9 @@ class ReferenceKV:
         cache.k = [None if t is None else t[:, :length] for t in cache.k]
         cache.v = [None if t is None else t[:, :length] for t in cache.v]
 
-    def attention(self, caches: list[KVCache], causal: bool, persist: bool) -> CachedAttention:
-        return CachedAttention(caches, causal, persist)
+    def attention(self, caches: list[KVCache], causal: bool, persist: bool,
+                  window: int | None = None, anchor: int | None = None) -> CachedAttention:
+        return CachedAttention(caches, causal, persist, window, anchor)
 
 
 @dataclass(frozen=True)

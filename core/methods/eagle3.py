@@ -154,6 +154,10 @@ class Eagle3Drafter(Drafter):
     def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.positional = hasattr(kv, "at")
+        if self.positional and model.config.sliding_window is not None:
+            raise ConfigError(f"this EAGLE-3 head's layer attends through a sliding window of "
+                              f"{model.config.sliding_window} positions, which the cuda backend's drafter caches "
+                              "do not implement; run it with backend: reference")
         self.ascending = model.ascending_ids()  # greedy chains may read the draft vocabulary's argmax
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
@@ -262,7 +266,9 @@ class Eagle3Drafter(Drafter):
         m = st.pending.shape[0]
         ids = torch.tensor([req.token_ids[st.start + 1 : st.start + 1 + m]], device=st.pending.device)  # [1, m]
         positions = st.start + torch.arange(m, device=ids.device)[None]  # [1, m]
-        attn = self.kv.attention([st.cache], causal=True, persist=True)
+        # a sliding window stays anchored at the chain's start for its later steps, as speculators trains it
+        attn = self.kv.attention([st.cache], causal=True, persist=True, window=self.model.config.sliding_window,
+                                 anchor=st.start + m - 1)
         out = self.model.step(self.model.embed(self.target, ids), self.model.fuse(st.pending[None]), positions,
                               attn)[:, -1:]
         st.start, st.pending = st.start + m, None
@@ -309,6 +315,7 @@ def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps
     of the loss by the caller). -> per step, outputs [b, L, H]."""
     b, length, _ = embeds.shape
     dev = embeds.device
+    window = model.config.sliding_window
     positions = torch.arange(length, device=dev)[None].expand(b, -1)
     keys: list[tuple[Tensor, Tensor]] = []
     outs = []
@@ -325,6 +332,8 @@ def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps
             s = t[None, :]  # key position within each step's block
             blocks = [s <= t[:, None] - j] + [s == t[:, None] - j + i for i in range(1, j + 1)]
             mask = torch.cat(blocks, dim=1)  # [L, (j+1)*L]
+            if window is not None:  # the chain started at t - j sees step 0's keys back to t - j - window + 1
+                mask[:, :length] &= s > t[:, None] - j - window
             mask = mask | ~mask.any(dim=1, keepdim=True)  # rows t < j see nothing: give them all (ignored)
             return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True)
 

@@ -89,29 +89,35 @@ def layer_dialect(name: str, extra_read: Iterable[str] = (), extra_inert: dict[s
     return Dialect(name=name, read=LAYER_KEYS | frozenset(extra_read), inert={**LAYER_INERT, **(extra_inert or {})})
 
 
-def layer_values(raw: dict[str, Any], where: str = "config.json") -> None:
+def layer_values(raw: dict[str, Any], where: str = "config.json", sliding_ok: bool = False) -> int | None:
     """Refuse layer-config values this engine's layers do not compute: another activation,
-    MLP biases, sliding-window layers, rope keys it does not read."""
+    MLP biases, sliding-window layers (unless ``sliding_ok``: then every layer is sliding or
+    none is, and the window is returned), rope keys it does not read."""
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the gated MLP computes silu); "
                           "use a drafter with hidden_act: silu")
     if raw.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias: true is not supported (the MLP projections have no bias)")
-    sliding = [i for i, t in enumerate(raw.get("layer_types") or []) if t != "full_attention"]
-    if sliding:
-        kinds = sorted({raw["layer_types"][i] for i in sliding})
-        raise ConfigError(f"{where}: layer_types gives layer(s) {sliding} attention {kinds}; draftline's drafters "
-                          "run full attention only, so a sliding-window drafter would draft differently from "
+    types = raw.get("layer_types") or []
+    sliding = [i for i, t in enumerate(types) if t != "full_attention"]
+    if sliding and not (sliding_ok and len(sliding) == len(types) and set(types) == {"sliding_attention"}):
+        kinds = sorted({types[i] for i in sliding})
+        raise ConfigError(f"{where}: layer_types gives layer(s) {sliding} attention {kinds}; this drafter dialect "
+                          "runs full attention only, so a sliding-window drafter would draft differently from "
                           "how it was trained. Use a drafter whose layer_types are all full_attention")
-    if raw.get("use_sliding_window"):
-        raise ConfigError(f"{where}: use_sliding_window: true is not supported (drafter layers run full "
-                          "attention); use a drafter trained without a sliding window")
+    if raw.get("use_sliding_window") and not types:  # with layer_types given, they decide (as in transformers)
+        raise ConfigError(f"{where}: use_sliding_window: true without layer_types is not supported (which "
+                          "layers slide is unknown); use a drafter whose config lists layer_types")
+    window = raw.get("sliding_window") if sliding else None
+    if sliding and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window, got {window!r}")
     for key in ("rope_scaling", "rope_parameters"):
         unknown = sorted(set(raw.get(key) or {}) - ROPE_KEYS)
         if unknown:
             raise ConfigError(f"{where}: {key}.{unknown[0]} is not read by draftline's rotary embedding "
                               f"(it reads {', '.join(sorted(ROPE_KEYS))}); use a drafter without it")
+    return window
 
 
 # z-lab DFlash drafters (architectures: [DFlashDraftModel]): Qwen3 layer fields at the top level

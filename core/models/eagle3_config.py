@@ -30,6 +30,7 @@ class Eagle3Config:
     fc_norm: bool = False  # one RMSNorm per tapped layer's features (fc_norm.i) before fc
     norm_output: bool = False  # a chain step feeds back norm(out), not out (speculators' norm_output)
     readout_norm: bool = True  # lm_head reads norm(out); False: out itself (SpecForge's norm_output: false)
+    sliding_window: int | None = None  # the layer attends to the last this-many positions (reference backend)
     dialect: str = "eagle"  # "eagle" (EAGLE / SpecForge), "angelslim" or "speculators": a key of DIALECTS
 
     @property
@@ -45,6 +46,8 @@ class Eagle3Config:
                 if getattr(self, name)]
         if not self.readout_norm:
             out.append("no final norm before lm_head (norm_output: false)")
+        if self.sliding_window is not None:
+            out.append(f"sliding-window attention over {self.sliding_window} positions")
         if self.aux_layer_ids is None:
             out.append("tapped layer inputs: the default (2, N/2, N-3)")
         else:
@@ -114,7 +117,7 @@ def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
     if eagle.get("use_aux_hidden_state") is False:
         raise ConfigError("config.json eagle_config.use_aux_hidden_state: false (an EAGLE-1/2 style head fed the "
                           "last hidden state only) is not supported; EAGLE-3 heads tap several layers")
-    layer = _layer(raw, "config.json", ("llama",))  # LlamaForCausalLMEagle3: a Llama layer
+    layer, _ = _layer(raw, "config.json", ("llama",))  # LlamaForCausalLMEagle3: a Llama layer
     # SpecForge's eagle_config ids name layers whose *output* is tapped: the input of the next one
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
@@ -128,7 +131,7 @@ def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
 
 def _angelslim(raw: dict[str, Any]) -> Eagle3Config:
     ANGELSLIM_DIALECT.check_keys(raw)
-    layer = _layer(raw, "config.json", ("llama",))  # Eagle3LlamaForCausalLM: a Llama layer
+    layer, _ = _layer(raw, "config.json", ("llama",))  # Eagle3LlamaForCausalLM: a Llama layer
     return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
                         target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
                         aux_layer_ids=None, dialect="angelslim")
@@ -149,20 +152,22 @@ def _speculators(raw: dict[str, Any]) -> Eagle3Config:
     SPECULATORS_LAYER.check_keys(inner, "config.json transformer_layer_config")
     if raw.get("norm_before_fc") and raw.get("fc_norm"):
         raise ConfigError("config.json: norm_before_fc and fc_norm are both true; speculators allows one or the other")
-    layer = _layer(inner, "config.json transformer_layer_config", ("qwen3", "llama"))  # speculators' default: Qwen3
+    layer, window = _layer(inner, "config.json transformer_layer_config", ("qwen3", "llama"), sliding_ok=True)
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
     return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
                         target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
                         aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
                         norm_before_residual=bool(raw.get("norm_before_residual", False)),
                         norm_before_fc=bool(raw.get("norm_before_fc", False)), fc_norm=bool(raw.get("fc_norm", False)),
-                        norm_output=bool(raw.get("norm_output", False)), dialect="speculators")
+                        norm_output=bool(raw.get("norm_output", False)), sliding_window=window,
+                        dialect="speculators")
 
 
-def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...]) -> ModelConfig:
+def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...], sliding_ok: bool = False
+           ) -> tuple[ModelConfig, int | None]:
     """The draft layer: Llama or Qwen3 (by model_type, the first of ``kinds`` by default; q/k
-    norms for Qwen3), exactly one."""
-    layer_values(raw, where)
+    norms for Qwen3), exactly one -> (its config, its sliding window or None)."""
+    window = layer_values(raw, where, sliding_ok)
     kind = raw.get("model_type", kinds[0])
     if kind not in kinds:
         raise ConfigError(f"{where}: model_type {kind!r} is not supported for this EAGLE-3 draft layer; "
@@ -172,7 +177,7 @@ def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...]) -> ModelConf
         raise ConfigError(f"{where}: num_hidden_layers {layers}; draftline runs EAGLE-3 heads of one decoder "
                           "layer, so a deeper head would lose its other layers. Use a one-layer head")
     cfg = model_config({**raw, "num_hidden_layers": 1}, default_arch=kind)
-    return replace(cfg, arch=kind)
+    return replace(cfg, arch=kind), window
 
 
 DIALECTS = {"eagle": EAGLE_DIALECT, "angelslim": ANGELSLIM_DIALECT, "speculators": SPECULATORS_DIALECT}
