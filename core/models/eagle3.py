@@ -6,14 +6,16 @@ takes concat(input_norm(embed(token)), hidden_norm(h)) as its attention input (2
 h as the residual; then the MLP, the final norm and an LM head over a reduced draft
 vocabulary, mapped to target ids by ``d2t`` (target id = draft id + d2t[draft id]). A chain
 step feeds the layer's pre-norm output back as the next step's h, without ``fc``. The
-drafter keeps its own one-layer KV cache; it has no embedding of its own (the target's).
+drafter keeps its own one-layer KV cache; it reads the target's embedding unless its
+checkpoint brings one that differs.
 
 Three checkpoint dialects are read (eagle3_config.py): EAGLE / SpecForge
 (``LlamaForCausalLMEagle3``; weights ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
-``t2d``), AngelSlim (``Eagle3LlamaForCausalLM``, the same weights) and ``speculators`` (``speculators_model_type: eagle3``, the layer's weights under
-``layers.0.*``, with its options: ``input_norm`` or ``fc_norm.i`` before ``fc``, a Qwen3 layer's
-q/k norms, the normed output fed back). A checkpoint's ``embed_tokens`` is the head's own
-embedding where it differs from the target's (a head trained with its embedding unfrozen).
+``t2d``), AngelSlim (``Eagle3LlamaForCausalLM``, the same weights) and ``speculators``
+(``speculators_model_type: eagle3``, the layer's weights under ``layers.0.*``, with its
+options: ``input_norm`` or ``fc_norm.i`` before ``fc``, a Qwen3 layer's q/k norms, the normed
+output fed back, a sliding-window layer). A checkpoint's ``embed_tokens`` is the head's own embedding where it differs
+from the target's (a head trained with its embedding unfrozen).
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ def load_eagle3(folder: str | Path) -> Eagle3DraftModel:
         emb = read["embed_tokens.weight"]
         want = [model.config.layer.vocab_size, model.config.layer.hidden_size]
         if list(emb.shape) != want:
-            raise CheckpointError(f"{folder}: embed_tokens.weight has shape {list(emb.shape)}, the config implies {want}")
+            raise CheckpointError(f"{folder}: embed_tokens.weight has shape {list(emb.shape)}, "
+                                  f"the config implies {want}")
         model.own_embedding(emb.float())  # until compared with the target's (keep_own_embedding)
     return model.eval()
 

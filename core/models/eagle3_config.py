@@ -1,13 +1,15 @@
 """EAGLE-3 head configurations, from the three checkpoint dialects' ``config.json``.
 
-EAGLE / SpecForge (``architectures: [LlamaForCausalLMEagle3]``): the draft layer's Llama
-fields at the top level, ``eagle_config.eagle_aux_hidden_state_layer_ids`` naming target layers
-whose *output* is tapped. AngelSlim (``[Eagle3LlamaForCausalLM]``): the same fields and
-weights; its heads tap the inputs of layers 2, N/2 and N-3 and the config names no ids. speculators (``speculators_model_type: eagle3``): the draft layer's
-Llama or Qwen3 fields under ``transformer_layer_config``, ``eagle_aux_hidden_state_layer_ids``
-naming layers whose *input* is tapped (0: the embedding output), and the options that change
-the head's function (``norm_before_fc``, ``fc_norm``, ``norm_output``, ``norm_before_residual``).
-Every key is read, known to be inert, or refused (dialect.py).
+EAGLE / SpecForge (``architectures: [LlamaForCausalLMEagle3]``): the draft layer's Llama fields
+at the top level, ``eagle_config.eagle_aux_hidden_state_layer_ids`` naming target layers whose
+*output* is tapped, SpecForge's ``fc_norm`` and ``norm_output`` (false: lm_head reads the
+layer's output without the final norm). AngelSlim (``[Eagle3LlamaForCausalLM]``): the same fields and weights; its
+heads tap the inputs of layers 2, N/2 and N-3 and the config names no ids. speculators
+(``speculators_model_type: eagle3``): the draft layer's Llama or Qwen3 fields under
+``transformer_layer_config``, ``eagle_aux_hidden_state_layer_ids`` naming layers whose *input*
+is tapped (0: the embedding output), and the options that change the head's function
+(``norm_before_fc``, ``fc_norm``, ``norm_output``: the normed output fed back,
+``norm_before_residual``), and a sliding-window layer (``layer_types``). Every key is read, known to be inert, or refused (dialect.py).
 """
 
 from __future__ import annotations
