@@ -147,7 +147,8 @@ def test_speculators_values_it_does_not_compute_are_refused(tmp_path, edit, mess
     (lambda r: r.update(sample_from_anchor=True), "sample_from_anchor: true"),
     (lambda r: r["speculators_config"].update(algorithm="dspark"), "algorithm 'dspark' is not dflash"),
     (lambda r: r.update(speculators_model_type="eagle3"), "not a DFlash drafter \\(an EAGLE-3 head: use method: eagle3\\)"),
-    (lambda r: _layer(r).update(layer_types=["full_attention", "sliding_attention"]), r"layer\(s\) \[1\]"),
+    (lambda r: _layer(r).update(layer_types=["full_attention", "chunked_attention"]), r"layer\(s\) \[1\]"),
+    (lambda r: _layer(r).update(layer_types=["full_attention"]), "layer_types lists 1 layers, num_hidden_layers is 2"),
 ])
 def test_speculators_dflash_values_it_does_not_compute_are_refused(tmp_path, edit, message):
     folder = _speculators_dflash(tmp_path / "c")
@@ -225,3 +226,23 @@ def test_specforge_fc_norm_and_norm_output(tmp_path):
         torch.testing.assert_close(loaded.logits(out)[:, loaded.draft_ids()], model.lm_head(out))
         assert torch.equal(loaded.next_hidden(out), out)
     assert "no final norm before lm_head" in ", ".join(loaded.config.options())
+
+
+def test_z_lab_dflash_refuses_sliding_layers(tmp_path):
+    folder = _dflash(tmp_path / "c")
+    _edit_config(folder, lambda raw: raw.update(layer_types=["sliding_attention"], sliding_window=8))
+    with pytest.raises(ConfigError, match=r"layer_types gives layer\(s\) \[0\] attention \['sliding_attention'\]"):
+        load_dflash(folder)
+
+
+def test_sliding_dflash_refuses_the_cuda_backend():
+    pytest.importorskip("triton")
+    from backends.cuda.kv import StaticStore
+    from core.machine import Plan
+    from core.methods.dflash import DFlashDrafter
+
+    plan = Plan(method="dflash", drafting="parallel", num_speculative_tokens=3, target_layer_ids=(-1, 2, 5),
+                block_size=4)
+    with pytest.raises(ConfigError, match=r"layers \[0\] attend through sliding windows.*backend: reference"):
+        DFlashDrafter(load_dflash(SPECULATORS.parent / "dflash-sliding-window"), random_target("tiny-qwen3", 0),
+                      StaticStore(2, 64, torch.device("cpu")), plan, 257)

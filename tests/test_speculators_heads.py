@@ -17,7 +17,7 @@ from core.models.eagle3 import Eagle3DraftModel, load_eagle3
 from core.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name != "dflash")  # EAGLE-3 heads
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and not p.name.startswith("dflash"))  # EAGLE-3
 
 
 def _logits(model: Eagle3DraftModel, ref: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,7 +93,7 @@ def test_taps_at_both_ends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "sliding-window"] + ["dflash"])  # sliding: refused
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "sliding-window"] + ["dflash"])  # sliding ones: refused
 def test_cuda_backend_drafts_what_the_reference_drafts(name):
     """The cuda backend's fused chain (graphs, Triton kernels) computes each option as the
     reference does: float32, the same tokens and the same drafts every round; bf16 greedy
@@ -116,35 +116,39 @@ def test_cuda_backend_drafts_what_the_reference_drafts(name):
         [c.output_ids for c in bf16.with_method({"method": "none"}).generate(prompts, params)]
 
 
-def test_speculators_dflash_logits_equal_speculators_forward():
+@pytest.mark.parametrize("name", ["dflash", "dflash-sliding-window"])
+def test_speculators_dflash_logits_equal_speculators_forward(name):
     """A DFlash drafter in the speculators format: each block [anchor token, MASK x (B-1)]
     over the features strictly before its anchor gives speculators' logits (the target's
-    embedding and read-out, which the checkpoint does not store, come with the reference)."""
-    import torch.nn.functional as F
-
+    embedding and read-out, which the checkpoint does not store, come with the reference),
+    through the reference backend's attention (a sliding layer: the last `window` context
+    positions, its block causal)."""
+    from backends.reference.kv import ReferenceKV
     from core.models.loader import load_dflash
 
-    folder = FIXTURES / "dflash"
+    folder = FIXTURES / name
     ref = load_file(folder / "reference.safetensors")
     model = load_dflash(folder)
     cfg = model.config
     assert cfg.dialect == "speculators DFlash" and cfg.target_layer_ids == (-1, 2, 5) and cfg.block_size == 4
-    embed, head = ref["embed_tokens.weight"], ref["lm_head.weight"]
+    assert cfg.windows() == ({0: 3} if name.endswith("sliding-window") else {})
+    embed, head, kv = ref["embed_tokens.weight"], ref["lm_head.weight"], ReferenceKV()
     with torch.no_grad():
         for a, want in zip(ref["anchors"].tolist(), ref["logits"]):
-            ctx = model.context_kv(ref["hidden_states"][:, :a], torch.arange(a)[None])
-
-            def attend(layer, q, k, v, ctx=ctx):
-                keys, values = torch.cat([ctx[layer][0], k], 2), torch.cat([ctx[layer][1], v], 2)
-                return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            cache = kv.new(len(model.layers))
+            for layer, (k, v) in enumerate(model.context_kv(ref["hidden_states"][:, :a], torch.arange(a)[None])):
+                kv.append(cache, layer, k[0], v[0])
+            windowed = {"windows": cfg.windows(), "block_causal": cfg.sliding_block_causal} if cfg.windows() else {}
+            attend = kv.attention([cache], causal=False, persist=False, **windowed)
 
             block = torch.tensor([[int(ref["input_ids"][0, a])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
             hidden = model(embed[block], a + torch.arange(cfg.block_size)[None], attend)
             torch.testing.assert_close(hidden[0] @ head.T, want, rtol=0, atol=1e-4, msg=f"anchor {a}")
 
 
-def test_speculators_dflash_greedy_output_equals_none():
-    spec = tiny_spec({"method": "dflash", "draft": {"path": str(FIXTURES / "dflash")}})
+@pytest.mark.parametrize("name", ["dflash", "dflash-sliding-window"])
+def test_speculators_dflash_greedy_output_equals_none(name):
+    spec = tiny_spec({"method": "dflash", "draft": {"path": str(FIXTURES / name)}})
     engine = Engine(spec)
     assert engine.plan.target_layer_ids == (-1, 2, 5) and engine.plan.num_speculative_tokens == 3
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

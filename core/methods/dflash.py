@@ -143,7 +143,9 @@ class DFlashMethod(Method):
                     f"dialect, {src}); options: trained block size {drafter.block_size}, mask token "
                     f"{drafter.mask_token_id}, tapped layer outputs {list(drafter.target_layer_ids)}"
                     + ("" if drafter.num_target_layers is None else f" of {drafter.num_target_layers}")
-                    + (" (-1: the embedding output)" if -1 in drafter.target_layer_ids else ""),
+                    + (" (-1: the embedding output)" if -1 in drafter.target_layer_ids else "")
+                    + "".join(f", layer {i}: sliding window {w}" for i, w in drafter.windows().items())
+                    + (", sliding blocks causal" if drafter.windows() and drafter.sliding_block_causal else ""),
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
@@ -159,6 +161,12 @@ class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashDraftModel, target: TargetModel, kv: KVStore, plan: Plan, mask_token_id: int):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.mask_token_id = mask_token_id
+        windows = model.config.windows()
+        if windows and hasattr(kv, "at"):
+            raise ConfigError(f"this DFlash drafter's layers {sorted(windows)} attend through sliding windows, which "
+                              "the cuda backend's drafter caches do not implement; run it with backend: reference")
+        # sliding layers see the last `window` context positions before the block (reference KV only)
+        self.windowed = {"windows": windows, "block_causal": model.config.sliding_block_causal} if windows else {}
 
     def admit(self, req: Request) -> None:
         req.draft_state = self.kv.new(len(self.model.layers))
@@ -181,7 +189,7 @@ class DFlashDrafter(Drafter):
         n = rows.last_token.shape[0]
         # [N, B] each: ids anchor, MASK, ...; positions start .. start + B - 1
         ids, positions = rows.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
-        attn = self.kv.attention(rows.caches, causal=False, persist=False)
+        attn = self.kv.attention(rows.caches, causal=False, persist=False, **self.windowed)
         hidden = self.model(self.target.embed(ids), positions, attn)
         if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
             return Proposal(tokens=rows.head_argmax(self.target.lm_head, hidden[:, 1:]))
@@ -209,6 +217,9 @@ def training_loss(
 ) -> tuple[Tensor, Tensor]:
     """Weighted cross-entropy of slots 1..B-1, each block seeing target features strictly
     before its anchor. Returns (loss, correct [b, A, B-1] bool) for acceptance estimates."""
+    if drafter.config.windows():
+        raise ValueError("training a DFlash drafter with sliding-window layers is not supported (the block mask "
+                         "here has no window)")
     tokens, anchors = batch.tokens, batch.anchors
     b, length = tokens.shape
     a, blk = anchors.shape[1], drafter.config.block_size

@@ -267,7 +267,8 @@ class Eagle3Drafter(Drafter):
         ids = torch.tensor([req.token_ids[st.start + 1 : st.start + 1 + m]], device=st.pending.device)  # [1, m]
         positions = st.start + torch.arange(m, device=ids.device)[None]  # [1, m]
         # a sliding window stays anchored at the chain's start for its later steps, as speculators trains it
-        attn = self.kv.attention([st.cache], causal=True, persist=True, window=self.model.config.sliding_window,
+        window = self.model.config.sliding_window
+        attn = self.kv.attention([st.cache], causal=True, persist=True, windows=None if window is None else {0: window},
                                  anchor=st.start + m - 1)
         out = self.model.step(self.model.embed(self.target, ids), self.model.fuse(st.pending[None]), positions,
                               attn)[:, -1:]

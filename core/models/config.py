@@ -67,6 +67,12 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]  # target layers whose *output* is tapped (-1: the embedding output)
     num_target_layers: int | None  # the target trained against (None: the checkpoint does not say)
     dialect: str = "z-lab DFlash"
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None (or no entry): full
+    sliding_block_causal: bool = True  # a sliding layer's block is causal (speculators' default)
+
+    def windows(self) -> dict[int, int]:
+        """layer -> sliding window, for the layers that slide."""
+        return {i: w for i, w in enumerate(self.layer_windows) if w is not None}
 
 
 def default_dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -89,10 +89,11 @@ def layer_dialect(name: str, extra_read: Iterable[str] = (), extra_inert: dict[s
     return Dialect(name=name, read=LAYER_KEYS | frozenset(extra_read), inert={**LAYER_INERT, **(extra_inert or {})})
 
 
-def layer_values(raw: dict[str, Any], where: str = "config.json", sliding_ok: bool = False) -> int | None:
+def layer_values(raw: dict[str, Any], where: str = "config.json", sliding_ok: bool = False
+                 ) -> tuple[int | None, ...]:
     """Refuse layer-config values this engine's layers do not compute: another activation,
-    MLP biases, sliding-window layers (unless ``sliding_ok``: then every layer is sliding or
-    none is, and the window is returned), rope keys it does not read."""
+    MLP biases, sliding-window layers (unless ``sliding_ok``), rope keys it does not read.
+    -> each layer's sliding window (None: full attention), as layer_types gives them, or ()."""
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the gated MLP computes silu); "
@@ -101,7 +102,7 @@ def layer_values(raw: dict[str, Any], where: str = "config.json", sliding_ok: bo
         raise ConfigError(f"{where}: mlp_bias: true is not supported (the MLP projections have no bias)")
     types = raw.get("layer_types") or []
     sliding = [i for i, t in enumerate(types) if t != "full_attention"]
-    if sliding and not (sliding_ok and len(sliding) == len(types) and set(types) == {"sliding_attention"}):
+    if sliding and not (sliding_ok and set(types) <= {"sliding_attention", "full_attention"}):
         kinds = sorted({types[i] for i in sliding})
         raise ConfigError(f"{where}: layer_types gives layer(s) {sliding} attention {kinds}; this drafter dialect "
                           "runs full attention only, so a sliding-window drafter would draft differently from "
@@ -112,12 +113,15 @@ def layer_values(raw: dict[str, Any], where: str = "config.json", sliding_ok: bo
     window = raw.get("sliding_window") if sliding else None
     if sliding and (not isinstance(window, int) or window < 1):
         raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window, got {window!r}")
+    if types and len(types) != int(raw.get("num_hidden_layers", len(types))):
+        raise ConfigError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is "
+                          f"{raw.get('num_hidden_layers')}; give one type per layer")
     for key in ("rope_scaling", "rope_parameters"):
         unknown = sorted(set(raw.get(key) or {}) - ROPE_KEYS)
         if unknown:
             raise ConfigError(f"{where}: {key}.{unknown[0]} is not read by draftline's rotary embedding "
                               f"(it reads {', '.join(sorted(ROPE_KEYS))}); use a drafter without it")
-    return window
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 # z-lab DFlash drafters (architectures: [DFlashDraftModel]): Qwen3 layer fields at the top level

@@ -169,7 +169,7 @@ def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...], sliding_ok: 
            ) -> tuple[ModelConfig, int | None]:
     """The draft layer: Llama or Qwen3 (by model_type, the first of ``kinds`` by default; q/k
     norms for Qwen3), exactly one -> (its config, its sliding window or None)."""
-    window = layer_values(raw, where, sliding_ok)
+    windows = layer_values(raw, where, sliding_ok)
     kind = raw.get("model_type", kinds[0])
     if kind not in kinds:
         raise ConfigError(f"{where}: model_type {kind!r} is not supported for this EAGLE-3 draft layer; "
@@ -179,7 +179,7 @@ def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...], sliding_ok: 
         raise ConfigError(f"{where}: num_hidden_layers {layers}; draftline runs EAGLE-3 heads of one decoder "
                           "layer, so a deeper head would lose its other layers. Use a one-layer head")
     cfg = model_config({**raw, "num_hidden_layers": 1}, default_arch=kind)
-    return replace(cfg, arch=kind), window
+    return replace(cfg, arch=kind), windows[0] if windows else None
 
 
 DIALECTS = {"eagle": EAGLE_DIALECT, "angelslim": ANGELSLIM_DIALECT, "speculators": SPECULATORS_DIALECT}

@@ -21,7 +21,7 @@ SPECULATORS_DFLASH = Dialect(
     "speculators DFlash",
     read=frozenset({"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
                     "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
-                    "sample_from_anchor", "speculators_config"}),
+                    "sample_from_anchor", "sliding_window_non_causal", "speculators_config"}),
     inert={
         "speculators_version": "provenance only",
         "transformers_version": "provenance only",
@@ -29,7 +29,6 @@ SPECULATORS_DFLASH = Dialect(
         "torch_dtype": "the spec's dtype decides the weights' dtype",
         "auto_map": "names speculators' config class; the keys here define the model",
         "tie_word_embeddings": "a full-vocabulary drafter reads out through the target's lm_head",
-        "sliding_window_non_causal": "read only by sliding-window layers, which are refused",
     },
     inert_tensors={
         "embed_tokens.weight": "speculators replaces it with the target's embedding on load",
@@ -56,7 +55,7 @@ def speculators_dflash_config(raw: dict[str, Any]) -> DFlashConfig:
         raise ConfigError("speculators config lacks transformer_layer_config (the draft layers' fields)")
     where = "config.json transformer_layer_config"
     SPECULATORS_DFLASH_LAYER.check_keys(inner, where)
-    layer_values(inner, where)
+    windows = layer_values(inner, where, sliding_ok=True)
     layers = replace(model_config(inner, default_arch="qwen3"), arch="qwen3")  # always Qwen3-style layers
     _refuse_unsupported(raw, layers)
     ids = raw.get("aux_hidden_state_layer_ids")
@@ -66,7 +65,8 @@ def speculators_dflash_config(raw: dict[str, Any]) -> DFlashConfig:
     return DFlashConfig(layers=layers, block_size=int(raw.get("block_size", 8)),
                         mask_token_id=None if mask is None else int(mask),
                         target_layer_ids=tuple(int(i) - 1 for i in ids),  # the input of layer i: layer i-1's output
-                        num_target_layers=None, dialect="speculators DFlash")
+                        num_target_layers=None, dialect="speculators DFlash", layer_windows=windows,
+                        sliding_block_causal=not raw.get("sliding_window_non_causal", False))
 
 
 def _refuse_unsupported(raw: dict[str, Any], layers) -> None:
