@@ -157,10 +157,12 @@ def test_speculators_dflash_greedy_output_equals_none(name):
     assert got == [c.output_ids for c in engine.with_method({"method": "none"}).generate(prompts, params)]
 
 
-def test_sliding_window_chain_equals_uncached_recompute():
-    """The reference drafter's cached chain with a sliding window (anchored at the chain's
-    start, as speculators trains it) against a recomputation over the whole sequence with the
-    window as an explicit mask, over rounds that accept different numbers of drafts."""
+@pytest.mark.parametrize("name", NAMES)
+def test_cached_chain_equals_uncached_recompute(name):
+    """The reference drafter's cached chain for each head (its options in the chain's feedback;
+    a sliding window anchored at the chain's start, as speculators trains it) against a
+    recomputation over the whole sequence with explicit masks, over rounds that accept
+    different numbers of drafts."""
     from types import SimpleNamespace
 
     from backends.reference.kv import ReferenceKV
@@ -170,8 +172,8 @@ def test_sliding_window_chain_equals_uncached_recompute():
     from core.models.loader import random_target
 
     torch.manual_seed(0)
-    target, model = random_target("tiny-qwen3", 0), load_eagle3(FIXTURES / "sliding-window")
-    window, k, taps = model.config.sliding_window, 3, (0, 1, 2)
+    target, model = random_target("tiny-qwen3", 0), load_eagle3(FIXTURES / name)
+    window, k, taps = model.config.sliding_window or 10**6, 3, (0, 1, 2)
     plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=k, target_layer_ids=taps)
     drafter = Eagle3Drafter(model, target, ReferenceKV(), plan)
 
