@@ -14,8 +14,8 @@ Three checkpoint dialects are read (eagle3_config.py): EAGLE / SpecForge
 ``t2d``), AngelSlim (``Eagle3LlamaForCausalLM``, the same weights) and ``speculators``
 (``speculators_model_type: eagle3``, the layer's weights under ``layers.0.*``, with its
 options: ``input_norm`` or ``fc_norm.i`` before ``fc``, a Qwen3 layer's q/k norms, the normed
-output fed back, a sliding-window layer). A checkpoint's ``embed_tokens`` is the head's own embedding where it differs
-from the target's (a head trained with its embedding unfrozen).
+output fed back, a sliding-window layer). A checkpoint's ``embed_tokens`` is the head's own
+embedding where it differs from the target's (a head trained with its embedding unfrozen).
 """
 
 from __future__ import annotations
