@@ -126,7 +126,6 @@ def _layer(raw: dict) -> dict:
     (lambda r: _layer(r).update(layer_types=["sliding_attention"], sliding_window=None),
      "sliding_attention layers need a positive sliding_window, got None"),
     (lambda r: _layer(r).update(use_sliding_window=True), "use_sliding_window: true without layer_types"),
-    (lambda r: _layer(r).update(num_hidden_layers=2), "num_hidden_layers 2; draftline runs EAGLE-3 heads of one"),
     (lambda r: _layer(r).update(model_type="mistral"), "model_type 'mistral' is not supported"),
     (lambda r: _layer(r).update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (lambda r: _layer(r).update(mlp_bias=True), "mlp_bias: true is not supported"),
@@ -246,3 +245,10 @@ def test_sliding_dflash_refuses_the_cuda_backend():
     with pytest.raises(ConfigError, match=r"layers \[0\] attend through sliding windows.*backend: reference"):
         DFlashDrafter(load_dflash(SPECULATORS.parent / "dflash-sliding-window"), random_target("tiny-qwen3", 0),
                       StaticStore(2, 64, torch.device("cpu")), plan, 257)
+
+
+def test_eagle_dialect_heads_have_one_layer(tmp_path):
+    folder = _eagle(tmp_path / "c")
+    _edit_config(folder, lambda raw: raw.update(num_hidden_layers=2))
+    with pytest.raises(ConfigError, match="num_hidden_layers 2; this dialect's EAGLE-3 heads have one decoder layer"):
+        load_eagle3(folder)

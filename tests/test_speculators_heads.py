@@ -34,7 +34,7 @@ def _logits(model: Eagle3DraftModel, ref: dict) -> list[tuple[torch.Tensor, torc
 
 def test_every_fixture_is_here():
     assert NAMES == sorted(["fc-norm", "full-vocab", "layer-zero", "llama", "norm-before-fc", "norm-before-residual",
-                            "norm-output", "qwen3", "sliding-window", "trained-defaults"])
+                            "norm-output", "qwen3", "sliding-window", "trained-defaults", "two-layers"])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -93,7 +93,7 @@ def test_taps_at_both_ends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "sliding-window"] + ["dflash"])  # sliding ones: refused
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("sliding-window", "two-layers")] + ["dflash"])  # others: refused
 def test_cuda_backend_drafts_what_the_reference_drafts(name):
     """The cuda backend's fused chain (graphs, Triton kernels) computes each option as the
     reference does: float32, the same tokens and the same drafts every round; bf16 greedy
@@ -173,7 +173,7 @@ def test_cached_chain_equals_uncached_recompute(name):
 
     torch.manual_seed(0)
     target, model = random_target("tiny-qwen3", 0), load_eagle3(FIXTURES / name)
-    window, k, taps = model.config.sliding_window or 10**6, 3, (0, 1, 2)
+    windows, k, taps = model.config.windows(), 3, (0, 1, 2)
     plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=k, target_layer_ids=taps)
     drafter = Eagle3Drafter(model, target, ReferenceKV(), plan)
 
@@ -184,9 +184,11 @@ def test_cached_chain_equals_uncached_recompute(name):
         for _ in range(k):
             n = embeds.shape[1]
             p = torch.arange(n)
-            sees = (p[None] <= p[:, None]) & (p[None] > p[:, None].clamp(max=start) - window)
 
-            def attend(layer, q, kk, v, sees=sees):
+            def attend(layer, q, kk, v, p=p):
+                sees = p[None] <= p[:, None]
+                if layer in windows:
+                    sees = sees & (p[None] > p[:, None].clamp(max=start) - windows[layer])
                 return torch.nn.functional.scaled_dot_product_attention(q, kk, v, attn_mask=sees, enable_gqa=True)
 
             out = model.step(embeds, hidden, p[None], attend)
@@ -217,6 +219,6 @@ def test_sliding_window_heads_refuse_the_cuda_backend():
     from core.models.loader import random_target
 
     plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=3, target_layer_ids=(0, 1, 2))
-    with pytest.raises(ConfigError, match="sliding window of 4 positions.*backend: reference"):
+    with pytest.raises(ConfigError, match=r"layers \[0\] attend through sliding windows.*backend: reference"):
         Eagle3Drafter(load_eagle3(FIXTURES / "sliding-window"), random_target("tiny-qwen3", 0),
                       StaticStore(2, 64, torch.device("cpu")), plan)

@@ -154,10 +154,15 @@ class Eagle3Drafter(Drafter):
     def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.positional = hasattr(kv, "at")
-        if self.positional and model.config.sliding_window is not None:
-            raise ConfigError(f"this EAGLE-3 head's layer attends through a sliding window of "
-                              f"{model.config.sliding_window} positions, which the cuda backend's drafter caches "
-                              "do not implement; run it with backend: reference")
+        cfg = model.config
+        if self.positional and cfg.windows():
+            raise ConfigError(f"this EAGLE-3 head's layers {sorted(cfg.windows())} attend through sliding windows "
+                              f"({cfg.windows()} positions), which the cuda backend's drafter caches do not "
+                              "implement; run it with backend: reference")
+        if self.positional and cfg.layer.num_layers > 1:
+            raise ConfigError(f"this EAGLE-3 head has {cfg.layer.num_layers} decoder layers; the cuda backend's "
+                              "fused chain runs one-layer heads; run it with backend: reference")
+        self.num_layers = cfg.layer.num_layers
         self.ascending = model.ascending_ids()  # greedy chains may read the draft vocabulary's argmax
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
@@ -166,7 +171,7 @@ class Eagle3Drafter(Drafter):
             return
         st = req.draft_state
         if st is None:
-            st = req.draft_state = Eagle3State(cache=self.kv.new(1), start=first_position)
+            st = req.draft_state = Eagle3State(cache=self.kv.new(self.num_layers), start=first_position)
         if st.pending is None:
             st.start, st.pending = first_position, features
         else:
@@ -175,7 +180,7 @@ class Eagle3Drafter(Drafter):
     def _prefill_entries(self, req: Request, features: Tensor, first: int) -> None:
         """Positional store, after prefill: every prompt position but the last (whose next token
         is not drawn yet) goes through the head now."""
-        req.draft_state = req.draft_state or self.kv.new(1)
+        req.draft_state = req.draft_state or self.kv.new(self.num_layers)
         n = features.shape[0] - 1
         if n > 0:
             ids = torch.tensor([req.token_ids[first + 1 : first + 1 + n]], device=features.device)  # [1, n]
@@ -184,7 +189,7 @@ class Eagle3Drafter(Drafter):
             self.model.step(self.model.embed(self.target, ids), self.model.fuse(features[None, :n]), positions, attn)
 
     def admit(self, req: Request) -> None:
-        req.draft_state = self.kv.new(1)
+        req.draft_state = self.kv.new(self.num_layers)
 
     def prefill_rows(self, rows: DraftRows, features: Tensor, ids: Tensor) -> None:
         """Entries for prompt positions 0 .. P - 2 in one causal pass (position t reads token
@@ -267,8 +272,7 @@ class Eagle3Drafter(Drafter):
         ids = torch.tensor([req.token_ids[st.start + 1 : st.start + 1 + m]], device=st.pending.device)  # [1, m]
         positions = st.start + torch.arange(m, device=ids.device)[None]  # [1, m]
         # a sliding window stays anchored at the chain's start for its later steps, as speculators trains it
-        window = self.model.config.sliding_window
-        attn = self.kv.attention([st.cache], causal=True, persist=True, windows=None if window is None else {0: window},
+        attn = self.kv.attention([st.cache], causal=True, persist=True, windows=self.model.config.windows() or None,
                                  anchor=st.start + m - 1)
         out = self.model.step(self.model.embed(self.target, ids), self.model.fuse(st.pending[None]), positions,
                               attn)[:, -1:]
@@ -316,9 +320,9 @@ def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps
     of the loss by the caller). -> per step, outputs [b, L, H]."""
     b, length, _ = embeds.shape
     dev = embeds.device
-    window = model.config.sliding_window
+    windows = model.config.windows()
     positions = torch.arange(length, device=dev)[None].expand(b, -1)
-    keys: list[tuple[Tensor, Tensor]] = []
+    keys: dict[int, list[tuple[Tensor, Tensor]]] = {}  # layer -> each step's keys and values
     outs = []
     t = torch.arange(length, device=dev)
     for j in range(steps):
@@ -327,9 +331,10 @@ def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps
             hidden = torch.cat([hidden[:, :1], fed[:, :-1]], dim=1)  # shift: step j-1's output at t-1
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, j=j) -> Tensor:
-            keys.append((k, v))
-            ks = torch.cat([kk for kk, _ in keys], dim=2)  # [b, Hkv, (j+1)*L, D]
-            vs = torch.cat([vv for _, vv in keys], dim=2)
+            keys.setdefault(layer, []).append((k, v))
+            ks = torch.cat([kk for kk, _ in keys[layer]], dim=2)  # [b, Hkv, (j+1)*L, D]
+            vs = torch.cat([vv for _, vv in keys[layer]], dim=2)
+            window = windows.get(layer)
             s = t[None, :]  # key position within each step's block
             blocks = [s <= t[:, None] - j] + [s == t[:, None] - j + i for i in range(1, j + 1)]
             mask = torch.cat(blocks, dim=1)  # [L, (j+1)*L]

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .checkpoint import CheckpointError, load_weights, tensor_files
 from .config import ModelConfig, read_config_json
 from .eagle3_config import DIALECTS, Eagle3Config, default_aux_layer_ids, eagle3_config
-from .layers import MLP, Attention, AttentionFn, RMSNorm, Rotary
+from .layers import MLP, Attention, AttentionFn, DecoderLayer, RMSNorm, Rotary
 from .presets import lookup_preset
 
 __all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "eagle3_config", "load_eagle3"]
@@ -74,6 +74,8 @@ class Eagle3DraftModel(nn.Module):
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, lc.rms_norm_eps) for _ in range(cfg.num_aux))
         self.embed_tokens: nn.Embedding | None = None  # the head's own embedding, when it has one (own_embedding)
         self.midlayer = Eagle3Layer(lc, cfg.norm_before_residual)
+        # a deeper speculators head: plain decoder layers after the first (cache layers 1, 2, ...)
+        self.extra_layers = nn.ModuleList(DecoderLayer(lc) for _ in range(lc.num_layers - 1))
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.lm_head = nn.Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [Vd] offsets
@@ -121,7 +123,10 @@ class Eagle3DraftModel(nn.Module):
         if getattr(attn, "decoder_layer", None) is not None:
             return self.step_normed(embeds, hidden, positions, attn)[0]
         cos, sin = self.rotary(positions, embeds.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, attn)
+        out = self.midlayer(embeds, hidden, cos, sin, attn)
+        for i, layer in enumerate(self.extra_layers, start=1):
+            out = layer(out, cos, sin, i, attn)
+        return out
 
     def step_normed(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn
                     ) -> tuple[Tensor, Tensor]:
@@ -132,6 +137,9 @@ class Eagle3DraftModel(nn.Module):
         if layer_fn is None:
             out = self.step(embeds, hidden, positions, attn)
             return out, self.norm(out)
+        if len(self.extra_layers):  # the fused form runs the first layer only: never drop the others
+            raise ValueError("a fused decoder_layer runs one-layer EAGLE-3 heads only; this head has "
+                             f"{1 + len(self.extra_layers)} layers (run it with backend: reference)")
         m = self.midlayer
         normed = attn.norm(hidden, m.hidden_norm)
         x = torch.cat([attn.norm(embeds, m.input_layernorm), normed], dim=-1)  # [B, T, 2H]
@@ -165,7 +173,12 @@ class Eagle3DraftModel(nn.Module):
 def _names(model: Eagle3DraftModel) -> dict[str, str]:
     """Module parameter name -> checkpoint tensor name for the model's dialect."""
     if model.config.dialect == "speculators":
-        return {n: n.replace("midlayer.", "layers.0.", 1) for n, _ in model.named_parameters()}
+        def rename(n: str) -> str:
+            if n.startswith("extra_layers."):
+                i, rest = n.removeprefix("extra_layers.").split(".", 1)
+                return f"layers.{int(i) + 1}.{rest}"
+            return n.replace("midlayer.", "layers.0.", 1)
+        return {n: rename(n) for n, _ in model.named_parameters()}
     return {n: n for n, _ in model.named_parameters()}
 
 

@@ -9,7 +9,8 @@ heads tap the inputs of layers 2, N/2 and N-3 and the config names no ids. specu
 ``transformer_layer_config``, ``eagle_aux_hidden_state_layer_ids`` naming layers whose *input*
 is tapped (0: the embedding output), and the options that change the head's function
 (``norm_before_fc``, ``fc_norm``, ``norm_output``: the normed output fed back,
-``norm_before_residual``), and a sliding-window layer (``layer_types``). Every key is read, known to be inert, or refused (dialect.py).
+``norm_before_residual``), more decoder layers after the first, and sliding-window layers
+(``layer_types``). Every key is read, known to be inert, or refused (dialect.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .dialect import Dialect, layer_dialect, layer_values, speculators_runtime
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    layer: ModelConfig  # the one decoder layer (vocab_size: the target's; arch llama or qwen3: q/k norms)
+    layer: ModelConfig  # the decoder layers (vocab_size: the target's; arch llama or qwen3: q/k norms)
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...] | None  # target layers whose *input* is tapped; None: (2, N/2, N-3)
@@ -32,7 +33,7 @@ class Eagle3Config:
     fc_norm: bool = False  # one RMSNorm per tapped layer's features (fc_norm.i) before fc
     norm_output: bool = False  # a chain step feeds back norm(out), not out (speculators' norm_output)
     readout_norm: bool = True  # lm_head reads norm(out); False: out itself (SpecForge's norm_output: false)
-    sliding_window: int | None = None  # the layer attends to the last this-many positions (reference backend)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None (or no entry): full
     dialect: str = "eagle"  # "eagle" (EAGLE / SpecForge), "angelslim" or "speculators": a key of DIALECTS
 
     @property
@@ -48,14 +49,19 @@ class Eagle3Config:
                 if getattr(self, name)]
         if not self.readout_norm:
             out.append("no final norm before lm_head (norm_output: false)")
-        if self.sliding_window is not None:
-            out.append(f"sliding-window attention over {self.sliding_window} positions")
+        if self.layer.num_layers > 1:
+            out.append(f"{self.layer.num_layers} decoder layers (the first reads [embedding, hidden])")
+        out += [f"layer {i}: sliding-window attention over {w} positions" for i, w in self.windows().items()]
         if self.aux_layer_ids is None:
             out.append("tapped layer inputs: the default (2, N/2, N-3)")
         else:
             out.append(f"tapped layer inputs {list(self.aux_layer_ids)}"
                        + (" (0: the embedding output)" if 0 in self.aux_layer_ids else ""))
         return out
+
+    def windows(self) -> dict[int, int]:
+        """layer -> sliding window, for the layers that slide."""
+        return {i: w for i, w in enumerate(self.layer_windows) if w is not None}
 
     @property
     def dialect_name(self) -> str:
@@ -154,32 +160,33 @@ def _speculators(raw: dict[str, Any]) -> Eagle3Config:
     SPECULATORS_LAYER.check_keys(inner, "config.json transformer_layer_config")
     if raw.get("norm_before_fc") and raw.get("fc_norm"):
         raise ConfigError("config.json: norm_before_fc and fc_norm are both true; speculators allows one or the other")
-    layer, window = _layer(inner, "config.json transformer_layer_config", ("qwen3", "llama"), sliding_ok=True)
+    layer, windows = _layer(inner, "config.json transformer_layer_config", ("qwen3", "llama"), deep_ok=True)
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
     return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
                         target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
                         aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
                         norm_before_residual=bool(raw.get("norm_before_residual", False)),
                         norm_before_fc=bool(raw.get("norm_before_fc", False)), fc_norm=bool(raw.get("fc_norm", False)),
-                        norm_output=bool(raw.get("norm_output", False)), sliding_window=window,
+                        norm_output=bool(raw.get("norm_output", False)), layer_windows=windows,
                         dialect="speculators")
 
 
-def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...], sliding_ok: bool = False
-           ) -> tuple[ModelConfig, int | None]:
-    """The draft layer: Llama or Qwen3 (by model_type, the first of ``kinds`` by default; q/k
-    norms for Qwen3), exactly one -> (its config, its sliding window or None)."""
-    windows = layer_values(raw, where, sliding_ok)
+def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...], deep_ok: bool = False
+           ) -> tuple[ModelConfig, tuple[int | None, ...]]:
+    """The draft layers: Llama or Qwen3 (by model_type, the first of ``kinds`` by default; q/k
+    norms for Qwen3), exactly one unless ``deep_ok`` (speculators: more layers, sliding windows)
+    -> (their config, each layer's sliding window or None)."""
+    windows = layer_values(raw, where, sliding_ok=deep_ok)
     kind = raw.get("model_type", kinds[0])
     if kind not in kinds:
         raise ConfigError(f"{where}: model_type {kind!r} is not supported for this EAGLE-3 draft layer; "
                           f"supported: {', '.join(kinds)}")
     layers = int(raw.get("num_hidden_layers", 1))
-    if layers != 1:
-        raise ConfigError(f"{where}: num_hidden_layers {layers}; draftline runs EAGLE-3 heads of one decoder "
+    if layers < 1 or (layers > 1 and not deep_ok):
+        raise ConfigError(f"{where}: num_hidden_layers {layers}; this dialect's EAGLE-3 heads have one decoder "
                           "layer, so a deeper head would lose its other layers. Use a one-layer head")
-    cfg = model_config({**raw, "num_hidden_layers": 1}, default_arch=kind)
-    return replace(cfg, arch=kind), windows[0] if windows else None
+    cfg = model_config({**raw, "num_hidden_layers": layers}, default_arch=kind)
+    return replace(cfg, arch=kind), windows
 
 
 DIALECTS = {"eagle": EAGLE_DIALECT, "angelslim": ANGELSLIM_DIALECT, "speculators": SPECULATORS_DIALECT}
