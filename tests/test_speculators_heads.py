@@ -116,7 +116,7 @@ def test_cuda_backend_drafts_what_the_reference_drafts(name):
         [c.output_ids for c in bf16.with_method({"method": "none"}).generate(prompts, params)]
 
 
-@pytest.mark.parametrize("name", ["dflash", "dflash-sliding-window"])
+@pytest.mark.parametrize("name", ["dflash", "dflash-sliding-window", "dflash-sliding-non-causal"])
 def test_speculators_dflash_logits_equal_speculators_forward(name):
     """A DFlash drafter in the speculators format: each block [anchor token, MASK x (B-1)]
     over the features strictly before its anchor gives speculators' logits (the target's
@@ -131,7 +131,8 @@ def test_speculators_dflash_logits_equal_speculators_forward(name):
     model = load_dflash(folder)
     cfg = model.config
     assert cfg.dialect == "speculators DFlash" and cfg.target_layer_ids == (-1, 2, 5) and cfg.block_size == 4
-    assert cfg.windows() == ({0: 3} if name.endswith("sliding-window") else {})
+    assert cfg.windows() == ({} if name == "dflash" else {0: 3})
+    assert cfg.sliding_block_causal == (name != "dflash-sliding-non-causal")
     embed, head, kv = ref["embed_tokens.weight"], ref["lm_head.weight"], ReferenceKV()
     with torch.no_grad():
         for a, want in zip(ref["anchors"].tolist(), ref["logits"]):
