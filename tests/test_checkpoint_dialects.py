@@ -142,7 +142,7 @@ def test_speculators_values_it_does_not_compute_are_refused(tmp_path, edit, mess
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda r: r.update(draft_vocab_size=256), "draft_vocab_size 256 != vocab_size 384: a DFlash drafter with a reduced"),
+    (lambda r: r.update(draft_vocab_size=500), r"draft_vocab_size 500 is outside 1\.\.vocab_size \(384\)"),
     (lambda r: r.update(sample_from_anchor=True), "sample_from_anchor: true"),
     (lambda r: r["speculators_config"].update(algorithm="dspark"), "algorithm 'dspark' is not dflash"),
     (lambda r: r.update(speculators_model_type="eagle3"), "not a DFlash drafter \\(an EAGLE-3 head: use method: eagle3\\)"),

@@ -93,7 +93,8 @@ def test_taps_at_both_ends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("sliding-window", "two-layers")] + ["dflash"])  # others: refused
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("sliding-window", "two-layers")]
+                         + ["dflash", "dflash-draft-vocab"])  # the others: refused
 def test_cuda_backend_drafts_what_the_reference_drafts(name):
     """The cuda backend's fused chain (graphs, Triton kernels) computes each option as the
     reference does: float32, the same tokens and the same drafts every round; bf16 greedy
@@ -101,7 +102,7 @@ def test_cuda_backend_drafts_what_the_reference_drafts(name):
     from conftest import respec
 
     method = {"method": "eagle3", "draft": {"path": str(FIXTURES / name)}, "num_speculative_tokens": 3}
-    if name == "dflash":
+    if name.startswith("dflash"):
         method = {"method": "dflash", "draft": {"path": str(FIXTURES / name)}}
     spec = tiny_spec(method, max_batch_size=4, device="cuda", dtype="float32", max_model_len=128)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -116,7 +117,10 @@ def test_cuda_backend_drafts_what_the_reference_drafts(name):
         [c.output_ids for c in bf16.with_method({"method": "none"}).generate(prompts, params)]
 
 
-@pytest.mark.parametrize("name", ["dflash", "dflash-sliding-window", "dflash-sliding-non-causal"])
+DFLASH = ["dflash", "dflash-sliding-window", "dflash-sliding-non-causal", "dflash-draft-vocab"]
+
+
+@pytest.mark.parametrize("name", DFLASH)
 def test_speculators_dflash_logits_equal_speculators_forward(name):
     """A DFlash drafter in the speculators format: each block [anchor token, MASK x (B-1)]
     over the features strictly before its anchor gives speculators' logits (the target's
@@ -131,7 +135,8 @@ def test_speculators_dflash_logits_equal_speculators_forward(name):
     model = load_dflash(folder)
     cfg = model.config
     assert cfg.dialect == "speculators DFlash" and cfg.target_layer_ids == (-1, 2, 5) and cfg.block_size == 4
-    assert cfg.windows() == ({} if name == "dflash" else {0: 3})
+    assert cfg.windows() == ({0: 3} if "sliding" in name else {})
+    assert cfg.draft_vocab_size == (256 if name == "dflash-draft-vocab" else None)
     assert cfg.sliding_block_causal == (name != "dflash-sliding-non-causal")
     embed, head, kv = ref["embed_tokens.weight"], ref["lm_head.weight"], ReferenceKV()
     with torch.no_grad():
@@ -145,9 +150,14 @@ def test_speculators_dflash_logits_equal_speculators_forward(name):
             block = torch.tensor([[int(ref["input_ids"][0, a])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
             hidden = model(embed[block], a + torch.arange(cfg.block_size)[None], attend)
             torch.testing.assert_close(hidden[0] @ head.T, want, rtol=0, atol=1e-4, msg=f"anchor {a}")
+            if cfg.draft_vocab_size is not None:  # its own head, its logits at their target ids
+                assert torch.equal(model.head(None).weight, head)
+                full = model.logits(hidden[0], None)
+                torch.testing.assert_close(full[:, torch.arange(256) + model.d2t], want, rtol=0, atol=1e-4)
+                assert torch.isinf(full).sum(-1).eq(384 - 256).all()
 
 
-@pytest.mark.parametrize("name", ["dflash", "dflash-sliding-window"])
+@pytest.mark.parametrize("name", DFLASH)
 def test_speculators_dflash_greedy_output_equals_none(name):
     spec = tiny_spec({"method": "dflash", "draft": {"path": str(FIXTURES / name)}})
     engine = Engine(spec)

@@ -145,7 +145,9 @@ class DFlashMethod(Method):
                     + ("" if drafter.num_target_layers is None else f" of {drafter.num_target_layers}")
                     + (" (-1: the embedding output)" if -1 in drafter.target_layer_ids else "")
                     + "".join(f", layer {i}: sliding window {w}" for i, w in drafter.windows().items())
-                    + (", sliding blocks causal" if drafter.windows() and drafter.sliding_block_causal else ""),
+                    + (", sliding blocks causal" if drafter.windows() and drafter.sliding_block_causal else "")
+                    + ("" if drafter.draft_vocab_size is None else
+                       f", its own lm_head over a draft vocabulary of {drafter.draft_vocab_size}"),
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
@@ -192,8 +194,9 @@ class DFlashDrafter(Drafter):
         attn = self.kv.attention(rows.caches, causal=False, persist=False, **self.windowed)
         hidden = self.model(self.target.embed(ids), positions, attn)
         if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
-            return Proposal(tokens=rows.head_argmax(self.target.lm_head, hidden[:, 1:]))
-        logits = self.target.logits(hidden[:, 1:])  # [N, K, V]
+            best = rows.head_argmax(self.model.head(self.target), hidden[:, 1:])  # [N, K] drafter-vocabulary ids
+            return Proposal(tokens=self.model.to_target_ids(best))
+        logits = self.model.logits(hidden[:, 1:], self.target)  # [N, K, V]
         q = probs_from_logits(logits, rows.batch)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
@@ -217,9 +220,9 @@ def training_loss(
 ) -> tuple[Tensor, Tensor]:
     """Weighted cross-entropy of slots 1..B-1, each block seeing target features strictly
     before its anchor. Returns (loss, correct [b, A, B-1] bool) for acceptance estimates."""
-    if drafter.config.windows():
-        raise ValueError("training a DFlash drafter with sliding-window layers is not supported (the block mask "
-                         "here has no window)")
+    if drafter.config.windows() or drafter.config.draft_vocab_size is not None:
+        raise ValueError("training a DFlash drafter with sliding-window layers or a reduced vocabulary is not "
+                         "supported (the block mask here has no window; the loss reads the target's vocabulary)")
     tokens, anchors = batch.tokens, batch.anchors
     b, length = tokens.shape
     a, blk = anchors.shape[1], drafter.config.block_size

@@ -69,6 +69,7 @@ class DFlashConfig:
     dialect: str = "z-lab DFlash"
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None (or no entry): full
     sliding_block_causal: bool = True  # a sliding layer's block is causal (speculators' default)
+    draft_vocab_size: int | None = None  # its own lm_head over this many ids, mapped by d2t (None: the target's)
 
     def windows(self) -> dict[int, int]:
         """layer -> sliding window, for the layers that slide."""

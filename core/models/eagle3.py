@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError, load_weights, tensor_files
+from .checkpoint import CheckpointError, load_weights, read_tensor, tensor_files, vocab_map
 from .config import ModelConfig, read_config_json
 from .eagle3_config import DIALECTS, Eagle3Config, default_aux_layer_ids, eagle3_config
 from .layers import MLP, Attention, AttentionFn, DecoderLayer, RMSNorm, Rotary
@@ -188,8 +188,8 @@ def load_eagle3(folder: str | Path) -> Eagle3DraftModel:
     unused = set(load_weights(model, folder, names=_names(model)))
     files = tensor_files(folder)
     DIALECTS[model.config.dialect].check_tensors(unused - {"d2t", "t2d", "embed_tokens.weight"}, folder)
-    read = {name: _tensor(files, name) for name in ("d2t", "t2d", "embed_tokens.weight") if name in files}
-    _vocab_map(model, read.get("d2t"), read.get("t2d"), folder)
+    read = {name: read_tensor(files, name) for name in ("d2t", "t2d", "embed_tokens.weight") if name in files}
+    vocab_map(model, read.get("d2t"), read.get("t2d"), folder)
     if "embed_tokens.weight" in read:
         emb = read["embed_tokens.weight"]
         want = [model.config.layer.vocab_size, model.config.layer.hidden_size]
@@ -198,37 +198,6 @@ def load_eagle3(folder: str | Path) -> Eagle3DraftModel:
                                   f"the config implies {want}")
         model.own_embedding(emb.float())  # until compared with the target's (keep_own_embedding)
     return model.eval()
-
-
-def _tensor(files: dict[str, Path], name: str) -> Tensor:
-    with safe_open(files[name], framework="pt") as f:
-        return f.get_tensor(name)
-
-
-def _vocab_map(model: Eagle3DraftModel, d2t: Tensor | None, t2d: Tensor | None, folder) -> None:
-    """d2t (draft id -> target id offset) and t2d (target ids in the draft vocabulary): read,
-    derived from each other, or the identity of a full vocabulary; they must agree."""
-    vd, v = model.config.draft_vocab_size, model.config.layer.vocab_size
-    if d2t is None:
-        if vd != v:
-            raise CheckpointError(f"{folder}: missing tensor d2t (the draft vocabulary's mapping to target ids)")
-        d2t = torch.zeros(vd, dtype=torch.int64)
-    if tuple(d2t.shape) != (vd,):
-        raise CheckpointError(f"{folder}: d2t has shape {list(d2t.shape)}, expected {[vd]} "
-                              "(draft_vocab_size and vocab_size in config.json)")
-    ids = torch.arange(vd) + d2t.long()
-    if bool((ids < 0).any() | (ids >= v).any()):
-        raise CheckpointError(f"{folder}: d2t maps draft ids outside the target vocabulary 0..{v - 1}")
-    derived = torch.zeros(v, dtype=torch.bool)
-    derived[ids] = True
-    if t2d is not None:
-        if tuple(t2d.shape) != (v,):
-            raise CheckpointError(f"{folder}: t2d has shape {list(t2d.shape)}, expected {[v]} "
-                                  "(draft_vocab_size and vocab_size in config.json)")
-        if not torch.equal(t2d.bool(), derived):
-            raise CheckpointError(f"{folder}: t2d and d2t disagree on which target ids the draft vocabulary holds")
-    model.d2t.copy_(d2t)
-    model.t2d.copy_(derived)
 
 
 def keep_own_embedding(model: Eagle3DraftModel, target) -> bool:

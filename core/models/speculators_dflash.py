@@ -32,7 +32,8 @@ SPECULATORS_DFLASH = Dialect(
     },
     inert_tensors={
         "embed_tokens.weight": "speculators replaces it with the target's embedding on load",
-        "lm_head.weight": "a full-vocabulary drafter's read-out is replaced by the target's lm_head on load",
+        "lm_head.weight": "a full-vocabulary drafter's read-out is replaced by the target's lm_head on load "
+                          "(a reduced vocabulary's is loaded)",
     },
 )
 SPECULATORS_DFLASH_LAYER = layer_dialect("speculators DFlash (transformer_layer_config)")
@@ -66,15 +67,21 @@ def speculators_dflash_config(raw: dict[str, Any]) -> DFlashConfig:
                         mask_token_id=None if mask is None else int(mask),
                         target_layer_ids=tuple(int(i) - 1 for i in ids),  # the input of layer i: layer i-1's output
                         num_target_layers=None, dialect="speculators DFlash", layer_windows=windows,
-                        sliding_block_causal=not raw.get("sliding_window_non_causal", False))
+                        sliding_block_causal=not raw.get("sliding_window_non_causal", False),
+                        draft_vocab_size=_draft_vocab(raw, layers))
+
+
+def _draft_vocab(raw: dict[str, Any], layers) -> int | None:
+    """A reduced vocabulary's size (its own lm_head, d2t and t2d in the checkpoint), else None."""
+    vd = raw.get("draft_vocab_size")
+    return None if vd is None or int(vd) == layers.vocab_size else int(vd)
 
 
 def _refuse_unsupported(raw: dict[str, Any], layers) -> None:
     vd = raw.get("draft_vocab_size")
-    if vd is not None and int(vd) != layers.vocab_size:
-        raise ConfigError(f"config.json: draft_vocab_size {vd} != vocab_size {layers.vocab_size}: a DFlash drafter "
-                          "with a reduced vocabulary (its own lm_head and d2t) is not supported yet; use a "
-                          "full-vocabulary drafter")
+    if vd is not None and not 0 < int(vd) <= layers.vocab_size:
+        raise ConfigError(f"config.json: draft_vocab_size {vd} is outside 1..vocab_size ({layers.vocab_size}); "
+                          "d2t maps draft ids into the target vocabulary")
     if raw.get("sample_from_anchor"):
         raise ConfigError("config.json: sample_from_anchor: true (the anchor slot drafts too, block_size drafts a "
                           "round) is not supported; draftline's DFlash drafts block_size - 1 tokens after the anchor")
