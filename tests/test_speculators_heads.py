@@ -233,3 +233,33 @@ def test_sliding_window_heads_refuse_the_cuda_backend():
     with pytest.raises(ConfigError, match=r"layers \[0\] attend through sliding windows.*backend: reference"):
         Eagle3Drafter(load_eagle3(FIXTURES / "sliding-window"), random_target("tiny-qwen3", 0),
                       StaticStore(2, 64, torch.device("cpu")), plan)
+
+
+ROUNDS = [n for n in NAMES if n not in ("sliding-window", "two-layers")]  # the fixtures with a scripted generate
+
+
+@pytest.mark.parametrize("name", ROUNDS)
+def test_drafts_equal_speculators_every_round(name):
+    """A scripted generate (features per position, accepted counts, the token added after each
+    round's accepted drafts): the reference drafter's cached chain drafts, every round, what
+    speculators' own modules draft over the same context (make_fixtures.py: chain)."""
+    from types import SimpleNamespace
+
+    from backends.reference.kv import ReferenceKV
+    from core.machine import Plan
+    from core.methods.eagle3 import Eagle3Drafter
+
+    ref = load_file(FIXTURES / name / "reference.safetensors")
+    feats, k = ref["rounds.features"], ref["rounds.drafts"].shape[1]
+    plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=k, target_layer_ids=(0, 1, 2))
+    drafter = Eagle3Drafter(load_eagle3(FIXTURES / name), None, ReferenceKV(), plan)  # its own embedding
+    req = SimpleNamespace(draft_state=None, token_ids=ref["rounds.prompt"].tolist())
+    drafter.extend(req, feats[: len(req.token_ids) - 1], 0)
+    with torch.no_grad():
+        for want, accepted, bonus in zip(ref["rounds.drafts"].tolist(), ref["rounds.accepted"].tolist(),
+                                         ref["rounds.bonus"].tolist()):
+            got = drafter.propose([req], None).tokens[0].tolist()
+            assert got == want
+            first = len(req.token_ids) - 1
+            req.token_ids = req.token_ids + got[:accepted] + [bonus]
+            drafter.extend(req, feats[first : len(req.token_ids) - 1], first)
