@@ -52,6 +52,19 @@ def test_explain_prints_machine(capsys):
         assert needle in out
 
 
+def test_explain_prints_the_dialect_and_every_option(capsys, tmp_path):
+    head = ROOT / "tests" / "fixtures" / "speculators" / "trained-defaults"
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: {random_init: {preset: tiny-qwen3}}\n"
+                    f"speculative: {{method: eagle3, draft: {{path: {head}}}}}\nbackend: reference\n")
+    assert main(["explain", str(spec)]) == 0
+    out = capsys.readouterr().out
+    for needle in ["speculators EAGLE-3 dialect", "qwen3 layer (q/k norms)", "draft vocabulary 256 of 384",
+                   "norm_before_fc", "norm_before_residual", "norm_output", "tapped layer inputs [1, 2, 3]",
+                   "its own embed_tokens", "target layers tapped: [0, 1, 2]"]:
+        assert needle in out, needle
+
+
 def test_bad_inputs_give_clear_errors(capsys, tmp_path):
     assert main(["generate", "--spec", str(tmp_path / "missing.yaml"), "x"]) == 1
     assert "file not found" in capsys.readouterr().err

@@ -261,6 +261,8 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
     features = torch.empty(n * w, len(taps) * width, dtype=h.dtype, device=h.device) if taps else None
     cols = [features[:, j * width : (j + 1) * width] for j in range(len(taps))]  # [N*W, H] views
     tap_out = {t: cols[taps.index(t)] for t in taps}  # a layer's output is written where it is first tapped
+    if -1 in tap_out:  # tap -1: the embedding output (layer 0's input), which no add+norm writes
+        tap_out[-1].copy_(h)
     done = max(taps, default=-1) + 1  # the add+norm opening this layer writes the last tapped output
     pending = None
     for i, layer in enumerate(layers):

@@ -19,9 +19,14 @@ class KVCache:
         return 0 if not self.k or self.k[0] is None else self.k[0].shape[1]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None,
+           anchor: int | None = None, block_causal: bool = False) -> Tensor:
     """q [Hq, T, D] over k, v [Hkv, S, D] -> [Hq, T, D]. The T queries are the last T keys'
-    positions; with ``causal`` each sees keys up to and including its own position."""
+    positions; with ``causal`` each sees keys up to and including its own position, and with a
+    sliding ``window`` only keys past min(own, anchor) - window: a query after ``anchor`` (a
+    draft chain's later steps, anchored at its start) keeps the window its chain started with.
+    Without ``causal`` (a block over a context) a window keeps the last ``window`` context keys
+    before the block, and ``block_causal`` makes the block itself causal."""
     hq, t, d = q.shape
     hkv, s, _ = k.shape
     k = k.repeat_interleave(hq // hkv, dim=0)  # grouped-query: each KV head serves hq/hkv heads
@@ -29,7 +34,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
     scores = (q.float() @ k.float().transpose(-1, -2)) * d**-0.5  # [Hq, T, S]
     if causal:
         own = torch.arange(s - t, s, device=q.device)[:, None]  # [T, 1] key index of each query
-        visible = torch.arange(s, device=q.device)[None, :] <= own  # [T, S]
+        keys = torch.arange(s, device=q.device)[None, :]
+        visible = keys <= own  # [T, S]
+        if window is not None:
+            start = own if anchor is None else own.clamp(max=anchor)
+            visible &= keys > start - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+    elif window is not None:
+        own = torch.arange(s - t, s, device=q.device)[:, None]  # [T, 1]
+        keys = torch.arange(s, device=q.device)[None, :]
+        visible = keys >= (s - t) - window  # [1, S]: the window ends where the block starts
+        if block_causal:
+            visible = visible & (keys <= own)
         scores = scores.masked_fill(~visible, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
 
@@ -45,6 +61,9 @@ class CachedAttention:
     caches: list[KVCache]
     causal: bool
     persist: bool
+    windows: dict[int, int] | None = None  # layer -> its sliding window (see attend); others: full
+    anchor: int | None = None  # where the window of queries past it is measured from
+    block_causal: bool = False  # non-causal attention: a windowed layer's block is causal
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = []
@@ -55,7 +74,8 @@ class CachedAttention:
                 values = torch.cat([cache.v[layer], values], dim=1)
             if self.persist:
                 cache.k[layer], cache.v[layer] = keys, values
-            out.append(attend(q[b], keys, values, self.causal))
+            window = (self.windows or {}).get(layer)
+            out.append(attend(q[b], keys, values, self.causal, window, self.anchor, self.block_causal))
         return torch.stack(out)
 
 
@@ -77,8 +97,9 @@ class ReferenceKV:
         cache.k = [None if t is None else t[:, :length] for t in cache.k]
         cache.v = [None if t is None else t[:, :length] for t in cache.v]
 
-    def attention(self, caches: list[KVCache], causal: bool, persist: bool) -> CachedAttention:
-        return CachedAttention(caches, causal, persist)
+    def attention(self, caches: list[KVCache], causal: bool, persist: bool, windows: dict[int, int] | None = None,
+                  anchor: int | None = None, block_causal: bool = False) -> CachedAttention:
+        return CachedAttention(caches, causal, persist, windows, anchor, block_causal)
 
 
 @dataclass(frozen=True)

@@ -96,9 +96,10 @@ def _problems(cfg: DFlashSpec, target: ModelConfig | None, drafter: DFlashConfig
 
 def _against_target(r: Resolved, drafter: DFlashConfig, target: ModelConfig) -> list[str]:
     out = []
-    bad = [i for i in r.layer_ids if not 0 <= i < target.num_layers]
+    bad = [i for i in r.layer_ids if not -1 <= i < target.num_layers]
     if bad:
-        out.append(f"speculative.target_layer_ids: {bad} outside the target's layers 0..{target.num_layers - 1}")
+        out.append(f"speculative.target_layer_ids: {bad} outside the target's layers 0..{target.num_layers - 1} "
+                   "(ids name layers whose output is tapped; -1: the embedding output)")
     if drafter.layers.hidden_size != target.hidden_size:
         out.append(
             f"speculative.draft: drafter hidden_size {drafter.layers.hidden_size} != target hidden_size "
@@ -106,7 +107,7 @@ def _against_target(r: Resolved, drafter: DFlashConfig, target: ModelConfig) -> 
         )
     if r.mask_token_id >= target.vocab_size:
         out.append(f"speculative.mask_token_id: {r.mask_token_id} is outside the target vocabulary ({target.vocab_size})")
-    if drafter.num_target_layers != target.num_layers:
+    if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_layers:
         out.append(
             f"speculative.draft: drafter was trained for a {drafter.num_target_layers}-layer target, "
             f"this target has {target.num_layers}; use the drafter made for this target"
@@ -138,7 +139,15 @@ class DFlashMethod(Method):
             drafter_kv="own",
             draft_sample_method=self.cfg.draft_sample_method,
             block_size=r.block_size,
-            drafter=f"{drafter.layers.num_layers} layers, hidden {drafter.layers.hidden_size} ({src})",
+            drafter=f"{drafter.layers.num_layers} layers, hidden {drafter.layers.hidden_size} ({drafter.dialect} "
+                    f"dialect, {src}); options: trained block size {drafter.block_size}, mask token "
+                    f"{drafter.mask_token_id}, tapped layer outputs {list(drafter.target_layer_ids)}"
+                    + ("" if drafter.num_target_layers is None else f" of {drafter.num_target_layers}")
+                    + (" (-1: the embedding output)" if -1 in drafter.target_layer_ids else "")
+                    + "".join(f", layer {i}: sliding window {w}" for i, w in drafter.windows().items())
+                    + (", sliding blocks causal" if drafter.windows() and drafter.sliding_block_causal else "")
+                    + ("" if drafter.draft_vocab_size is None else
+                       f", its own lm_head over a draft vocabulary of {drafter.draft_vocab_size}"),
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
@@ -154,6 +163,12 @@ class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashDraftModel, target: TargetModel, kv: KVStore, plan: Plan, mask_token_id: int):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.mask_token_id = mask_token_id
+        windows = model.config.windows()
+        if windows and hasattr(kv, "at"):
+            raise ConfigError(f"this DFlash drafter's layers {sorted(windows)} attend through sliding windows, which "
+                              "the cuda backend's drafter caches do not implement; run it with backend: reference")
+        # sliding layers see the last `window` context positions before the block (reference KV only)
+        self.windowed = {"windows": windows, "block_causal": model.config.sliding_block_causal} if windows else {}
 
     def admit(self, req: Request) -> None:
         req.draft_state = self.kv.new(len(self.model.layers))
@@ -176,11 +191,12 @@ class DFlashDrafter(Drafter):
         n = rows.last_token.shape[0]
         # [N, B] each: ids anchor, MASK, ...; positions start .. start + B - 1
         ids, positions = rows.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
-        attn = self.kv.attention(rows.caches, causal=False, persist=False)
+        attn = self.kv.attention(rows.caches, causal=False, persist=False, **self.windowed)
         hidden = self.model(self.target.embed(ids), positions, attn)
         if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
-            return Proposal(tokens=rows.head_argmax(self.target.lm_head, hidden[:, 1:]))
-        logits = self.target.logits(hidden[:, 1:])  # [N, K, V]
+            best = rows.head_argmax(self.model.head(self.target), hidden[:, 1:])  # [N, K] drafter-vocabulary ids
+            return Proposal(tokens=self.model.to_target_ids(best))
+        logits = self.model.logits(hidden[:, 1:], self.target)  # [N, K, V]
         q = probs_from_logits(logits, rows.batch)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
@@ -204,6 +220,9 @@ def training_loss(
 ) -> tuple[Tensor, Tensor]:
     """Weighted cross-entropy of slots 1..B-1, each block seeing target features strictly
     before its anchor. Returns (loss, correct [b, A, B-1] bool) for acceptance estimates."""
+    if drafter.config.windows() or drafter.config.draft_vocab_size is not None:
+        raise ValueError("training a DFlash drafter with sliding-window layers or a reduced vocabulary is not "
+                         "supported (the block mask here has no window; the loss reads the target's vocabulary)")
     tokens, anchors = batch.tokens, batch.anchors
     b, length = tokens.shape
     a, blk = anchors.shape[1], drafter.config.block_size

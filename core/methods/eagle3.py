@@ -21,9 +21,10 @@ from torch import Tensor
 from core.contract import DraftRows, KVStore, Proposal
 
 from ..machine import Plan
+from ..models.checkpoint import tensor_files
 from ..models.config import ConfigError, ModelConfig, read_config_json
 from ..models.eagle3 import PRESETS, Eagle3Config, Eagle3DraftModel, default_aux_layer_ids, eagle3_config, \
-    load_eagle3, preset_config, random_eagle3
+    keep_own_embedding, load_eagle3, preset_config, random_eagle3
 from ..models.layers import causal_attention
 from ..models.loader import place
 from ..models.target import TargetModel
@@ -77,10 +78,11 @@ def _problems(cfg: Eagle3Spec, target: ModelConfig | None, drafter: Eagle3Config
     if target is None:
         return out
     ids = aux_layer_ids(cfg, drafter, target.num_layers)
-    bad = [i for i in ids if not 1 <= i < target.num_layers]
+    bad = [i for i in ids if not 0 <= i <= target.num_layers]
     if bad:
-        out.append(f"speculative.target_layer_ids: {bad} outside 1..{target.num_layers - 1} (each id names a target "
-                   "layer whose input is tapped; layer 0's input is the embedding, which EAGLE-3 does not use)")
+        out.append(f"speculative.target_layer_ids: {bad} outside 0..{target.num_layers} (each id names a target "
+                   f"layer whose input is tapped; 0: the embedding output, {target.num_layers}: the last layer's "
+                   "output before the final norm)")
     if drafter.target_hidden_size != target.hidden_size:
         out.append(f"speculative.draft: the drafter's fc expects features of width {drafter.target_hidden_size}, "
                    f"this target's hidden_size is {target.hidden_size}; use the drafter made for this target")
@@ -105,6 +107,9 @@ class Eagle3Method(Method):
             raise ConfigError("; ".join(problems))
         ids = aux_layer_ids(self.cfg, drafter, target.num_layers)
         src = self.cfg.draft.path or f"random_init {self.cfg.draft.random_init.preset}"
+        options = drafter.options()
+        if self.cfg.draft.path and "embed_tokens.weight" in tensor_files(self.cfg.draft.path):
+            options.append("its own embed_tokens where it differs from the target's")
         return Plan(
             method="eagle3",
             drafting="chain",
@@ -113,13 +118,15 @@ class Eagle3Method(Method):
             drafter_kv="own",
             draft_sample_method=self.cfg.draft_sample_method,
             drafter=f"1 layer, hidden {drafter.layer.hidden_size}, draft vocab {drafter.draft_vocab_size} "
-                    f"({drafter.dialect} dialect, {src})",
+                    f"({drafter.dialect_name} dialect, {src}); options: {', '.join(options)}",
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
         d = self.cfg.draft
         model = load_eagle3(d.path) if d.path else random_eagle3(d.random_init.preset, d.random_init.seed, device, dtype)
-        return Eagle3Drafter(place(model, device, dtype), target, kv, plan)
+        model = place(model, device, dtype)
+        keep_own_embedding(model, target)  # a frozen copy of the target's is dropped
+        return Eagle3Drafter(model, target, kv, plan)
 
 
 @dataclass
@@ -147,6 +154,15 @@ class Eagle3Drafter(Drafter):
     def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.positional = hasattr(kv, "at")
+        cfg = model.config
+        if self.positional and cfg.windows():
+            raise ConfigError(f"this EAGLE-3 head's layers {sorted(cfg.windows())} attend through sliding windows "
+                              f"({cfg.windows()} positions), which the cuda backend's drafter caches do not "
+                              "implement; run it with backend: reference")
+        if self.positional and cfg.layer.num_layers > 1:
+            raise ConfigError(f"this EAGLE-3 head has {cfg.layer.num_layers} decoder layers; the cuda backend's "
+                              "fused chain runs one-layer heads; run it with backend: reference")
+        self.num_layers = cfg.layer.num_layers
         self.ascending = model.ascending_ids()  # greedy chains may read the draft vocabulary's argmax
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
@@ -155,7 +171,7 @@ class Eagle3Drafter(Drafter):
             return
         st = req.draft_state
         if st is None:
-            st = req.draft_state = Eagle3State(cache=self.kv.new(1), start=first_position)
+            st = req.draft_state = Eagle3State(cache=self.kv.new(self.num_layers), start=first_position)
         if st.pending is None:
             st.start, st.pending = first_position, features
         else:
@@ -164,16 +180,16 @@ class Eagle3Drafter(Drafter):
     def _prefill_entries(self, req: Request, features: Tensor, first: int) -> None:
         """Positional store, after prefill: every prompt position but the last (whose next token
         is not drawn yet) goes through the head now."""
-        req.draft_state = req.draft_state or self.kv.new(1)
+        req.draft_state = req.draft_state or self.kv.new(self.num_layers)
         n = features.shape[0] - 1
         if n > 0:
             ids = torch.tensor([req.token_ids[first + 1 : first + 1 + n]], device=features.device)  # [1, n]
             positions = first + torch.arange(n, device=ids.device)[None]
             attn = self.kv.attention([req.draft_state], causal=True, persist=True)
-            self.model.step(self.target.embed(ids), self.model.fc(features[None, :n]), positions, attn)
+            self.model.step(self.model.embed(self.target, ids), self.model.fuse(features[None, :n]), positions, attn)
 
     def admit(self, req: Request) -> None:
-        req.draft_state = self.kv.new(1)
+        req.draft_state = self.kv.new(self.num_layers)
 
     def prefill_rows(self, rows: DraftRows, features: Tensor, ids: Tensor) -> None:
         """Entries for prompt positions 0 .. P - 2 in one causal pass (position t reads token
@@ -181,7 +197,7 @@ class Eagle3Drafter(Drafter):
         n, p = ids.shape
         positions = torch.arange(p - 1, device=ids.device)[None].expand(n, -1)  # [N, P - 1]
         attn = self.kv.prefill_attention(rows.caches, 1)
-        self.model.step(self.target.embed(ids[:, 1:]), self.model.fc(features[:, :-1]), positions, attn)
+        self.model.step(self.model.embed(self.target, ids[:, 1:]), self.model.fuse(features[:, :-1]), positions, attn)
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         """Entries for positions start - 1 .. start + W - 2: position t reads the window's token
@@ -191,7 +207,7 @@ class Eagle3Drafter(Drafter):
         feats = torch.cat([rows.features[:, None], features[:, :-1]], dim=1)  # [N, W, taps*H]
         positions = first[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
-        self.model.step(self.target.embed(tokens), self.model.fc(feats), positions, attn)
+        self.model.step(self.model.embed(self.target, tokens), self.model.fuse(feats), positions, attn)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
         if self.positional and self.ascending and self.plan.draft_sample_method == "greedy":
@@ -209,8 +225,8 @@ class Eagle3Drafter(Drafter):
         rows.features), then K-1 chained steps, one position on each -> logits [N, K, V]."""
         first = (rows.start - 1).clamp(min=0)  # [N]
         attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
-        out = self.model.step(self.target.embed(rows.last_token[:, None]), self.model.fc(rows.features[:, None]),
-                              first[:, None], attn)  # [N, 1, H]
+        out = self.model.step(self.model.embed(self.target, rows.last_token[:, None]),
+                              self.model.fuse(rows.features[:, None]), first[:, None], attn)  # [N, 1, H]
         steps = []
         for j in range(self.plan.num_speculative_tokens):
             steps.append(self.model.logits(out[:, 0]))  # [N, V]
@@ -219,23 +235,25 @@ class Eagle3Drafter(Drafter):
             token = self._pick_rows(steps[-1], rows, j)  # [N]
             at = first + 1 + j
             attn = self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True)
-            out = self.model.step(self.target.embed(token[:, None]), out, at[:, None], attn)
+            out = self.model.step(self.model.embed(self.target, token[:, None]), self.model.next_hidden(out),
+                                  at[:, None], attn)
         return torch.stack(steps, dim=1)
 
     def _greedy_rows(self, rows: DraftRows) -> Tensor:
         """_chain_rows for greedy drafts, reading out tokens (no logits) -> [N, K]."""
         first = (rows.start - 1).clamp(min=0)  # [N]
         attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
-        out, normed = self.model.step_normed(self.target.embed(rows.last_token[:, None]),
-                                             self.model.fc(rows.features[:, None]), first[:, None], attn)
+        out, normed = self.model.step_normed(self.model.embed(self.target, rows.last_token[:, None]),
+                                             self.model.fuse(rows.features[:, None]), first[:, None], attn)
         tokens = []
         for j in range(self.plan.num_speculative_tokens):
-            tokens.append(self.model.greedy(normed[:, 0], rows.head_argmax))  # [N]
+            tokens.append(self.model.greedy(self.model.readout(out, normed)[:, 0], rows.head_argmax))  # [N]
             if j == self.plan.num_speculative_tokens - 1:
                 break
             at = first + 1 + j
             attn = self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True)
-            out, normed = self.model.step_normed(self.target.embed(tokens[-1][:, None]), out, at[:, None], attn)
+            out, normed = self.model.step_normed(self.model.embed(self.target, tokens[-1][:, None]),
+                                                 self.model.next_hidden(out, normed), at[:, None], attn)
         return torch.stack(tokens, dim=1)
 
     def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
@@ -253,8 +271,11 @@ class Eagle3Drafter(Drafter):
         m = st.pending.shape[0]
         ids = torch.tensor([req.token_ids[st.start + 1 : st.start + 1 + m]], device=st.pending.device)  # [1, m]
         positions = st.start + torch.arange(m, device=ids.device)[None]  # [1, m]
-        attn = self.kv.attention([st.cache], causal=True, persist=True)
-        out = self.model.step(self.target.embed(ids), self.model.fc(st.pending[None]), positions, attn)[:, -1:]
+        # a sliding window stays anchored at the chain's start for its later steps, as speculators trains it
+        attn = self.kv.attention([st.cache], causal=True, persist=True, windows=self.model.config.windows() or None,
+                                 anchor=st.start + m - 1)
+        out = self.model.step(self.model.embed(self.target, ids), self.model.fuse(st.pending[None]), positions,
+                              attn)[:, -1:]
         st.start, st.pending = st.start + m, None
         steps = []
         for j in range(k):
@@ -264,7 +285,8 @@ class Eagle3Drafter(Drafter):
                 break
             token = self._pick(logits, req, st.start + j)
             pos = torch.tensor([[st.start + j]], device=ids.device)  # the drafted token's own position - 1
-            out = self.model.step(self.target.embed(token.view(1, 1)), out, pos, attn)
+            out = self.model.step(self.model.embed(self.target, token.view(1, 1)), self.model.next_hidden(out), pos,
+                                  attn)
         return torch.stack(steps)
 
     def _pick(self, logits: Tensor, req: Request, position: int) -> Tensor:
@@ -298,21 +320,26 @@ def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps
     of the loss by the caller). -> per step, outputs [b, L, H]."""
     b, length, _ = embeds.shape
     dev = embeds.device
+    windows = model.config.windows()
     positions = torch.arange(length, device=dev)[None].expand(b, -1)
-    keys: list[tuple[Tensor, Tensor]] = []
+    keys: dict[int, list[tuple[Tensor, Tensor]]] = {}  # layer -> each step's keys and values
     outs = []
     t = torch.arange(length, device=dev)
     for j in range(steps):
         if j:
-            hidden = torch.cat([hidden[:, :1], outs[-1][:, :-1]], dim=1)  # shift: step j-1's output at t-1
+            fed = model.next_hidden(outs[-1])  # step j-1's output (or its norm: norm_output)
+            hidden = torch.cat([hidden[:, :1], fed[:, :-1]], dim=1)  # shift: step j-1's output at t-1
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, j=j) -> Tensor:
-            keys.append((k, v))
-            ks = torch.cat([kk for kk, _ in keys], dim=2)  # [b, Hkv, (j+1)*L, D]
-            vs = torch.cat([vv for _, vv in keys], dim=2)
+            keys.setdefault(layer, []).append((k, v))
+            ks = torch.cat([kk for kk, _ in keys[layer]], dim=2)  # [b, Hkv, (j+1)*L, D]
+            vs = torch.cat([vv for _, vv in keys[layer]], dim=2)
+            window = windows.get(layer)
             s = t[None, :]  # key position within each step's block
             blocks = [s <= t[:, None] - j] + [s == t[:, None] - j + i for i in range(1, j + 1)]
             mask = torch.cat(blocks, dim=1)  # [L, (j+1)*L]
+            if window is not None:  # the chain started at t - j sees step 0's keys back to t - j - window + 1
+                mask[:, :length] &= s > t[:, None] - j - window
             mask = mask | ~mask.any(dim=1, keepdim=True)  # rows t < j see nothing: give them all (ignored)
             return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True)
 
@@ -334,12 +361,12 @@ def training_loss(model: Eagle3DraftModel, target: TargetModel, tokens: Tensor, 
     with torch.no_grad():
         hidden, features = target(tokens, positions, causal_attention, taps)
         p = F.softmax(target.logits(hidden)[..., ids], dim=-1)  # [b, L, Vd]: target at t predicts x_{t+1}
-    embeds = target.embed(tokens[:, 1:])  # position t reads x_{t+1}, t = 0 .. L-2
-    outs = chain_outputs(model, embeds, model.fc(features[:, :-1]), steps)
+    embeds = model.embed(target, tokens[:, 1:])  # position t reads x_{t+1}, t = 0 .. L-2
+    outs = chain_outputs(model, embeds, model.fuse(features[:, :-1]), steps)
     want = p[:, 1:]  # position t's head output predicts x_{t+2}: the target's distribution at t+1
     total, weights, correct = 0.0, 0.0, []
     for j, out in enumerate(outs):
-        logp = F.log_softmax(model.lm_head(model.norm(out)).float(), dim=-1)  # [b, L-1, Vd]
+        logp = F.log_softmax(model.lm_head(model.readout(out)).float(), dim=-1)  # [b, L-1, Vd]
         valid = torch.arange(length - 1, device=dev) >= j  # a chain of j steps needs t >= j
         ce = -(want * logp).sum(-1)[:, valid]
         total = total + decay**j * ce.mean()

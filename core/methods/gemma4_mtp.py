@@ -85,7 +85,9 @@ class MTPMethod(Method):
             target_layer_ids=(target.num_layers - 1,),  # the last layer's output: step one's hidden
             drafter_kv="shared",
             draft_sample_method=self.cfg.draft_sample_method,
-            drafter=f"{drafter.layers.num_layers} query-only layers, hidden {drafter.layers.hidden_size} ({src})",
+            drafter=f"{drafter.layers.num_layers} query-only layers, hidden {drafter.layers.hidden_size} "
+                    f"(frozen-KV MTP dialect, {src}); options: {drafter.layers.arch} layers"
+                    + (" (q norms)" if drafter.layers.qk_norm else ""),
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:

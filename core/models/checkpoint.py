@@ -86,3 +86,36 @@ def save_checkpoint(folder: str | Path, config: dict[str, Any], module: nn.Modul
     tensors.update({name: t.detach().cpu().contiguous() for name, t in (extra or {}).items()})
     save_file(tensors, str(folder / SINGLE))
     return folder
+
+
+def vocab_map(model: nn.Module, d2t: torch.Tensor | None, t2d: torch.Tensor | None, folder) -> None:
+    """Fill a drafter's d2t [Vd] (draft id -> target id offset) and t2d [V] (target ids in the
+    draft vocabulary) buffers: read, derived from each other, or the identity of a full
+    vocabulary; the two must agree."""
+    vd, v = model.d2t.shape[0], model.t2d.shape[0]
+    if d2t is None:
+        if vd != v:
+            raise CheckpointError(f"{folder}: missing tensor d2t (the draft vocabulary's mapping to target ids)")
+        d2t = torch.zeros(vd, dtype=torch.int64)
+    if tuple(d2t.shape) != (vd,):
+        raise CheckpointError(f"{folder}: d2t has shape {list(d2t.shape)}, expected {[vd]} "
+                              "(draft_vocab_size and vocab_size in config.json)")
+    ids = torch.arange(vd) + d2t.long()
+    if bool((ids < 0).any() | (ids >= v).any()):
+        raise CheckpointError(f"{folder}: d2t maps draft ids outside the target vocabulary 0..{v - 1}")
+    derived = torch.zeros(v, dtype=torch.bool)
+    derived[ids] = True
+    if t2d is not None:
+        if tuple(t2d.shape) != (v,):
+            raise CheckpointError(f"{folder}: t2d has shape {list(t2d.shape)}, expected {[v]} "
+                                  "(draft_vocab_size and vocab_size in config.json)")
+        if not torch.equal(t2d.bool(), derived):
+            raise CheckpointError(f"{folder}: t2d and d2t disagree on which target ids the draft vocabulary holds")
+    with torch.no_grad():
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(derived)
+
+
+def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(files[name], framework="pt") as f:
+        return f.get_tensor(name)

@@ -7,7 +7,7 @@ Both rope layouts found in the wild load: top-level ``rope_theta`` / ``rope_scal
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,16 @@ class DFlashConfig:
     layers: ModelConfig
     block_size: int
     mask_token_id: int | None
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    target_layer_ids: tuple[int, ...]  # target layers whose *output* is tapped (-1: the embedding output)
+    num_target_layers: int | None  # the target trained against (None: the checkpoint does not say)
+    dialect: str = "z-lab DFlash"
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None (or no entry): full
+    sliding_block_causal: bool = True  # a sliding layer's block is causal (speculators' default)
+    draft_vocab_size: int | None = None  # its own lm_head over this many ids, mapped by d2t (None: the target's)
+
+    def windows(self) -> dict[int, int]:
+        """layer -> sliding window, for the layers that slide."""
+        return {i: w for i, w in enumerate(self.layer_windows) if w is not None}
 
 
 def default_dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -149,13 +157,25 @@ def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelC
 
 
 def dflash_config(raw: dict[str, Any]) -> DFlashConfig:
+    from .dialect import DFLASH_DIALECT, DFLASH_FIELDS, layer_values  # dialect.py reads this module's ConfigError
+
+    if raw.get("speculators_model_type") is not None:
+        from .speculators_dflash import speculators_dflash_config
+
+        return speculators_dflash_config(raw)
     if "DFlashDraftModel" not in (raw.get("architectures") or []):
         raise ConfigError(
             f"architectures {raw.get('architectures')} is not a DFlash drafter; "
             "expected ['DFlashDraftModel'] (the z-lab checkpoint dialect)"
         )
-    layers = model_config(raw, default_arch="qwen3")
+    DFLASH_DIALECT.check_keys(raw)
+    layer_values(raw)
     extra = raw.get("dflash_config") or {}
+    DFLASH_FIELDS.check_keys(extra, "config.json dflash_config")
+    if raw.get("model_type", "qwen3") != "qwen3":
+        raise ConfigError(f"config.json: model_type {raw['model_type']!r}; DFlash drafters (z-lab dialect) are "
+                          "Qwen3-style layers with q/k norms (model_type: qwen3)")
+    layers = replace(model_config(raw, default_arch="qwen3"), arch="qwen3")
     if "num_target_layers" not in raw:
         raise ConfigError("config.json lacks the field 'num_target_layers'")
     n_target = int(raw["num_target_layers"])

@@ -9,6 +9,7 @@ front of the block's keys and values. Queries come only from the block.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from .config import DFlashConfig
@@ -25,6 +26,29 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.rotary = Rotary(lc.rope, lc.head_dim)
+        vd = cfg.draft_vocab_size
+        if vd is not None:  # a reduced vocabulary: its own read-out, mapped to target ids by d2t
+            self.lm_head = nn.Linear(lc.hidden_size, vd, bias=False)
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))  # [Vd] offsets
+            self.register_buffer("t2d", torch.zeros(lc.vocab_size, dtype=torch.bool))  # [V] in the draft vocab
+
+    def head(self, target) -> nn.Linear:
+        """The read-out over the drafter's vocabulary: its own lm_head, else the target's."""
+        return self.lm_head if self.config.draft_vocab_size is not None else target.lm_head
+
+    def to_target_ids(self, best: Tensor) -> Tensor:
+        """Draft-vocabulary ids [...] (head()'s argmax) -> target ids."""
+        return best if self.config.draft_vocab_size is None else best + self.d2t[best]
+
+    def logits(self, hidden: Tensor, target) -> Tensor:
+        """Final-normed hidden [..., H] -> float32 logits over the target vocabulary [..., V]
+        (a reduced vocabulary's at their target ids, -inf elsewhere: never drafted)."""
+        if self.config.draft_vocab_size is None:
+            return target.logits(hidden)
+        small = self.lm_head(hidden).float()
+        full = small.new_full((*small.shape[:-1], self.config.layers.vocab_size), float("-inf"))
+        ids = torch.arange(small.shape[-1], device=small.device) + self.d2t
+        return full.index_copy_(-1, ids, small)
 
     def fuse(self, features: Tensor) -> Tensor:
         """Target features [B, C, n*H] -> the fused context [B, C, H] every layer projects."""

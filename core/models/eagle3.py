@@ -6,17 +6,20 @@ takes concat(input_norm(embed(token)), hidden_norm(h)) as its attention input (2
 h as the residual; then the MLP, the final norm and an LM head over a reduced draft
 vocabulary, mapped to target ids by ``d2t`` (target id = draft id + d2t[draft id]). A chain
 step feeds the layer's pre-norm output back as the next step's h, without ``fc``. The
-drafter keeps its own one-layer KV cache; it has no embedding of its own (the target's).
+drafter keeps its own one-layer KV cache; it reads the target's embedding unless its
+checkpoint brings one that differs.
 
-Two checkpoint dialects are read: EAGLE / SpecForge (``LlamaForCausalLMEagle3``; weights
-``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and the ``speculators``
-wrapper (``speculators_model_type: eagle3``, the layer's fields under
-``transformer_layer_config``, its weights under ``layers.0.*``).
+Three checkpoint dialects are read (eagle3_config.py): EAGLE / SpecForge
+(``LlamaForCausalLMEagle3``; weights ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
+``t2d``), AngelSlim (``Eagle3LlamaForCausalLM``, the same weights) and ``speculators``
+(``speculators_model_type: eagle3``, the layer's weights under ``layers.0.*``, with its
+options: ``input_norm`` or ``fc_norm.i`` before ``fc``, a Qwen3 layer's q/k norms, the normed
+output fed back, a sliding-window layer). A checkpoint's ``embed_tokens`` is the head's own
+embedding where it differs from the target's (a head trained with its embedding unfrozen).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,59 +27,13 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError, load_weights, tensor_files
-from .config import ConfigError, ModelConfig, model_config, read_config_json
-from .layers import MLP, Attention, AttentionFn, RMSNorm, Rotary
+from .checkpoint import CheckpointError, load_weights, read_tensor, tensor_files, vocab_map
+from .config import ModelConfig, read_config_json
+from .eagle3_config import DIALECTS, Eagle3Config, default_aux_layer_ids, eagle3_config
+from .layers import MLP, Attention, AttentionFn, DecoderLayer, RMSNorm, Rotary
 from .presets import lookup_preset
 
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    layer: ModelConfig  # the one decoder layer (vocab_size: the target's)
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] | None  # target layers whose *input* is tapped; None: (2, N/2, N-3)
-    norm_before_residual: bool = False  # speculators option (its own default): the residual is the normed h
-    dialect: str = "eagle"  # "eagle" (EAGLE / SpecForge) or "speculators"
-
-    @property
-    def num_aux(self) -> int:
-        return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
-
-
-def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    return (2, num_target_layers // 2, num_target_layers - 3)
-
-
-def eagle3_config(raw: dict[str, Any]) -> Eagle3Config:
-    """Either dialect's config.json -> Eagle3Config (ConfigError naming what is wrong)."""
-    if raw.get("speculators_model_type") is not None:
-        return _speculators(raw)
-    if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
-        raise ConfigError(
-            f"architectures {raw.get('architectures')} is not an EAGLE-3 drafter; expected "
-            "['LlamaForCausalLMEagle3'] (EAGLE / SpecForge) or a speculators config with "
-            "speculators_model_type: eagle3")
-    layer = replace(model_config({**raw, "num_hidden_layers": 1}, default_arch="llama"), arch="llama")
-    # SpecForge's eagle_config ids name layers whose *output* is tapped: the input of the next one
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-                        target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
-                        aux_layer_ids=None if ids is None else tuple(int(i) + 1 for i in ids))
-
-
-def _speculators(raw: dict[str, Any]) -> Eagle3Config:
-    if raw["speculators_model_type"] != "eagle3":
-        raise ConfigError(f"speculators_model_type {raw['speculators_model_type']!r} is not eagle3")
-    inner = raw.get("transformer_layer_config")
-    if not isinstance(inner, dict):
-        raise ConfigError("speculators config lacks transformer_layer_config (the draft layer's Llama fields)")
-    layer = replace(model_config({**inner, "num_hidden_layers": 1}, default_arch="llama"), arch="llama")
-    ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    return Eagle3Config(layer=layer, draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-                        target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
-                        aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
-                        norm_before_residual=bool(raw.get("norm_before_residual", False)), dialect="speculators")
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "eagle3_config", "load_eagle3"]
 
 
 class Eagle3Layer(nn.Module):
@@ -111,12 +68,54 @@ class Eagle3DraftModel(nn.Module):
         lc = cfg.layer
         self.config = cfg
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, lc.hidden_size, bias=False)
+        if cfg.norm_before_fc:  # over the concatenated features [.., taps*H]
+            self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, lc.rms_norm_eps)
+        if cfg.fc_norm:  # one per tapped layer's features
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, lc.rms_norm_eps) for _ in range(cfg.num_aux))
+        self.embed_tokens: nn.Embedding | None = None  # the head's own embedding, when it has one (own_embedding)
         self.midlayer = Eagle3Layer(lc, cfg.norm_before_residual)
+        # a deeper speculators head: plain decoder layers after the first (cache layers 1, 2, ...)
+        self.extra_layers = nn.ModuleList(DecoderLayer(lc) for _ in range(lc.num_layers - 1))
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.lm_head = nn.Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [Vd] offsets
         self.register_buffer("t2d", torch.zeros(lc.vocab_size, dtype=torch.bool))  # [V] in the draft vocab
         self.rotary = Rotary(lc.rope, lc.head_dim)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """Target features [..., taps*H] -> the first step's hidden [..., H]: fc, after the
+        checkpoint's feature norms (norm_before_fc: one over all; fc_norm: one per tap)."""
+        if self.config.norm_before_fc:
+            features = self.input_norm(features)
+        if self.config.fc_norm:
+            chunks = features.chunk(self.config.num_aux, dim=-1)
+            features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(features)
+
+    def embed(self, target, ids: Tensor) -> Tensor:
+        """ids [...] -> the head's input embeddings [..., H]: its own, else the target's."""
+        return target.embed(ids) if self.embed_tokens is None else self.embed_tokens.weight[ids]
+
+    def own_embedding(self, weight: Tensor | None) -> None:
+        """Keep ``weight`` [V, H] as the head's own embedding (None: read the target's)."""
+        if weight is None:
+            self.embed_tokens = None
+            return
+        self.embed_tokens = nn.Embedding(*weight.shape, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def next_hidden(self, out: Tensor, normed: Tensor | None = None) -> Tensor:
+        """What a chain step feeds the next: the layer's output, or its final norm (norm_output)."""
+        if not self.config.norm_output:
+            return out
+        return self.norm(out) if normed is None else normed
+
+    def readout(self, out: Tensor, normed: Tensor | None = None) -> Tensor:
+        """What lm_head reads: the final norm of the layer's output (or the output itself)."""
+        if not self.config.readout_norm:
+            return out
+        return self.norm(out) if normed is None else normed
 
     def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """One drafter forward: embeds [B, T, H] of the next tokens, hidden [B, T, H] (fc of the
@@ -124,7 +123,10 @@ class Eagle3DraftModel(nn.Module):
         if getattr(attn, "decoder_layer", None) is not None:
             return self.step_normed(embeds, hidden, positions, attn)[0]
         cos, sin = self.rotary(positions, embeds.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, attn)
+        out = self.midlayer(embeds, hidden, cos, sin, attn)
+        for i, layer in enumerate(self.extra_layers, start=1):
+            out = layer(out, cos, sin, i, attn)
+        return out
 
     def step_normed(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn
                     ) -> tuple[Tensor, Tensor]:
@@ -135,13 +137,16 @@ class Eagle3DraftModel(nn.Module):
         if layer_fn is None:
             out = self.step(embeds, hidden, positions, attn)
             return out, self.norm(out)
+        if len(self.extra_layers):  # the fused form runs the first layer only: never drop the others
+            raise ValueError("a fused decoder_layer runs one-layer EAGLE-3 heads only; this head has "
+                             f"{1 + len(self.extra_layers)} layers (run it with backend: reference)")
         m = self.midlayer
         normed = attn.norm(hidden, m.hidden_norm)
         x = torch.cat([attn.norm(embeds, m.input_layernorm), normed], dim=-1)  # [B, T, 2H]
         return layer_fn(m, normed if m.norm_before_residual else hidden, x, positions, self.rotary, 0, self.norm)
 
     def greedy(self, normed: Tensor, head_argmax) -> Tensor:
-        """The greedy token over the target vocabulary from normed outputs [..., H]: the draft
+        """The greedy token over the target vocabulary from what lm_head reads [..., H] (readout()): the draft
         vocabulary's argmax mapped to its target id (``head_argmax`` may be a backend's readout
         that writes no logits). Equal to logits(out).argmax(-1) when draft ids are ascending
         (ties: the first in either order): check ascending_ids() first."""
@@ -155,7 +160,7 @@ class Eagle3DraftModel(nn.Module):
     def logits(self, out: Tensor) -> Tensor:
         """Layer output [..., H] -> float32 logits over the *target* vocabulary [..., V]: the
         draft vocabulary's logits at their target ids, -inf elsewhere (never drafted)."""
-        small = self.lm_head(self.norm(out)).float()  # [..., Vd]
+        small = self.lm_head(self.readout(out)).float()  # [..., Vd]
         full = small.new_full((*small.shape[:-1], self.config.layer.vocab_size), float("-inf"))
         ids = torch.arange(small.shape[-1], device=small.device) + self.d2t
         return full.index_copy_(-1, ids, small)
@@ -168,29 +173,43 @@ class Eagle3DraftModel(nn.Module):
 def _names(model: Eagle3DraftModel) -> dict[str, str]:
     """Module parameter name -> checkpoint tensor name for the model's dialect."""
     if model.config.dialect == "speculators":
-        return {n: n.replace("midlayer.", "layers.0.", 1) for n, _ in model.named_parameters()}
+        def rename(n: str) -> str:
+            if n.startswith("extra_layers."):
+                i, rest = n.removeprefix("extra_layers.").split(".", 1)
+                return f"layers.{int(i) + 1}.{rest}"
+            return n.replace("midlayer.", "layers.0.", 1)
+        return {n: rename(n) for n, _ in model.named_parameters()}
     return {n: n for n, _ in model.named_parameters()}
 
 
 def load_eagle3(folder: str | Path) -> Eagle3DraftModel:
+    """The head of either dialect; every tensor in the folder is loaded or refused by name."""
     model = Eagle3DraftModel(eagle3_config(read_config_json(folder)))
-    load_weights(model, folder, names=_names(model))
+    unused = set(load_weights(model, folder, names=_names(model)))
     files = tensor_files(folder)
-    for name in ("d2t", "t2d"):
-        buf = getattr(model, name)
-        if name not in files:
-            if model.config.draft_vocab_size == model.config.layer.vocab_size:
-                if name == "t2d":
-                    buf.fill_(True)  # the full vocabulary: identity mapping
-                continue
-            raise CheckpointError(f"{folder}: missing tensor {name} (the draft vocabulary's mapping to target ids)")
-        with safe_open(files[name], framework="pt") as f:
-            tensor = f.get_tensor(name)
-        if tuple(tensor.shape) != tuple(buf.shape):
-            raise CheckpointError(f"{folder}: {name} has shape {list(tensor.shape)}, expected {list(buf.shape)} "
-                                  "(draft_vocab_size and vocab_size in config.json)")
-        buf.copy_(tensor.to(buf.dtype))
+    DIALECTS[model.config.dialect].check_tensors(unused - {"d2t", "t2d", "embed_tokens.weight"}, folder)
+    read = {name: read_tensor(files, name) for name in ("d2t", "t2d", "embed_tokens.weight") if name in files}
+    vocab_map(model, read.get("d2t"), read.get("t2d"), folder)
+    if "embed_tokens.weight" in read:
+        emb = read["embed_tokens.weight"]
+        want = [model.config.layer.vocab_size, model.config.layer.hidden_size]
+        if list(emb.shape) != want:
+            raise CheckpointError(f"{folder}: embed_tokens.weight has shape {list(emb.shape)}, "
+                                  f"the config implies {want}")
+        model.own_embedding(emb.float())  # until compared with the target's (keep_own_embedding)
     return model.eval()
+
+
+def keep_own_embedding(model: Eagle3DraftModel, target) -> bool:
+    """Drop a checkpoint embedding equal to the target's (a frozen copy: the target's is read
+    instead); keep one that differs (trained with the head). -> whether the head has its own."""
+    if model.embed_tokens is None:
+        return False
+    theirs = target.model.embed_tokens.weight
+    if torch.equal(model.embed_tokens.weight.to(theirs.device, theirs.dtype), theirs):
+        model.own_embedding(None)
+        return False
+    return True
 
 
 # Random-init shapes, as config.json dictionaries (either dialect parses the same way).

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .checkpoint import load_weights
 from .config import ConfigError, ModelConfig, model_config, read_config_json
+from .dialect import MTP_DIALECT, layer_values
 from .layers import MLP, RMSNorm, Rotary, rotate
 from .presets import lookup_preset
 
@@ -41,6 +42,8 @@ def mtp_config(raw: dict[str, Any]) -> MTPConfig:
     if ARCHITECTURE not in (raw.get("architectures") or []):
         raise ConfigError(f"architectures {raw.get('architectures')} is not a frozen-KV MTP drafter; "
                           f"expected ['{ARCHITECTURE}']")
+    MTP_DIALECT.check_keys(raw)
+    layer_values(raw)
     layers = replace(model_config(raw, default_arch="llama"), arch="qwen3" if raw.get("qk_norm") else "llama")
     return MTPConfig(layers=layers, target_hidden_size=int(raw.get("target_hidden_size") or layers.hidden_size))
 
@@ -116,7 +119,7 @@ class Gemma4MTPModel(nn.Module):
 
 def load_mtp(folder: str | Path) -> Gemma4MTPModel:
     model = Gemma4MTPModel(mtp_config(read_config_json(folder)))
-    load_weights(model, folder)
+    MTP_DIALECT.check_tensors(load_weights(model, folder), folder)
     return model.eval()
 
 

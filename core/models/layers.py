@@ -155,12 +155,12 @@ class DecoderLayer(nn.Module):
 def run_layers(layers: nn.ModuleList, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor,
                attn: AttentionFn, taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
     """h [B, T, H] through the layers and the final norm -> (normed [B, T, H], the tapped
-    layers' outputs concatenated [B, T, len(taps)*H] or None)."""
+    layers' outputs concatenated [B, T, len(taps)*H] or None; tap -1 is h itself)."""
     stack = getattr(attn, "decoder_stack", None)
     if stack is not None:
         return stack(layers, final_norm, rotary, h, positions, taps)
     cos, sin = rotary(positions, h.dtype)
-    tapped: dict[int, Tensor] = {}
+    tapped: dict[int, Tensor] = {-1: h} if -1 in taps else {}  # -1: the embedding output (layer 0's input)
     for i, layer in enumerate(layers):
         h = layer(h, cos, sin, i, attn)
         if i in taps:

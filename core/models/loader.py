@@ -6,11 +6,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_weights
+from .checkpoint import load_weights, read_tensor, tensor_files, vocab_map
 from .config import dflash_config, model_config, read_config_json
 from .dflash import DFlashDraftModel
+from .dialect import DFLASH_DIALECT
 from .layers import Rotary, init_random
 from .presets import dflash_preset, target_preset
+from .speculators_dflash import SPECULATORS_DFLASH
 from .target import TargetModel
 
 
@@ -49,7 +51,13 @@ def _materialize(build, seed: int, std: float, device: torch.device, dtype: torc
 
 def load_dflash(folder: str | Path) -> DFlashDraftModel:
     model = DFlashDraftModel(dflash_config(read_config_json(folder)))
-    load_weights(model, folder)
+    dialect = SPECULATORS_DFLASH if model.config.dialect == SPECULATORS_DFLASH.name else DFLASH_DIALECT
+    unused = set(load_weights(model, folder))
+    if model.config.draft_vocab_size is not None:  # a reduced vocabulary's map to target ids
+        files = tensor_files(folder)
+        vocab_map(model, *(read_tensor(files, n) if n in files else None for n in ("d2t", "t2d")), folder)
+        unused -= {"d2t", "t2d"}
+    dialect.check_tensors(unused, folder)
     return model.eval()
 
 
