@@ -132,6 +132,15 @@ DFLASH_FIELDS = Dialect("z-lab DFlash (dflash_config)", read=frozenset({"mask_to
 MTP_DIALECT = layer_dialect("frozen-KV MTP (Gemma4MTPDrafter)", extra_read=("qk_norm", "target_hidden_size"))
 
 
+SPECULATORS_INERT = {  # keys of every speculators config.json that change no computation
+    "speculators_version": "provenance only",
+    "transformers_version": "provenance only",
+    "dtype": "the spec's dtype decides the weights' dtype",
+    "torch_dtype": "the spec's dtype decides the weights' dtype",
+    "auto_map": "names speculators' config class; the keys here define the model",
+}
+
+
 def speculators_runtime(name: str) -> Dialect:
     """What speculators_config holds beside the algorithm: how speculators' own runtime proposes
     and verifies; draftline's spec decides K and its acceptance rule (lossless either way)."""

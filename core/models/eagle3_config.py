@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .config import ConfigError, ModelConfig, model_config
-from .dialect import Dialect, layer_dialect, layer_values, speculators_runtime
+from .dialect import SPECULATORS_INERT, Dialect, layer_dialect, layer_values, speculators_runtime
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,7 @@ SPECULATORS_DIALECT = Dialect(
                     "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
                     "norm_before_fc", "fc_norm", "norm_output", "speculators_config"}),
     inert={
-        "speculators_version": "provenance only",
-        "transformers_version": "provenance only",
-        "dtype": "the spec's dtype decides the weights' dtype",
-        "torch_dtype": "the spec's dtype decides the weights' dtype",
-        "auto_map": "names speculators' config class; the keys here define the model",
+        **SPECULATORS_INERT,
         "tie_word_embeddings": "the head's lm_head is its own tensor",
         "embed_requires_grad": "training only: a trained embed_tokens differs from the target's and is then used",
     },

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from .config import ConfigError, DFlashConfig, model_config
-from .dialect import Dialect, layer_dialect, layer_values, speculators_runtime
+from .dialect import SPECULATORS_INERT, Dialect, layer_dialect, layer_values, speculators_runtime
 
 SPECULATORS_DFLASH = Dialect(
     "speculators DFlash",
@@ -23,11 +23,7 @@ SPECULATORS_DFLASH = Dialect(
                     "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
                     "sample_from_anchor", "sliding_window_non_causal", "speculators_config"}),
     inert={
-        "speculators_version": "provenance only",
-        "transformers_version": "provenance only",
-        "dtype": "the spec's dtype decides the weights' dtype",
-        "torch_dtype": "the spec's dtype decides the weights' dtype",
-        "auto_map": "names speculators' config class; the keys here define the model",
+        **SPECULATORS_INERT,
         "tie_word_embeddings": "a full-vocabulary drafter reads out through the target's lm_head",
     },
     inert_tensors={
