@@ -23,16 +23,18 @@ def _spec_files(paths: list[str]) -> list[Path]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .spec import SpecError, check_files, load_spec
+    from .spec import SpecError, check_files, device_problems, load_spec
 
     files, failed = _spec_files(args.paths), 0
     if not files:
         print(f"no spec files (*.yaml, *.yml) found under {' '.join(args.paths)}", file=sys.stderr)
         return 1
     for path in files:
+        notes = []
         try:
             spec = load_spec(path)
             problems = check_files(spec) if args.check_files else []
+            notes = [] if args.check_files else device_problems(spec)
         except SpecError as exc:
             problems = exc.messages
         if problems:
@@ -42,6 +44,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 print(f"  - {msg}")
         else:
             print(f"ok   {path}")
+        for msg in notes:  # a valid spec this machine cannot run; --check-files counts it as a failure
+            print(f"  note: {msg}")
     print(f"{len(files) - failed} valid, {failed} invalid")
     return 1 if failed else 0
 
@@ -150,6 +154,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .training.loop import pick_device
 
+    if args.what != "target":  # its arguments before any work
+        _check_target(args)
     data, device, out = _corpus(args.data), pick_device(args.device), Path(args.out)
     if args.what == "target":
         from .training.pretrain import PretrainConfig, pretrain
@@ -160,8 +166,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         from .models.loader import load_target
 
-        if not args.target:
-            raise FileNotFoundError(f"train {args.what} needs --target FOLDER (a trained target checkpoint)")
         init = Path(args.init) if args.init else None
         if args.what == "eagle3":
             from .training.eagle3 import Eagle3TrainConfig, train_eagle3
@@ -180,6 +184,26 @@ def cmd_train(args: argparse.Namespace) -> int:
             summary = train_dflash(load_target(args.target), data, out, cfg, device, init)
     print(summary.report())
     return 0
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    from .models.checkpoint import tensor_files
+    from .models.config import model_config, read_config_json
+
+    if not args.target:
+        raise ConfigError(f"train {args.what} needs --target FOLDER: the target's checkpoint folder "
+                          "(written by `draftline train target`, or an HF-format folder)")
+    folder = Path(args.target)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--target {folder}: no config.json there; give the target's checkpoint folder "
+                          "(written by `draftline train target`, or an HF-format folder)")
+    try:
+        model_config(read_config_json(folder)), tensor_files(folder)
+    except (ConfigError, CheckpointError) as exc:
+        raise ConfigError(f"--target {folder}: {exc}") from None
+    if args.init and not (Path(args.init) / "config.json").is_file():
+        raise ConfigError(f"--init {args.init}: no config.json there; give a drafter checkpoint folder "
+                          f"written by `draftline train {args.what}`")
 
 
 TRAIN_KNOBS = {"preset": str, "steps": int, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
@@ -265,6 +289,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation import evaluate, format_table, plot
     from .training.corpus import read_prompts
 
+    if args.plot:  # before the eval runs, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                              "(or the `plot` extra), or drop --plot") from None
     prompts = read_prompts(args.prompts)[: args.num_prompts]
     temps = [float(t) for t in args.temperatures.split(",")]
     results, lossy = [], []

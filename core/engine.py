@@ -26,7 +26,7 @@ from .request import Request, Round, SpecStats
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stops import Stops
-from .spec import Spec, SpeculativeSpec, load_spec
+from .spec import Spec, SpeculativeSpec, device_problems, load_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,6 +55,9 @@ class Completion:
 def resolve_device(spec: Spec) -> torch.device:
     if spec.model.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    problems = device_problems(spec)
+    if problems:
+        raise ConfigError(problems[0])
     return torch.device(spec.model.device)
 
 

@@ -222,9 +222,42 @@ def _resolve_paths(spec: Spec, base: Path) -> Spec:
 
 
 def check_files(spec: Spec) -> list[str]:
-    """Open the checkpoints' config.json files and re-run the cross-field checks with them."""
+    """Open the checkpoints' config.json files and safetensors headers, re-run the
+    cross-field checks with them, and check that this machine has the spec's device."""
     try:
         target = spec.model.config(read_files=True)
     except ConfigError as exc:
-        return [f"model.path: {exc}"]
-    return spec.speculative.check(target, read_files=True)
+        return [f"model.path: {exc}"] + device_problems(spec)
+    problems = spec.speculative.check(target, read_files=True)
+    draft = getattr(spec.speculative, "draft", None)
+    for field, folder in (("model.path", spec.model.path), ("speculative.draft.path", getattr(draft, "path", None))):
+        if folder is not None and (Path(folder) / "config.json").is_file():  # a missing one is reported already
+            problems += _weights_problems(field, folder)
+    return problems + device_problems(spec)
+
+
+def _weights_problems(field: str, folder: Path) -> list[str]:
+    from .models.checkpoint import CheckpointError, tensor_files
+
+    try:
+        tensor_files(folder)
+    except CheckpointError as exc:
+        return [f"{field}: {exc}"]
+    return []
+
+
+def device_problems(spec: Spec) -> list[str]:
+    """The spec's device on this machine: a CUDA device that torch cannot see."""
+    import torch
+
+    device = spec.model.device
+    if not device.startswith("cuda"):
+        return []
+    if not torch.cuda.is_available():
+        return [f"model.device: {device}, but torch sees no CUDA device on this machine "
+                f"(torch {torch.__version__}); set model.device: auto or cpu, or run on a GPU machine"]
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return [f"model.device: {device}, but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                f"use cuda:0..cuda:{torch.cuda.device_count() - 1}"]
+    return []

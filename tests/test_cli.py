@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,54 @@ def test_cuda_backend_on_a_cpu_says_what_to_use(capsys, tmp_path, monkeypatch):
     spec.write_text("model: {random_init: {preset: tiny-qwen3}, device: cpu}\nbackend: cuda\n")
     assert main(["generate", "--spec", str(spec), "x"]) == 1
     assert "on a CPU use backend: reference" in capsys.readouterr().err
+
+
+def _truncated_target(tmp_path):
+    folder = tmp_path / "target"
+    shutil.copytree(ROOT / "specs" / "tiny" / "target", folder)
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(100_000)
+    return folder
+
+
+def test_truncated_weights_name_the_file(capsys, tmp_path):
+    """A damaged model.safetensors: one line naming the file; --check-files opens the header."""
+    folder = _truncated_target(tmp_path)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"model: {{path: {folder}}}\n")
+    assert main(["validate", str(spec)]) == 0
+    assert main(["validate", "--check-files", str(spec)]) == 1
+    assert "model.safetensors: not a readable safetensors file" in capsys.readouterr().out
+    assert main(["generate", "--spec", str(spec), "x"]) == 1
+    assert "truncated or damaged" in capsys.readouterr().err
+
+
+def test_cuda_device_without_cuda_says_so(capsys, tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("checks the message shown without a GPU")
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: {random_init: {preset: tiny-qwen3}, device: cuda}\nbackend: reference\n")
+    assert main(["validate", str(spec)]) == 0
+    assert "note: model.device: cuda, but torch sees no CUDA device" in capsys.readouterr().out
+    assert main(["validate", "--check-files", str(spec)]) == 1
+    assert main(["generate", "--spec", str(spec), "x"]) == 1
+    assert "set model.device: auto or cpu" in capsys.readouterr().err
+
+
+def test_eval_plot_without_matplotlib_fails_first(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["eval", TINY, "--plot", "x.png", "--prompts", "/nonexistent"]) == 1
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_train_checks_its_target_before_any_work(capsys, tmp_path):
+    missing_corpus = str(tmp_path / "no-corpus")  # were the corpus read first, this would be the error
+    assert main(["train", "dflash", "--data", missing_corpus, "--out", str(tmp_path / "o")]) == 1
+    assert "needs --target FOLDER" in capsys.readouterr().err
+    assert main(["train", "eagle3", "--data", missing_corpus, "--out", str(tmp_path / "o"),
+                 "--target", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert "--target" in err and "no config.json there" in err and "spec" not in err
+    assert main(["train", "dflash", "--data", missing_corpus, "--out", str(tmp_path / "o"),
+                 "--target", str(_truncated_target(tmp_path))]) == 1
+    assert "truncated or damaged" in capsys.readouterr().err

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -20,18 +21,36 @@ class CheckpointError(ValueError):
     """A checkpoint folder that does not hold the tensors a module needs."""
 
 
+@contextmanager
+def open_tensors(path: Path):
+    """``safe_open`` with a damaged file's error naming the file and the fix."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); it is truncated or damaged: "
+                              "download or save it again") from None
+    with handle as f:
+        yield f
+
+
 def tensor_files(folder: str | Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it."""
     folder = Path(folder)
     if (folder / INDEX).is_file():
-        weight_map = json.loads((folder / INDEX).read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads((folder / INDEX).read_text()).get("weight_map", {})
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{folder / INDEX}: not valid JSON ({exc}); download or save it again") from None
         files = {name: folder / shard for name, shard in weight_map.items()}
         missing = sorted({str(p) for p in files.values() if not p.is_file()})
         if missing:
             raise CheckpointError(f"{folder / INDEX} names shard files that are missing: {missing}")
+        for shard in sorted(set(files.values())):  # open each header: a damaged shard fails here, named
+            with open_tensors(shard):
+                pass
         return files
     if (folder / SINGLE).is_file():
-        with safe_open(folder / SINGLE, framework="pt") as f:
+        with open_tensors(folder / SINGLE) as f:
             return {name: folder / SINGLE for name in f.keys()}
     raise CheckpointError(f"{folder}: neither {SINGLE} nor {INDEX} found; is this an HF-format checkpoint folder?")
 
@@ -55,7 +74,7 @@ def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...
             by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for path, names in by_file.items():
-            with safe_open(path, framework="pt") as f:
+            with open_tensors(path) as f:
                 for name in names:
                     _copy(params[name], f.get_tensor(name), name, path)
     return sorted(set(files) - set(params))
@@ -117,5 +136,5 @@ def vocab_map(model: nn.Module, d2t: torch.Tensor | None, t2d: torch.Tensor | No
 
 
 def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(files[name], framework="pt") as f:
+    with open_tensors(files[name]) as f:
         return f.get_tensor(name)

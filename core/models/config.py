@@ -88,7 +88,8 @@ def default_dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def read_config_json(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{path}: file not found; point the spec's path at an HF-format checkpoint folder")
+        raise ConfigError(f"{path}: file not found; an HF-format checkpoint folder holds config.json "
+                          "beside its model.safetensors: give the path of one")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
