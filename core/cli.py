@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from . import flags
+from .flags import NEW_TOKENS, NON_NEGATIVE, PORT, POSITIVE, SEED, TEMPERATURE
 from .models.config import ConfigError
 from .models.checkpoint import CheckpointError
 
@@ -206,10 +209,27 @@ def _check_target(args: argparse.Namespace) -> None:
                           f"written by `draftline train {args.what}`")
 
 
-TRAIN_KNOBS = {"preset": str, "steps": int, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
-               "num_sequences": int, "gen_len": int, "gen_batch": int, "anchors": int, "eval_every": int,
-               "max_seconds": float, "mix": str, "warm_tokens": int,
-               "weight_decay": float, "ttt_steps": int, "crop": int, "chain_steps": int}
+# name -> (value type, help); each run's default comes from its config dataclass
+TRAIN_KNOBS = {
+    "preset": (str, "model shape preset of what is trained"),
+    "steps": (POSITIVE, "optimizer steps"),
+    "batch_size": (POSITIVE, "training rows per step"),
+    "seq_len": (POSITIVE, "tokens per training row"),
+    "lr": (flags.real(0.0, strict=True), "peak learning rate (cosine schedule after warm-up)"),
+    "seed": (SEED, "seed of data order, generation and init"),
+    "num_sequences": (POSITIVE, "sequences the target generates to distil from"),
+    "gen_len": (POSITIVE, "tokens generated per distillation sequence"),
+    "gen_batch": (POSITIVE, "sequences generated per target batch"),
+    "anchors": (POSITIVE, "block anchors per training row"),
+    "eval_every": (POSITIVE, "steps between held-out evaluations"),
+    "max_seconds": (flags.real(0.0, strict=True), "wall-time budget of the training steps: stop, evaluate and save"),
+    "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, sampled, warm)"),
+    "warm_tokens": (NON_NEGATIVE, "`warm` rows: sampled tokens after a bare prompt before the greedy part"),
+    "weight_decay": (flags.real(0.0), "AdamW weight decay"),
+    "ttt_steps": (POSITIVE, "EAGLE-3: chained steps unrolled per training position"),
+    "crop": (POSITIVE, "EAGLE-3 / MTP: tokens per training row, a window of a distilled sequence"),
+    "chain_steps": (POSITIVE, "MTP: chained steps trained per context end"),
+}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -224,7 +244,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine = Engine.from_spec(args.spec, draft_policy="always")
     if engine.backend_name != "cuda":
         raise ConfigError(f"{args.spec}: backend is {engine.backend_name}; bench the cuda backend (backend: cuda or auto)")
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = args.batch_sizes
     too_big = [b for b in batches if b > engine.spec.server.max_batch_size]
     if too_big:
         raise ConfigError(f"--batch-sizes {too_big} exceed server.max_batch_size {engine.spec.server.max_batch_size}")
@@ -296,7 +316,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise ConfigError("--plot needs matplotlib, which is not installed: pip install matplotlib "
                               "(or the `plot` extra), or drop --plot") from None
     prompts = read_prompts(args.prompts)[: args.num_prompts]
-    temps = [float(t) for t in args.temperatures.split(",")]
+    temps = args.temperatures
     results, lossy = [], []
     for path in args.spec:  # every method over the same prompts, each against its own interleaved `none`
         engine = Engine.from_spec(path, draft_policy="always")
@@ -331,13 +351,53 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from .spec import load_spec
 
-    levels = [int(c) for c in args.concurrency.split(",")]
-    print(run_bench(load_spec(args.spec), levels, args.requests, args.max_new_tokens, args.json))
+    spec, levels = load_spec(args.spec), args.concurrency
+    with _quiet(not args.verbose):  # the table, not every request's log line
+        table = run_bench(spec, levels, args.requests, args.max_new_tokens, args.json)
+    print(table)
     return 0
 
 
+@contextlib.contextmanager
+def _quiet(on: bool):
+    """Info log lines off while the block runs (warnings still show); the old config after."""
+    import logging
+
+    import structlog
+
+    old = structlog.get_config()
+    if on:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    try:
+        yield
+    finally:
+        structlog.configure(**old)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default after its help line, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ("", argparse.SUPPRESS)
+        shown = not unset and action.option_strings
+        return text + " (default: %(default)s)" if shown and "%(default)" not in text else text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with defaults in --help and exit code 1 for a bad flag, as for any bad input."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftline", description="Speculative-decoding inference engine.")
+    p = Parser(prog="draftline", description="Speculative-decoding inference engine.")
     sub = p.add_subparsers(dest="command", required=True)
     _spec_commands(sub)
     _generation_commands(sub)
@@ -348,41 +408,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _spec_commands(sub) -> None:
     v = sub.add_parser("validate", help="validate spec files and folders of specs")
-    v.add_argument("paths", nargs="+")
-    v.add_argument("--check-files", action="store_true", help="also open the checkpoints' config.json")
+    v.add_argument("paths", nargs="+", help="spec files, or folders searched for *.yaml / *.yml")
+    v.add_argument("--check-files", action="store_true",
+                   help="also open the checkpoints' config.json and safetensors headers, and check the device")
     v.set_defaults(func=cmd_validate)
     e = sub.add_parser("explain", help="print the compiled state machine of a spec")
-    e.add_argument("spec")
+    e.add_argument("spec", help="the spec file")
     e.set_defaults(func=cmd_explain)
 
 
 def _generation_commands(sub) -> None:
     g = sub.add_parser("generate", help="generate a completion and print its statistics")
-    g.add_argument("prompt")
-    g.add_argument("--spec", default=str(DEFAULT_SPEC))
-    g.add_argument("--max-new-tokens", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--seed", type=int)
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--spec", default=str(DEFAULT_SPEC), help="the spec file")
+    g.add_argument("--max-new-tokens", type=NEW_TOKENS, help="tokens to generate (default: the spec's sampling.max_new_tokens)")
+    g.add_argument("--temperature", type=TEMPERATURE, help="0: greedy (default: the spec's sampling.temperature)")
+    g.add_argument("--seed", type=SEED, help="sampling seed (default: the spec's, else a fresh one)")
     g.add_argument("--compare", action="store_true", help="also run method `none` and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true", help="add every round's drafts and acceptance")
     g.set_defaults(func=cmd_generate)
     ev = sub.add_parser("eval", help="tau, acceptance and speedup against `none` on held-out prompts")
-    ev.add_argument("spec", nargs="*", default=[str(DEFAULT_SPEC)], help="one or more specs, run over the same prompts")
-    ev.add_argument("--prompts", default=str(PROJECT_ROOT / "specs" / "tiny" / "eval_prompts.jsonl"))
-    ev.add_argument("--num-prompts", type=int, default=120)
-    ev.add_argument("--max-new-tokens", type=int, default=128)
-    ev.add_argument("--temperatures", default="0,1.0")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--plot", help="write a PNG of per-position acceptance and the tau distribution")
-    ev.add_argument("--json", action="store_true")
+    ev.add_argument("spec", nargs="*", default=[str(DEFAULT_SPEC)],
+                    help="one or more specs, run over the same prompts (default: specs/tiny-dflash.yaml)")
+    ev.add_argument("--prompts", default=str(PROJECT_ROOT / "specs" / "tiny" / "eval_prompts.jsonl"),
+                    help="JSONL of prompts, one {\"prompt\": ...} per line")
+    ev.add_argument("--num-prompts", type=POSITIVE, default=120, help="first N prompts of the file")
+    ev.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="tokens generated per prompt")
+    ev.add_argument("--temperatures", type=flags.listed(TEMPERATURE), default="0,1.0",
+                    help="comma-separated temperatures, each a separate run")
+    ev.add_argument("--seed", type=SEED, default=0, help="seed of the sampled runs")
+    ev.add_argument("--plot", help="write a PNG of per-position acceptance and the tau distribution (needs matplotlib)")
+    ev.add_argument("--json", action="store_true", help="print one JSON list of the runs")
     ev.set_defaults(func=cmd_eval)
+    _bench_command(sub)
 
+
+def _bench_command(sub) -> None:
     bn = sub.add_parser("bench", help="GPU: ms per round and per token against the bandwidth floor (cuda backend)")
-    bn.add_argument("--spec", default=str(PROJECT_ROOT / "specs" / "qwen3-8b-random-dflash.yaml"))
-    bn.add_argument("--batch-sizes", default="1,4,16")
-    bn.add_argument("--prompt-len", type=int, default=512)
-    bn.add_argument("--new-tokens", type=int, default=128)
+    bn.add_argument("--spec", default=str(PROJECT_ROOT / "specs" / "qwen3-8b-random-dflash.yaml"), help="the spec file")
+    bn.add_argument("--batch-sizes", type=flags.listed(POSITIVE), default="1,4,16", help="comma-separated batch sizes")
+    bn.add_argument("--prompt-len", type=POSITIVE, default=512, help="prompt tokens per request")
+    bn.add_argument("--new-tokens", type=POSITIVE, default=128, help="tokens generated per request")
     bn.add_argument("--peer", choices=["hf"], help="also time transformers' static-cache torch.compile decoding")
     bn.add_argument("--no-baseline", action="store_true", help="skip the `none` rows of a speculative spec")
     bn.add_argument("--also", default="", help="comma-separated specs whose methods to bench too, over the same target")
@@ -395,35 +462,58 @@ def _generation_commands(sub) -> None:
 
 def _serving_commands(sub) -> None:
     sv = sub.add_parser("serve", help="start the HTTP server (/generate, /v1/completions, /v1/chat/completions, /metrics, ...)")
-    sv.add_argument("--spec", default=str(DEFAULT_SPEC))
-    sv.add_argument("--host", help="default: the spec's server.host (127.0.0.1)")
-    sv.add_argument("--port", type=int, help="default: the spec's server.port (8000)")
+    sv.add_argument("--spec", default=str(DEFAULT_SPEC), help="the spec file")
+    sv.add_argument("--host", help="address to bind (default: the spec's server.host, 127.0.0.1)")
+    sv.add_argument("--port", type=PORT, help="port to bind (default: the spec's server.port, 8000)")
     sv.set_defaults(func=cmd_serve)
     bs = sub.add_parser("bench-serve", help="requests/s, tokens/s, TTFT, TPOT at several concurrencies, drafting on and off")
-    bs.add_argument("--spec", default=str(DEFAULT_SPEC))
-    bs.add_argument("--concurrency", default="1,4,16")
-    bs.add_argument("--requests", type=int, default=0, help="per level (default: max(8, 2 x concurrency))")
-    bs.add_argument("--max-new-tokens", type=int, default=64)
-    bs.add_argument("--json", action="store_true")
+    bs.add_argument("--spec", default=str(DEFAULT_SPEC), help="the spec file")
+    bs.add_argument("--concurrency", type=flags.listed(POSITIVE), default="1,4,16", help="comma-separated concurrency levels")
+    bs.add_argument("--requests", type=NON_NEGATIVE, default=0, help="requests per level (0: max(8, 2 x concurrency))")
+    bs.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="tokens generated per request")
+    bs.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bs.add_argument("--verbose", action="store_true", help="also log every request")
     bs.set_defaults(func=cmd_bench_serve)
 
 
 def _training_commands(sub) -> None:
     c = sub.add_parser("corpus", help="tokenize the standard library's Python source (train/held-out by module)")
-    c.add_argument("--out", default="data/corpus")
-    c.add_argument("--vocab-size", type=int, default=4096)
-    c.add_argument("--prompts", type=int, default=120, help="held-out evaluation prompts to write")
+    c.add_argument("--out", default="data/corpus", help="folder to write corpus.pt, tokenizer.json, eval_prompts.jsonl")
+    c.add_argument("--vocab-size", type=flags.integer(260), default=4096, help="BPE vocabulary size")
+    c.add_argument("--prompts", type=NON_NEGATIVE, default=120, help="held-out evaluation prompts to write")
     c.set_defaults(func=cmd_corpus)
-    t = sub.add_parser("train", help="train the tiny target, or a drafter for it (DFlash, EAGLE-3, frozen-KV MTP)")
-    t.add_argument("what", choices=["target", "dflash", "eagle3", "gemma4_mtp"])
+    t = sub.add_parser("train", help="train the tiny target, or a drafter for it (DFlash, EAGLE-3, frozen-KV MTP)",
+                       epilog=_knob_defaults())
+    t.add_argument("what", choices=["target", "dflash", "eagle3", "gemma4_mtp"], help="what to train")
     t.add_argument("--data", default="data/corpus", help="folder written by `draftline corpus`")
     t.add_argument("--out", required=True, help="checkpoint folder to write")
-    t.add_argument("--target", help="(drafters) the trained target's folder")
+    t.add_argument("--target", help="(drafters, required) the target's checkpoint folder")
     t.add_argument("--init", help="(drafters) continue training from this drafter checkpoint")
-    t.add_argument("--device", default="auto")
-    for knob, kind in TRAIN_KNOBS.items():
-        t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind)
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    for knob, (kind, text) in TRAIN_KNOBS.items():
+        t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind, help=text)
     t.set_defaults(func=cmd_train)
+
+
+def _knob_defaults() -> str:
+    """The epilog: each knob's default per command, read from the run configs themselves."""
+    import dataclasses
+
+    from .training.distill import DistillConfig
+    from .training.eagle3 import Eagle3TrainConfig
+    from .training.mtp import MTPTrainConfig
+    from .training.pretrain import PretrainConfig
+
+    configs = {"target": PretrainConfig, "dflash": DistillConfig, "eagle3": Eagle3TrainConfig,
+               "gemma4_mtp": MTPTrainConfig}
+    defaults = {what: {f.name: f.default for f in dataclasses.fields(c)} for what, c in configs.items()}
+    lines = ["defaults of the knobs, per command (a knob a command does not take is refused):"]
+    for knob in TRAIN_KNOBS:
+        per = {what: defaults[what][knob] for what in configs if knob in defaults[what]}
+        values = set(map(str, per.values()))
+        shown = ", ".join(f"{w} {v}" for w, v in per.items()) if len(values) > 1 else f"{values.pop()} ({', '.join(per)})"
+        lines.append(f"  --{knob.replace('_', '-'):<14} " + shown.replace("None", "none"))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

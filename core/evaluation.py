@@ -106,9 +106,11 @@ def plot(results: list[dict], path: str) -> None:
     for r in results:
         k, name = len(r["accept_per_pos"]), f"{r['method']} T={r['temperature']}"
         left.plot(range(1, k + 1), r["accept_per_pos"], marker="o", label=f"{name} (τ={r['tau']:.2f})")
-        right.hist(r["round_lengths"], bins=range(1, k + 3), alpha=0.5, align="left", label=name)
+        n = max(1, len(r["round_lengths"]))  # each run's bars sum to 1: runs of different lengths compare
+        right.hist(r["round_lengths"], bins=range(1, k + 3), weights=[1 / n] * len(r["round_lengths"]),
+                   alpha=0.5, align="left", label=name)
     left.set(xlabel="draft position", ylabel="fraction of rounds accepted", title="Per-position acceptance", ylim=(0, 1))
-    right.set(xlabel="tokens emitted per round", ylabel="rounds", title="τ distribution")
+    right.set(xlabel="tokens emitted per round", ylabel="fraction of rounds", title="τ distribution")
     for ax in (left, right):
         ax.legend()
         ax.grid(alpha=0.3)

@@ -159,3 +159,39 @@ def test_train_checks_its_target_before_any_work(capsys, tmp_path):
     assert main(["train", "dflash", "--data", missing_corpus, "--out", str(tmp_path / "o"),
                  "--target", str(_truncated_target(tmp_path))]) == 1
     assert "truncated or damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "x", "--temperature", "-1"], "--temperature: -1: input should be greater than or equal to 0"),
+    (["generate", "x", "--temperature", "nan"], "--temperature: nan: not a number"),
+    (["generate", "x", "--seed", "-3"], "--seed: -3"),
+    (["eval", "--temperatures", "0,-0.5"], "--temperatures: -0.5"),
+    (["eval", "--num-prompts", "0"], "--num-prompts: 0: must be an integer >= 1"),
+    (["bench-serve", "--concurrency", "4,0"], "--concurrency: 0"),
+    (["serve", "--port", "70000"], "--port: 70000"),
+    (["train", "dflash", "--out", "o", "--max-seconds", "inf"], "--max-seconds: inf: must be a finite number"),
+    (["train", "dflash", "--out", "o", "--lr", "0"], "--lr: 0"),
+])
+def test_numeric_flags_are_checked_as_the_spec_checks_them(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:  # argparse's own error path, with exit code 1
+        main(argv)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_help_shows_defaults_and_every_flag(capsys):
+    import argparse
+
+    from core.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            assert action.help, (name, action.dest)
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "(default: 120)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--gen-batch      1024 (dflash, eagle3, gemma4_mtp)" in capsys.readouterr().out
