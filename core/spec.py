@@ -162,7 +162,7 @@ class Spec(Strict):
     def _cross(self) -> "Spec":
         problems = self.speculative.check(self.model.config(read_files=False), read_files=False)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))  # format_errors gives each its own line
         return self
 
     def with_method(self, speculative: dict[str, Any] | SpeculativeSpec) -> "Spec":
@@ -181,8 +181,8 @@ def format_errors(exc: ValidationError) -> list[str]:
     out = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        msg = FRIENDLY.get(err["type"], err["msg"].removeprefix("Value error, "))
-        out.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
+        for msg in FRIENDLY.get(err["type"], err["msg"].removeprefix("Value error, ")).split("\n"):
+            out.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
     return out
 
 

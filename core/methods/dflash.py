@@ -77,8 +77,10 @@ def _problems(cfg: DFlashSpec, target: ModelConfig | None, drafter: DFlashConfig
             f"speculative.num_speculative_tokens: {cfg.num_speculative_tokens} disagrees with block_size "
             f"{cfg.block_size} (DFlash drafts block_size - 1 tokens); give one of the two"
         )
-    if drafter is None:
-        return out
+    if drafter is None:  # a drafter folder unread: what the spec itself gives can still meet a known target
+        given = Resolved(cfg.block_size or 0, tuple(cfg.target_layer_ids or ()),
+                         -1 if cfg.mask_token_id is None else cfg.mask_token_id)
+        return out + (_ids_against_target(given, target) if target is not None else [])
     r = resolve(cfg, drafter)
     if r.block_size > drafter.block_size:
         out.append(f"speculative.block_size: {r.block_size} exceeds the drafter's block_size {drafter.block_size}; use at most {drafter.block_size}")
@@ -94,19 +96,24 @@ def _problems(cfg: DFlashSpec, target: ModelConfig | None, drafter: DFlashConfig
     return out
 
 
-def _against_target(r: Resolved, drafter: DFlashConfig, target: ModelConfig) -> list[str]:
+def _ids_against_target(r: Resolved, target: ModelConfig) -> list[str]:
     out = []
     bad = [i for i in r.layer_ids if not -1 <= i < target.num_layers]
     if bad:
         out.append(f"speculative.target_layer_ids: {bad} outside the target's layers 0..{target.num_layers - 1} "
                    "(ids name layers whose output is tapped; -1: the embedding output)")
+    if r.mask_token_id >= target.vocab_size:
+        out.append(f"speculative.mask_token_id: {r.mask_token_id} is outside the target vocabulary ({target.vocab_size})")
+    return out
+
+
+def _against_target(r: Resolved, drafter: DFlashConfig, target: ModelConfig) -> list[str]:
+    out = _ids_against_target(r, target)
     if drafter.layers.hidden_size != target.hidden_size:
         out.append(
             f"speculative.draft: drafter hidden_size {drafter.layers.hidden_size} != target hidden_size "
             f"{target.hidden_size}; the drafter must be trained for this target"
         )
-    if r.mask_token_id >= target.vocab_size:
-        out.append(f"speculative.mask_token_id: {r.mask_token_id} is outside the target vocabulary ({target.vocab_size})")
     if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_layers:
         out.append(
             f"speculative.draft: drafter was trained for a {drafter.num_target_layers}-layer target, "

@@ -67,8 +67,8 @@ def aux_layer_ids(cfg: Eagle3Spec, drafter: Eagle3Config, num_target_layers: int
 
 def _problems(cfg: Eagle3Spec, target: ModelConfig | None, drafter: Eagle3Config | None) -> list[str]:
     out = []
-    if drafter is None:
-        return out
+    if drafter is None:  # a drafter folder unread: the spec's own ids can still meet a known target
+        return _ids_against_target(tuple(cfg.target_layer_ids or ()), target) if target is not None else []
     if drafter.layer.vocab_size < drafter.draft_vocab_size:
         out.append(f"speculative.draft: draft_vocab_size {drafter.draft_vocab_size} exceeds vocab_size "
                    f"{drafter.layer.vocab_size}; d2t maps draft ids into the target vocabulary, so it cannot be larger")
@@ -77,12 +77,7 @@ def _problems(cfg: Eagle3Spec, target: ModelConfig | None, drafter: Eagle3Config
                    f"{drafter.num_aux} layers' features; give {drafter.num_aux} ids")
     if target is None:
         return out
-    ids = aux_layer_ids(cfg, drafter, target.num_layers)
-    bad = [i for i in ids if not 0 <= i <= target.num_layers]
-    if bad:
-        out.append(f"speculative.target_layer_ids: {bad} outside 0..{target.num_layers} (each id names a target "
-                   f"layer whose input is tapped; 0: the embedding output, {target.num_layers}: the last layer's "
-                   "output before the final norm)")
+    out += _ids_against_target(aux_layer_ids(cfg, drafter, target.num_layers), target)
     if drafter.target_hidden_size != target.hidden_size:
         out.append(f"speculative.draft: the drafter's fc expects features of width {drafter.target_hidden_size}, "
                    f"this target's hidden_size is {target.hidden_size}; use the drafter made for this target")
@@ -93,6 +88,15 @@ def _problems(cfg: Eagle3Spec, target: ModelConfig | None, drafter: Eagle3Config
         out.append(f"speculative.draft: drafter hidden_size {drafter.layer.hidden_size} != target hidden_size "
                    f"{target.hidden_size}; the head reads the target's embeddings")
     return out
+
+
+def _ids_against_target(ids: tuple[int, ...], target: ModelConfig) -> list[str]:
+    bad = [i for i in ids if not 0 <= i <= target.num_layers]
+    if not bad:
+        return []
+    return [f"speculative.target_layer_ids: {bad} outside 0..{target.num_layers} (each id names a target "
+            f"layer whose input is tapped; 0: the embedding output, {target.num_layers}: the last layer's "
+            "output before the final norm)"]
 
 
 @METHODS.register("eagle3")
