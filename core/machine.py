@@ -79,7 +79,8 @@ class Plan:
         if self.block_size is not None:
             lines.append(f"block size:           {self.block_size}")
         lines += [
-            f"target layers tapped: {list(self.target_layer_ids) or 'none'}",
+            f"target layers tapped: {list(self.target_layer_ids) or 'none'}"
+            + (" (the outputs of these layers, 0-based; -1: the embedding output)" if self.target_layer_ids else ""),
             f"drafter KV:           {self.drafter_kv}",
             f"draft sampling:       {self.draft_sample_method}",
         ]

@@ -122,7 +122,8 @@ class Eagle3Method(Method):
             drafter_kv="own",
             draft_sample_method=self.cfg.draft_sample_method,
             drafter=f"1 layer, hidden {drafter.layer.hidden_size}, draft vocab {drafter.draft_vocab_size} "
-                    f"({drafter.dialect_name} dialect, {src}); options: {', '.join(options)}",
+                    f"({drafter.dialect_name} dialect, {src}); options: {', '.join(options)}; taps the inputs of "
+                    f"layers {list(ids)} in EAGLE-3's numbering (layer i's input is layer i-1's output)",
         )
 
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
