@@ -164,8 +164,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .training.pretrain import PretrainConfig, pretrain
 
         cfg = _train_config(PretrainConfig, args, "tiny-code")
-        summary = pretrain(data["train"], data["heldout"], data["vocab_size"], data["eos_id"], out, cfg, device)
+        out.mkdir(parents=True, exist_ok=True)  # the tokenizer first: every checkpoint written is whole
         shutil.copy(Path(args.data) / "tokenizer.json", out / "tokenizer.json")
+        summary = pretrain(data["train"], data["heldout"], data["vocab_size"], data["eos_id"], out, cfg, device)
     else:
         from .models.loader import load_target
 
@@ -222,7 +223,8 @@ TRAIN_KNOBS = {
     "gen_batch": (POSITIVE, "sequences generated per target batch"),
     "anchors": (POSITIVE, "block anchors per training row"),
     "eval_every": (POSITIVE, "steps between held-out evaluations"),
-    "max_seconds": (flags.real(0.0, strict=True), "wall-time budget of the training steps: stop, evaluate and save"),
+    "max_seconds": (flags.real(0.0, strict=True), "the whole run's wall-time budget (generation takes up to 40%%): "
+                    "then evaluate and save; a checkpoint is also written at every evaluation"),
     "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, sampled, warm)"),
     "warm_tokens": (NON_NEGATIVE, "`warm` rows: sampled tokens after a bare prompt before the greedy part"),
     "weight_decay": (flags.real(0.0), "AdamW weight decay"),

@@ -144,3 +144,34 @@ def test_round_tau_is_the_engines_tau():
         tau = round_tau(drafter.model, engine.target, data, drafter.mask_token_id, 16, new_tokens=new)
         assert tau == pytest.approx(engine_tau, abs=1.0 / len(full))  # a float tie may flip one token
         assert engine_tau > 1.5  # the trained pair accepts drafts: the comparison is not vacuous
+
+
+def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
+    """--num-sequences smaller than --gen-batch generates only those; --max-seconds bounds the
+    whole run (generation included) and leaves a checkpoint that loads and resumes."""
+    import time
+
+    from core.cli import main
+    from core.models.loader import load_dflash
+
+    torch.manual_seed(0)
+    stream = torch.randint(2, 300, (20000,), dtype=torch.int16)
+    (tmp_path / "corpus").mkdir()
+    torch.save({"train": stream, "heldout": stream[:2000], "vocab_size": 300, "eos_id": 0}, tmp_path / "corpus" / "corpus.pt")
+    pretrain(stream, stream[:2000], 300, 0, tmp_path / "t", PretrainConfig(preset="micro", steps=2, batch_size=4,
+             seq_len=32, eval_every=2), torch.device("cpu"))
+    byte_tokenizer(300).save(str(tmp_path / "t" / "tokenizer.json"))
+    argv = ["train", "dflash", "--data", str(tmp_path / "corpus"), "--target", str(tmp_path / "t"), "--device", "cpu",
+            "--preset", "micro-dflash", "--num-sequences", "8", "--gen-len", "12", "--steps", "1000000",
+            "--batch-size", "2", "--anchors", "3", "--max-seconds", "3"]
+    started = time.perf_counter()
+    assert main(argv + ["--out", str(tmp_path / "d")]) == 0
+    assert time.perf_counter() - started < 3 + 10  # the budget, plus one evaluation and saving
+    report = capsys.readouterr().out
+    steps = int(report.split(": ")[1].split()[0])
+    assert 0 < steps < 1_000_000
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and {"block_size", "dflash_config", "num_target_layers"} <= set(raw)
+    load_dflash(tmp_path / "d")
+    assert main(argv + ["--out", str(tmp_path / "d2"), "--init", str(tmp_path / "d")]) == 0
+    load_dflash(tmp_path / "d2")

@@ -90,9 +90,10 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> N
 
 
 def save_checkpoint(folder: str | Path, config: dict[str, Any], module: nn.Module,
-                    extra: dict[str, torch.Tensor] | None = None) -> Path:
+                    extra: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (tied weights stored once), with
-    ``extra`` tensors (buffers a format keeps beside the weights) under their own names."""
+    ``extra`` tensors (buffers a format keeps beside the weights) under their own names.
+    ``dtype`` converts the weights' copies on the way out (the module keeps its own)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -101,7 +102,7 @@ def save_checkpoint(folder: str | Path, config: dict[str, Any], module: nn.Modul
     for name, p in module.named_parameters():  # named_parameters skips tied duplicates
         if id(p) not in seen:
             seen.add(id(p))
-            tensors[name] = p.detach().cpu().contiguous()
+            tensors[name] = p.detach().to(dtype or p.dtype).cpu().contiguous()
     tensors.update({name: t.detach().cpu().contiguous() for name, t in (extra or {}).items()})
     save_file(tensors, str(folder / SINGLE))
     return folder

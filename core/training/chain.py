@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ..models.checkpoint import save_checkpoint
 from ..models.target import TargetModel
 from .distill import DistillConfig, Distilled, distill_data
-from .loop import Summary, autocast, log, train_loop
+from .loop import Budget, Summary, autocast, log, train_loop
 
 # a drafter's objective over a batch of token windows [b, L] -> (loss, correct [steps, b, T])
 Objective = Callable[[Tensor], tuple[Tensor, Tensor]]
@@ -52,16 +52,21 @@ def distill_chain(name: str, model: nn.Module, raw: dict[str, Any], objective: O
                   cfg: ChainTrainConfig, device, extra: Callable[[], dict[str, Tensor]] | None = None) -> Summary:
     """Generate the target's text, train ``model`` on windows of it with ``objective``, and
     save it in bf16 under ``raw`` (its config.json) with ``extra()`` tensors beside it."""
+    budget = Budget(cfg.max_seconds)
     model.to(device)
     target.to(device).eval().requires_grad_(False)
     log.info(f"{name}.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
-    data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device)
-    held = distill_data(target, corpus, "heldout", cfg, cfg.num_sequences // 8, cfg.seed + 1, device)
+    data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device, budget=budget)
+    held = distill_data(target, corpus, "heldout", cfg, max(1, cfg.num_sequences // 8), cfg.seed + 1, device,
+                        budget=budget)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
+
+    def save() -> None:
+        save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model, extra=extra() if extra else None,
+                        dtype=torch.bfloat16)
+
     summary = train_loop(name, model, opt, lambda: objective(crop_batch(data, cfg, gen))[0],
-                         lambda: heldout(objective, tau, held, cfg), cfg, device)
-    model.to(torch.bfloat16)
-    save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model, extra=extra() if extra else None)
+                         lambda: heldout(objective, tau, held, cfg), cfg, device, save=save, budget=budget)
     log.info(f"{name}.done", summary=summary.report(), out=str(out))
     return summary

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from ..models.loader import load_dflash
 from ..models.presets import DRAFT_PRESETS
 from ..models.target import TargetModel
 from ..sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits, sample
-from .loop import Schedule, Summary, autocast, log, progress, train_loop
+from .loop import Budget, Schedule, Summary, autocast, log, progress, train_loop
 from .pretrain import random_windows
 
 
@@ -93,15 +94,20 @@ def bare_prompts(prompts: list[Tensor], count: int, gen: torch.Generator) -> Ten
     return torch.stack([p[:n] for p in chosen]).long()
 
 
-def _prompts(kind: str, corpus: dict, split: str, cfg: DistillConfig, gen: torch.Generator) -> Tensor:
+def _prompts(kind: str, corpus: dict, split: str, cfg: DistillConfig, count: int, gen: torch.Generator) -> Tensor:
     if kind == "bare" and corpus.get(f"{split}_prompts"):
-        return bare_prompts(corpus[f"{split}_prompts"], cfg.gen_batch, gen)
+        return bare_prompts(corpus[f"{split}_prompts"], count, gen)
     ends = corpus.get(f"{split}_function_starts") if kind == "fn" else None
-    return prompt_windows(corpus[split], ends, cfg.gen_batch, cfg.prompt_len, gen)
+    return prompt_windows(corpus[split], ends, count, cfg.prompt_len, gen)
+
+
+# Generation may take this share of a run's --max-seconds (the held-out rows are a few more
+# batches); the training steps get the rest.
+GENERATION_SHARE = 0.4
 
 
 def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConfig, count: int, seed: int,
-                 device, mix: str | None = None) -> Distilled:
+                 device, mix: str | None = None, budget: Budget | None = None) -> Distilled:
     """Target continuations, greedy (labels = what temperature-0 verification accepts) except
     for `sampled` batches, which continue random windows at temperature 1. `warm` batches
     sample a few tokens after a bare prompt first: on training prompts an overfit target
@@ -110,10 +116,17 @@ def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConf
     gen = torch.Generator().manual_seed(seed)
     kinds = (mix or cfg.mix).split(",")
     rows, firsts = [], []
-    bar = progress(max(1, count // cfg.gen_batch), "generate")
-    for i in range(max(1, count // cfg.gen_batch)):
+    batch = max(1, min(cfg.gen_batch, count))  # --num-sequences 64 generates 64, not a whole gen_batch
+    batches = -(-count // batch)
+    bar = progress(batches, f"generate {split}")
+    started = time.perf_counter()
+    for i in range(batches):
+        if i and budget is not None and budget.generation_over(GENERATION_SHARE):
+            log.info("distill.generate_budget_reached", split=split, sequences=i * batch, of_sequences=count)
+            break
         kind, key = kinds[i % len(kinds)], seed * 100003 + i * cfg.gen_batch
-        prompts = _prompts("bare" if kind == "warm" else kind, corpus, split, cfg, gen).to(device)
+        size = min(batch, count - i * batch)
+        prompts = _prompts("bare" if kind == "warm" else kind, corpus, split, cfg, size, gen).to(device)
         if kind == "warm":
             prompts = generate(target, prompts, cfg.warm_tokens, 1.0, key + 7)
         total = cfg.prompt_len + cfg.gen_len
@@ -121,6 +134,10 @@ def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConf
         rows.append(generate(target, prompts, total - prompts.shape[1], temperature, key))
         firsts.append(torch.full((prompts.shape[0],), prompts.shape[1] - 1, device=device))
         bar.update(1)
+        if i == 0 and batches > 1:
+            per = time.perf_counter() - started
+            log.info("distill.generate_estimate", split=split, batch_s=round(per, 1), batches=batches,
+                     seconds_left=round(per * (batches - 1), 1))
     bar.close()
     return Distilled(torch.cat(rows), torch.cat(firsts))
 
@@ -177,14 +194,16 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
         raw = {**DRAFT_PRESETS[cfg.preset], "vocab_size": target.config.vocab_size}
         drafter = DFlashDraftModel(dflash_config(raw))
         init_random(drafter, cfg.seed, drafter.config.layers.initializer_range)
+    budget = Budget(cfg.max_seconds)
     drafter.to(device)
     target.to(device).eval().requires_grad_(False)
     mask_id, blk = drafter.config.mask_token_id, drafter.config.block_size
     log.info("distill.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
-    data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device)
-    held = distill_data(target, corpus, "heldout", cfg, cfg.num_sequences // 8, cfg.seed + 1, device)
-    bare = distill_data(target, corpus, "heldout", cfg, cfg.gen_batch, cfg.seed + 2, device, mix="bare")
-    bare = Distilled(bare.tokens[:256], bare.first_anchor[:256])  # function starts, as `draftline eval` runs
+    data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device, budget=budget)
+    held = distill_data(target, corpus, "heldout", cfg, max(1, cfg.num_sequences // 8), cfg.seed + 1, device,
+                        budget=budget)
+    small = replace(cfg, gen_batch=min(cfg.gen_batch, 256))  # function starts, as `draftline eval` runs
+    bare = distill_data(target, corpus, "heldout", small, small.gen_batch, cfg.seed + 2, device, mix="bare")
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
 
@@ -192,7 +211,7 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
         return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)[0]
 
     summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, bare, cfg, mask_id, blk),
-                         cfg, device)
-    save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter.to(torch.bfloat16))
+                         cfg, device, budget=budget,
+                         save=lambda: save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter, dtype=torch.bfloat16))
     log.info("distill.done", summary=summary.report(), out=str(out))
     return summary

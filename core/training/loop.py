@@ -64,6 +64,18 @@ class Summary:
         return ", ".join(parts)
 
 
+def _estimate(name: str, summary: Summary, steps: int, left: float | None, bar: tqdm) -> None:
+    """From the steps timed so far: how many the run will take and how long, budget included.
+    The bar's total becomes the steps the budget allows, so its ETA tells the truth."""
+    per_step = summary.wall_s / summary.steps
+    total = steps if left is None else max(summary.steps, min(steps, int(left / per_step)))
+    bar.total = total
+    bar.refresh()
+    log.info(f"{name}.estimate", step_s=round(per_step, 3), steps=total, of_steps=steps,
+             seconds_left=round((total - summary.steps) * per_step, 1),
+             limited_by="max_seconds" if total < steps else "steps")
+
+
 def progress(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
 
@@ -78,17 +90,40 @@ class Schedule:
     warmup: int = 100
     seed: int = 0
     eval_every: int = 500
-    max_seconds: float | None = None  # stop early (then evaluate and save) past this wall time
+    max_seconds: float | None = None  # the whole run's wall time: generation, steps, evaluation, saving
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A run's wall-time budget, from its start: what is left, and when generation must stop."""
+
+    max_seconds: float | None
+    started: float = field(default_factory=time.perf_counter)
+
+    def left(self) -> float | None:
+        return None if self.max_seconds is None else self.max_seconds - (time.perf_counter() - self.started)
+
+    def generation_over(self, share: float) -> bool:
+        """Past ``share`` of the budget: stop generating (the steps need the rest)."""
+        return self.max_seconds is not None and time.perf_counter() - self.started > share * self.max_seconds
+
+
+ESTIMATE_AFTER_S = 5.0  # time the first steps this long before estimating the rest
 
 
 def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor],
-               eval_fn: Callable[[], dict[str, float]], cfg: Schedule, device: torch.device) -> Summary:
-    """Steps until cfg.steps or the time budget, evaluating every cfg.eval_every and at the end."""
+               eval_fn: Callable[[], dict[str, float]], cfg: Schedule, device: torch.device,
+               save: Callable[[], None] | None = None, budget: Budget | None = None) -> Summary:
+    """Steps until cfg.steps or the time budget, evaluating (and calling ``save``) every
+    cfg.eval_every steps and at the end; ``budget`` is the run's, started before generation."""
+    budget = budget or Budget(cfg.max_seconds)
+    left = budget.left()
     summary = Summary(name)
     bar = progress(cfg.steps, name)
+    estimated = False
     model.train()
     for step in range(cfg.steps):
-        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(cfg.max_seconds)))
+        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(left)))
         with autocast(device):
             loss = loss_fn()
         opt.zero_grad(set_to_none=True)
@@ -98,13 +133,19 @@ def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
         summary.steps, summary.loss = step + 1, loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{summary.loss:.3f}", refresh=False)
-        out_of_time = cfg.max_seconds is not None and summary.wall_s > cfg.max_seconds
+        out_of_time = left is not None and summary.wall_s > left
+        soon = ESTIMATE_AFTER_S if left is None else min(ESTIMATE_AFTER_S, 0.1 * left)
+        if not estimated and (summary.wall_s > soon or out_of_time):
+            estimated = True
+            _estimate(name, summary, cfg.steps, left, bar)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
             model.eval()
             summary.heldout = eval_fn()
             model.train()
             log.info(f"{name}.eval", step=step + 1, loss=round(summary.loss, 4),
                      **{k: round(v, 4) for k, v in summary.heldout.items()})
+            if save is not None:  # a checkpoint at every evaluation: a run cut off later keeps this one
+                save()
         if out_of_time:
             log.info(f"{name}.time_budget_reached", step=step + 1, max_seconds=cfg.max_seconds)
             break
