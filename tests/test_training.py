@@ -146,9 +146,54 @@ def test_round_tau_is_the_engines_tau():
         assert engine_tau > 1.5  # the trained pair accepts drafts: the comparison is not vacuous
 
 
+CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<' + m['role'] + '> ' + m['content'] + '\\n' }}{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{ '<assistant> ' }}{%- endif %}")
+
+
+def _user_data(folder):
+    """A JSONL of text and chat records, and a tokenizer folder (byte-level, 300 ids) with a chat template."""
+    import random
+
+    (folder / "tok").mkdir(parents=True)
+    byte_tokenizer(300).save(str(folder / "tok" / "tokenizer.json"))
+    (folder / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                     "chat_template": CHAT_TEMPLATE}))
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while drafts are verified and accepted".split()
+    lines = []
+    for i in range(60):
+        text = " ".join(rng.choice(words) for _ in range(40))
+        lines.append({"text": text} if i % 2 else
+                     {"messages": [{"role": "user", "content": "say " + text[:30]}, {"role": "assistant", "content": text}]})
+    (folder / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
+    from core.cli import main
+    from core.models.tokenizer import load_tokenizer
+
+    _user_data(tmp_path)
+    argv = ["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+            "--out", str(tmp_path / "c")]
+    assert main(argv) == 0
+    info = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    assert info["records"] == 60 and info["chat_records"] == 30 and info["heldout_records"] >= 1
+    data = torch.load(tmp_path / "c" / "corpus.pt")
+    tok = load_tokenizer(tmp_path / "tok")
+    ends = data["train_function_starts"]
+    assert ends.numel() > 0  # every chat record's prompt end: distillation prompts stop where the answer starts
+    assert all(tok.decode(data["train"][: e + 1].tolist()[-12:]).endswith("<assistant> ") for e in ends[:5].tolist())
+    assert data["vocab_size"] == 300 and data["eos_id"] == 256
+    assert (tmp_path / "c" / "eval_prompts.jsonl").read_text().strip()
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
+    assert main(["corpus", "--data", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "c2")]) == 1
+    assert 'bad.jsonl:2: a record needs a "text" string or a "messages" list' in capsys.readouterr().err
+
+
 def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
-    """--num-sequences smaller than --gen-batch generates only those; --max-seconds bounds the
-    whole run (generation included) and leaves a checkpoint that loads and resumes."""
+    """A drafter trained from the user's JSONL: --num-sequences smaller than --gen-batch
+    generates only those; --max-seconds bounds the whole run (generation included) and leaves
+    a z-lab DFlash checkpoint that loads, serves and resumes."""
     import time
 
     from core.cli import main
@@ -156,8 +201,10 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
 
     torch.manual_seed(0)
     stream = torch.randint(2, 300, (20000,), dtype=torch.int16)
-    (tmp_path / "corpus").mkdir()
-    torch.save({"train": stream, "heldout": stream[:2000], "vocab_size": 300, "eos_id": 0}, tmp_path / "corpus" / "corpus.pt")
+    _user_data(tmp_path)
+    assert main(["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(tmp_path / "corpus")]) == 0
+    capsys.readouterr()
     pretrain(stream, stream[:2000], 300, 0, tmp_path / "t", PretrainConfig(preset="micro", steps=2, batch_size=4,
              seq_len=32, eval_every=2), torch.device("cpu"))
     byte_tokenizer(300).save(str(tmp_path / "t" / "tokenizer.json"))
@@ -173,5 +220,10 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and {"block_size", "dflash_config", "num_target_layers"} <= set(raw)
     load_dflash(tmp_path / "d")
+    spec = parse_spec({"model": {"path": str(tmp_path / "t"), "tokenizer": str(tmp_path / "tok")},
+                       "speculative": {"method": "dflash", "draft": {"path": str(tmp_path / "d")}},
+                       "backend": "reference"})
+    out = Engine(spec).generate(["<user> say the"], spec.sampling.params(max_new_tokens=4))[0]
+    assert len(out.output_ids) == 4
     assert main(argv + ["--out", str(tmp_path / "d2"), "--init", str(tmp_path / "d")]) == 0
     load_dflash(tmp_path / "d2")

@@ -77,9 +77,9 @@ class Distilled:
 
 def prompt_windows(stream: Tensor, ends: Tensor | None, count: int, length: int, gen: torch.Generator) -> Tensor:
     """`count` windows of `length` tokens: ending where a function body starts, when known."""
+    ends = None if ends is None else ends[ends >= length]
     if ends is None or ends.numel() == 0:
         return random_windows(stream, count, length - 1, gen)
-    ends = ends[ends >= length]
     pick = ends[torch.randint(0, ends.numel(), (count,), generator=gen)]
     return torch.stack([stream[e - length + 1 : e + 1] for e in pick.tolist()]).long()
 
@@ -202,7 +202,8 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
     data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device, budget=budget)
     held = distill_data(target, corpus, "heldout", cfg, max(1, cfg.num_sequences // 8), cfg.seed + 1, device,
                         budget=budget)
-    small = replace(cfg, gen_batch=min(cfg.gen_batch, 256))  # function starts, as `draftline eval` runs
+    # function starts, as `draftline eval` runs them: 256, or fewer in a run of few sequences
+    small = replace(cfg, gen_batch=min(cfg.gen_batch, 256, max(8, cfg.num_sequences // 8)))
     bare = distill_data(target, corpus, "heldout", small, small.gen_batch, cfg.seed + 2, device, mix="bare")
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -135,7 +135,7 @@ def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
         bar.set_postfix(loss=f"{summary.loss:.3f}", refresh=False)
         out_of_time = left is not None and summary.wall_s > left
         soon = ESTIMATE_AFTER_S if left is None else min(ESTIMATE_AFTER_S, 0.1 * left)
-        if not estimated and (summary.wall_s > soon or out_of_time):
+        if not estimated and ((summary.wall_s > soon and summary.steps >= 5) or out_of_time):  # past the first, slow steps
             estimated = True
             _estimate(name, summary, cfg.steps, left, bar)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
