@@ -35,11 +35,14 @@ def crop_batch(data: Distilled, cfg: ChainTrainConfig, gen: torch.Generator) -> 
 
 @torch.no_grad()
 def heldout(objective: Objective, tau: Callable[[Tensor], float], held: Distilled,
-            cfg: ChainTrainConfig) -> dict[str, float]:
-    """A chain drafter's held-out loss and τ estimate over 8 fixed batches of windows."""
+            cfg: ChainTrainConfig, budget: Budget | None = None) -> dict[str, float]:
+    """A chain drafter's held-out loss and τ estimate over 8 fixed batches of windows (fewer
+    once the budget is spent)."""
     gen = torch.Generator().manual_seed(1234)
     losses, taus = [], []
-    for _ in range(8):
+    for i in range(8):
+        if i and budget is not None and budget.over():
+            break
         with autocast(held.tokens.device):
             loss, correct = objective(crop_batch(held, cfg, gen))
         losses.append(float(loss))
@@ -67,6 +70,6 @@ def distill_chain(name: str, model: nn.Module, raw: dict[str, Any], objective: O
                         dtype=torch.bfloat16)
 
     summary = train_loop(name, model, opt, lambda: objective(crop_batch(data, cfg, gen))[0],
-                         lambda: heldout(objective, tau, held, cfg), cfg, device, save=save, budget=budget)
+                         lambda: heldout(objective, tau, held, cfg, budget), cfg, device, save=save, budget=budget)
     log.info(f"{name}.done", summary=summary.report(), out=str(out))
     return summary

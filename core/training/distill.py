@@ -117,27 +117,29 @@ def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConf
     kinds = (mix or cfg.mix).split(",")
     rows, firsts = [], []
     batch = max(1, min(cfg.gen_batch, count))  # --num-sequences 64 generates 64, not a whole gen_batch
-    batches = -(-count // batch)
-    bar = progress(batches, f"generate {split}")
-    started = time.perf_counter()
-    for i in range(batches):
+    size = batch if budget is None or budget.max_seconds is None else min(batch, 8)  # budgeted: time a small one first
+    bar = progress(count, f"generate {split}")
+    done, i, started = 0, 0, time.perf_counter()
+    while done < count:
         if i and budget is not None and budget.generation_over(GENERATION_SHARE):
-            log.info("distill.generate_budget_reached", split=split, sequences=i * batch, of_sequences=count)
+            log.info("distill.generate_budget_reached", split=split, sequences=done, of_sequences=count)
             break
-        kind, key = kinds[i % len(kinds)], seed * 100003 + i * cfg.gen_batch
-        size = min(batch, count - i * batch)
-        prompts = _prompts("bare" if kind == "warm" else kind, corpus, split, cfg, size, gen).to(device)
+        kind, key = kinds[i % len(kinds)], seed * 100003 + done
+        n = min(size, count - done)
+        prompts = _prompts("bare" if kind == "warm" else kind, corpus, split, cfg, n, gen).to(device)
         if kind == "warm":
             prompts = generate(target, prompts, cfg.warm_tokens, 1.0, key + 7)
         total = cfg.prompt_len + cfg.gen_len
         temperature = 1.0 if kind == "sampled" else 0.0
         rows.append(generate(target, prompts, total - prompts.shape[1], temperature, key))
         firsts.append(torch.full((prompts.shape[0],), prompts.shape[1] - 1, device=device))
-        bar.update(1)
-        if i == 0 and batches > 1:
-            per = time.perf_counter() - started
-            log.info("distill.generate_estimate", split=split, batch_s=round(per, 1), batches=batches,
-                     seconds_left=round(per * (batches - 1), 1))
+        done, i = done + n, i + 1
+        bar.update(n)
+        rate = done / (time.perf_counter() - started)  # sequences per second so far
+        if i == 1 and done < count:
+            log.info("distill.generate_estimate", split=split, sequences=count, seconds_left=round((count - done) / rate, 1))
+        if size < batch:  # each budgeted batch about a tenth of the budget, growing at most 4x
+            size = max(1, min(batch, 4 * size, int(rate * 0.1 * budget.max_seconds)))
     bar.close()
     return Distilled(torch.cat(rows), torch.cat(firsts))
 
@@ -152,7 +154,8 @@ def sample_blocks(data: Distilled, cfg: DistillConfig, blk: int, gen: torch.Gene
 
 
 @torch.no_grad()
-def round_tau(drafter, target, data: Distilled, mask_id: int, blk: int, new_tokens: int) -> float:
+def round_tau(drafter, target, data: Distilled, mask_id: int, blk: int, new_tokens: int,
+              budget: Budget | None = None) -> float:
     """τ as the engine measures it at temperature 0 on greedy rows: the first round starts at
     the token prefill emitted, each next one right after the last accepted draft. Anchors sampled uniformly
     overstate τ, since a round tends to start where the previous one failed."""
@@ -161,7 +164,7 @@ def round_tau(drafter, target, data: Distilled, mask_id: int, blk: int, new_toke
     emitted = rounds = 0
     while True:
         live = (anchors + blk <= end).nonzero()[:, 0]
-        if live.numel() == 0:
+        if live.numel() == 0 or (rounds and budget is not None and budget.over()):  # spent: the rounds so far
             return emitted / max(1, rounds)
         with autocast(tokens.device):
             _, correct = training_loss(drafter, target, BlockBatch(tokens[live], anchors[live, None]), mask_id)
@@ -172,16 +175,19 @@ def round_tau(drafter, target, data: Distilled, mask_id: int, blk: int, new_toke
 
 @torch.no_grad()
 def evaluate(drafter, target, data: Distilled, bare: Distilled, cfg: DistillConfig, mask_id: int,
-             blk: int) -> dict[str, float]:
+             blk: int, budget: Budget | None = None) -> dict[str, float]:
+    """Held-out loss and τ over 8 fixed batches (fewer once the budget is spent) and τ in rounds."""
     gen = torch.Generator().manual_seed(1234)
     losses, taus = [], []
-    for _ in range(8):
+    for i in range(8):
+        if i and budget is not None and budget.over():
+            break
         with autocast(data.tokens.device):
             loss, correct = training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)
         losses.append(float(loss))
         taus.append(expected_accept_length(correct))
     return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus),
-            "heldout_tau_rounds": round_tau(drafter, target, bare, mask_id, blk, new_tokens=128)}
+            "heldout_tau_rounds": round_tau(drafter, target, bare, mask_id, blk, new_tokens=128, budget=budget)}
 
 
 def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfig, device,
@@ -211,7 +217,7 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
     def loss() -> Tensor:
         return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)[0]
 
-    summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, bare, cfg, mask_id, blk),
+    summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, bare, cfg, mask_id, blk, budget),
                          cfg, device, budget=budget,
                          save=lambda: save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter, dtype=torch.bfloat16))
     log.info("distill.done", summary=summary.report(), out=str(out))

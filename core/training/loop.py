@@ -64,11 +64,11 @@ class Summary:
         return ", ".join(parts)
 
 
-def _estimate(name: str, summary: Summary, steps: int, left: float | None, bar: tqdm) -> None:
+def _estimate(name: str, summary: Summary, first_s: float, steps: int, left: float | None, bar: tqdm) -> None:
     """From the steps timed so far: how many the run will take and how long, budget included.
     The bar's total becomes the steps the budget allows, so its ETA tells the truth."""
-    per_step = summary.wall_s / summary.steps
-    total = steps if left is None else max(summary.steps, min(steps, int(left / per_step)))
+    per_step = (summary.wall_s - first_s) / (summary.steps - 1)
+    total = steps if left is None else max(summary.steps, min(steps, summary.steps + int((left - summary.wall_s) / per_step)))
     bar.total = total
     bar.refresh()
     log.info(f"{name}.estimate", step_s=round(per_step, 3), steps=total, of_steps=steps,
@@ -103,6 +103,10 @@ class Budget:
     def left(self) -> float | None:
         return None if self.max_seconds is None else self.max_seconds - (time.perf_counter() - self.started)
 
+    def over(self) -> bool:
+        """Spent: an evaluation then measures what it has so far, rather than run on past the budget."""
+        return self.max_seconds is not None and time.perf_counter() - self.started > self.max_seconds
+
     def generation_over(self, share: float) -> bool:
         """Past ``share`` of the budget: stop generating (the steps need the rest)."""
         return self.max_seconds is not None and time.perf_counter() - self.started > share * self.max_seconds
@@ -120,7 +124,7 @@ def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
     left = budget.left()
     summary = Summary(name)
     bar = progress(cfg.steps, name)
-    estimated = False
+    estimated, last = False, 0.0
     model.train()
     for step in range(cfg.steps):
         set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(left)))
@@ -133,11 +137,14 @@ def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
         summary.steps, summary.loss = step + 1, loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{summary.loss:.3f}", refresh=False)
-        out_of_time = left is not None and summary.wall_s > left
+        step_s, last = summary.wall_s - last, summary.wall_s
+        out_of_time = left is not None and summary.wall_s + step_s > left  # the next step would end past it
+        if step == 0:
+            first_s = summary.wall_s  # the first step pays one-time costs: the estimate leaves it out
         soon = ESTIMATE_AFTER_S if left is None else min(ESTIMATE_AFTER_S, 0.1 * left)
-        if not estimated and ((summary.wall_s > soon and summary.steps >= 5) or out_of_time):  # past the first, slow steps
+        if not estimated and summary.steps >= 2 and (summary.wall_s > soon or out_of_time):
             estimated = True
-            _estimate(name, summary, cfg.steps, left, bar)
+            _estimate(name, summary, first_s, cfg.steps, left, bar)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
             model.eval()
             summary.heldout = eval_fn()
