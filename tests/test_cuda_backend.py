@@ -322,13 +322,14 @@ def test_branch_work_is_done_at_the_join_eagerly_and_in_a_graph():
 def test_simulated_acceptance_gives_the_profiles_tau():
     """bench --acceptance on a tiny random pair (whose own drafts are never accepted): with
     drafts replaced inside the draft step, the measured tau is the profile's, within 0.5
-    (about three standard errors over these ~60 rounds), and tokens stay the target's."""
+    (about two standard errors over these ~28 rounds; the draws are keyed, so the run is
+    deterministic), and tokens stay the target's."""
     from core.simulated import SimulatedAcceptance, expected_tau
 
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    prompts = [p for p in PROMPTS]
-    none = _engine("none", "cuda")
-    longer = none.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    prompts = PROMPTS[:2]
+    # the reference's continuation: the cuda backend's own, as the differential tests hold
+    longer = _engine("none", "reference").generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
     eng = _engine("dflash", "cuda", depth=2)
     eng.backend.set_draft_override(SimulatedAcceptance(
         0.7, {tuple(eng.encode(p)): c.output_ids for p, c in zip(prompts, longer)}, 4, eng.backend.cache.max_len,
