@@ -24,7 +24,6 @@ from core.training.corpus import read_prompts
 
 SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 COMPILES = [0]
-DRAFTED = [0.0]  # the last _run's share of rounds that drafted (the draft policy may run plain ones)
 REPORTING = [False]  # name the kernels compiled on the request path (not start-up's)
 
 
@@ -52,10 +51,12 @@ def _cuda(path: str, depth: int, max_batch: int):
     return type(load_spec(path)).model_validate(data)
 
 
-def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> tuple[float, int, float, float]:
-    """(seconds, tokens, tau, tail) over the prompts in generate calls of ``batch`` prompts.
-    tail: each call's slowest request's rounds over its mean request's, averaged (a static
-    batch runs as long as its slowest request; `none` always reads 1)."""
+def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
+         ) -> tuple[float, int, float, float, float]:
+    """(seconds, tokens, tau, tail, drafted) over the prompts in generate calls of ``batch``
+    prompts. tail: each call's slowest request's rounds over its mean request's, averaged (a
+    static batch runs as long as its slowest request; `none` always reads 1). drafted: the
+    share of rounds that drafted (the draft policy may run plain ones)."""
     torch.cuda.synchronize()
     start, tokens, rounds, round_tokens, tails, drafted = time.perf_counter(), 0, 0, 0, [], 0
     for i in range(0, len(prompts), batch):
@@ -68,8 +69,8 @@ def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams)
         rounds += sum(counts)
         tails.append(max(counts) * len(counts) / max(1, sum(counts)))
     torch.cuda.synchronize()
-    DRAFTED[0] = drafted / max(1, rounds)
-    return time.perf_counter() - start, tokens, round_tokens / max(1, rounds), sum(tails) / len(tails)
+    return (time.perf_counter() - start, tokens, round_tokens / max(1, rounds), sum(tails) / len(tails),
+            drafted / max(1, rounds))
 
 
 def main() -> None:
@@ -113,16 +114,13 @@ def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, pro
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
     compiles, REPORTING[0] = COMPILES[0], True
     first = [_run(engine, prompts, per_call, params)]
-    REPORTING[0], share = False, [DRAFTED[0]]
+    REPORTING[0] = False
     first.append(_run(base, prompts, per_call, params))
     new = COMPILES[0] - compiles if compiles >= 0 else -1
-    again = [_run(engine, prompts, per_call, params)]
-    share.append(DRAFTED[0])
-    again.append(_run(base, prompts, per_call, params))
+    again = [_run(e, prompts, per_call, params) for e in (engine, base)]
     return [(name, depth, batch, label, tau, ns / ts, nb / tb, (ns / ts) / (nb / tb), 1e3 * ts / len(prompts),
              1e3 * tb / len(prompts), new if label == "new" else 0, tail, drafted)
-            for label, ((ts, ns, tau, tail), (tb, nb, _, _)), drafted in zip(("new", "again"), (first, again), share)]
-
+            for label, ((ts, ns, tau, tail, drafted), (tb, nb, *_)) in (("new", first), ("again", again))]
 
 if __name__ == "__main__":
     main()

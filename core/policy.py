@@ -10,8 +10,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 16  # the latest rounds an estimate is made of
-
-
 PRIOR_ROUNDS = 4  # how many drafted rounds the bucket's history counts for beside the batch's own
 TOKENS_HORIZON = 256  # rounds the bucket's tokens a row are averaged over
 
