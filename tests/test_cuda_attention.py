@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda.attention import CacheAttention, Splits, attend, split_plan  # noqa: E402
+from backends.cuda.attention import CacheAttention, Splits, attend, device_split_plan  # noqa: E402
 from backends.reference.kv import attend as reference_attend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,11 +56,11 @@ def test_cache_attention_matches_reference(causal, splits):
 
 
 def test_split_plan_spreads_rows_over_the_chip():
-    assert split_plan(4096) == Splits(16, 128)  # 8 kv heads: 128 programs along one row's keys
-    assert split_plan(4096, rows=4) == Splits(4, 128, merge=True)  # few splits: the last one merges
-    assert split_plan(4096, rows=16) == split_plan(4096, rows=32) == Splits(2, 128, merge=True)
-    assert split_plan(4096, kv_heads=2) == Splits(32, 128)  # fewer heads, more splits (64 capped: no split under 128)
-    assert split_plan(128, rows=1, kv_heads=2) == Splits(4, 32, merge=True)  # a short cache splits in quarters
+    assert device_split_plan(4096) == Splits(16, 128)  # 8 kv heads: 128 programs along one row's keys
+    assert device_split_plan(4096, rows=4) == Splits(4, 128, merge=True)  # few splits: the last one merges
+    assert device_split_plan(4096, rows=16) == device_split_plan(4096, rows=32) == Splits(2, 128, merge=True)
+    assert device_split_plan(4096, kv_heads=2) == Splits(32, 128)  # fewer heads, more splits (64 capped: no split under 128)
+    assert device_split_plan(128, rows=1, kv_heads=2) == Splits(4, 32, merge=True)  # a short cache splits in quarters
 
 
 def test_attention_names_too_few_tickets():

@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
+from .matvec import interpreted
 
 
 @triton.jit
@@ -201,13 +202,25 @@ class Splits:
     count: int
     least: int
     merge: bool = False  # the last split of a (row, kv head) to finish merges them: no combine launch
+    widest: int = 64  # keys per step inside a split, at most
 
     @property
     def block(self) -> int:
-        return min(64, self.least)  # keys per step inside a split
+        return min(self.widest, self.least)  # keys per step inside a split
 
 
 def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
+    """The device's plan (device_split_plan); under the interpreter (CI on the CPU), one split
+    over the whole cache in one step instead: it runs programs one after another and pays per
+    tile op, not per element. The GPU tests hold the device's plan to the reference, and the
+    kernel tests give explicit plans."""
+    if interpreted():
+        whole = triton.next_power_of_2(max_len)
+        return Splits(1, whole, merge=True, widest=whole)
+    return device_split_plan(max_len, rows, kv_heads)
+
+
+def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
     """Splits for ``rows`` rows over a cache of ``max_len`` keys: about 128 programs along the
     keys of a long row (16 splits of each of one row's 8 kv heads, 2 from eight rows on), none
     under 128 keys (a quarter of a short cache). On an H200 (attention and its combine, µs a

@@ -30,7 +30,7 @@ from core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import ArgmaxScratch, Draw, Tiling, choose_tiling, matvec, matvec_argmax, matvec_draw
+from .matvec import ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, matvec, matvec_argmax, matvec_draw
 
 if TYPE_CHECKING:
     from .kv import StaticKV
@@ -74,44 +74,55 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, sh, so, HAS_ADD: tl.co
 @triton.jit
 def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cache, slots, kv_len,
                 HQ, HKV, W, eps, sc_slot, sc_head, sc_pos, part_stride,
-                QK_NORM: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    """Program (token, head) of the fused QKV output (PARTS partial sums of it): q heads are
-    normed, rotated and written as [N, W, Hq, D]; k heads normed, rotated and stored in the
-    cache; v heads stored."""
+                QK_NORM: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
+                PDL: tl.constexpr):
+    """Program (token, block of HEADS heads) of the fused QKV output (PARTS partial sums of
+    it): q heads are normed, rotated and written as [N, W, Hq, D]; k heads normed, rotated and
+    stored in the cache; v heads stored. Each head's math is the same whatever HEADS is."""
     overlap.gate(PDL)
-    tok, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
     n, t = tok // W, tok % W
     half = tl.arange(0, D // 2)
-    at = tok * (HQ + 2 * HKV) * D + head * D
+    is_q = head < HQ
+    is_k = (head >= HQ) & (head < HQ + HKV)
+    is_v = (head >= HQ + HKV) & (head < HQ + 2 * HKV)
+    live = (is_q | is_k | is_v)[:, None] & (half < D)[None, :]  # [HEADS, D/2]
+    at = tok * (HQ + 2 * HKV) * D + head.to(tl.int64)[:, None] * D + half[None, :]
     dt = q_out.dtype.element_ty
-    x1 = _summed(qkv, at + half, half < D, part_stride, dt, PARTS)
-    x2 = _summed(qkv, at + D // 2 + half, half < D, part_stride, dt, PARTS)
+    x1 = _summed(qkv, at, live, part_stride, dt, PARTS)
+    x2 = _summed(qkv, at + D // 2, live, part_stride, dt, PARTS)
     pos = tl.load(positions + tok)
     slot = tl.load(slots + n).to(tl.int64)
     cache_pos = (tl.load(kv_len + n) - W + t).to(tl.int64)
-    if head < HQ + HKV:  # q or k: optional per-head RMSNorm, then RoPE (rotate-half)
-        if QK_NORM:
-            if head < HQ:
-                w = q_norm
-            else:
-                w = k_norm
-            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-            x1 = (tl.load(w + half) * (x1 * rstd).to(dt)).to(tl.float32)
-            x2 = (tl.load(w + D // 2 + half) * (x2 * rstd).to(dt)).to(tl.float32)
-        freq = pos.to(tl.float32) * tl.load(inv_freq + half)
-        cos = tl.cos(freq).to(q_out.dtype.element_ty).to(tl.float32)
-        sin = tl.sin(freq).to(q_out.dtype.element_ty).to(tl.float32)
-        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        if head < HQ:
-            dst = q_out + (tok * HQ + head) * D
-        else:
-            dst = k_cache + slot * sc_slot + (head - HQ) * sc_head + cache_pos * sc_pos
-        tl.store(dst + half, o1.to(q_out.dtype.element_ty))
-        tl.store(dst + D // 2 + half, o2.to(q_out.dtype.element_ty))
-    else:
-        dst = v_cache + slot * sc_slot + (head - HQ - HKV) * sc_head + cache_pos * sc_pos
-        tl.store(dst + half, x1.to(q_out.dtype.element_ty))
-        tl.store(dst + D // 2 + half, x2.to(q_out.dtype.element_ty))
+    v1, v2 = x1, x2  # v heads: stored as they are
+    if QK_NORM:  # q and k heads: per-head RMSNorm with their own weight
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)  # [HEADS]
+        w1 = tl.where(is_q[:, None], tl.load(q_norm + half)[None, :], tl.load(k_norm + half)[None, :])
+        w2 = tl.where(is_q[:, None], tl.load(q_norm + D // 2 + half)[None, :], tl.load(k_norm + D // 2 + half)[None, :])
+        x1 = (w1 * (x1 * rstd[:, None]).to(dt)).to(tl.float32)
+        x2 = (w2 * (x2 * rstd[:, None]).to(dt)).to(tl.float32)
+    freq = pos.to(tl.float32) * tl.load(inv_freq + half)  # RoPE, rotate-half
+    cos = tl.cos(freq).to(dt).to(tl.float32)[None, :]
+    sin = tl.sin(freq).to(dt).to(tl.float32)[None, :]
+    o1, o2 = (x1 * cos - x2 * sin).to(dt), (x2 * cos + x1 * sin).to(dt)
+    row = head.to(tl.int64)[:, None]
+    q_dst = q_out + (tok * HQ + row) * D + half[None, :]
+    tl.store(q_dst, o1, mask=live & is_q[:, None])
+    tl.store(q_dst + D // 2, o2, mask=live & is_q[:, None])
+    k_dst = k_cache + slot * sc_slot + (row - HQ) * sc_head + cache_pos * sc_pos + half[None, :]
+    tl.store(k_dst, o1, mask=live & is_k[:, None])
+    tl.store(k_dst + D // 2, o2, mask=live & is_k[:, None])
+    v_dst = v_cache + slot * sc_slot + (row - HQ - HKV) * sc_head + cache_pos * sc_pos + half[None, :]
+    tl.store(v_dst, v1.to(dt), mask=live & is_v[:, None])
+    tl.store(v_dst + D // 2, v2.to(dt), mask=live & is_v[:, None])
+
+
+def qkv_heads(heads: int) -> int:
+    """Heads per program of the q/k/v kernel: one on the GPU (a program per head spreads a
+    decode row over the multiprocessors); all of them under the interpreter, which runs
+    programs one after another and pays per tile op, not per element."""
+    return triton.next_power_of_2(heads) if interpreted() else 1
 
 
 @triton.jit
@@ -319,11 +330,12 @@ def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticK
     k_cache = cache.k[0]
     q = torch.empty(n, w, a.num_heads, a.head_dim, dtype=k_cache.dtype, device=q_proj.device)
     parts = q_proj.numel() // (n * w * a.num_heads * a.head_dim)
-    _qkv_kernel[(n * w, a.num_heads)](
+    heads = qkv_heads(a.num_heads)
+    _qkv_kernel[(n * w, triton.cdiv(a.num_heads, heads))](
         q_proj, a.q_norm.weight if qk_norm else q_proj, a.q_norm.weight if qk_norm else q_proj, rotary.inv_freq, positions, q, k_cache, cache.v[0],
         slots, kv_len, a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim,
-        **overlap.launch(release=True))
+        HEADS=heads, **overlap.launch(release=True))
     return q.transpose(1, 2)
 
 
@@ -398,10 +410,11 @@ def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, ca
     k_cache = cache.k[i]
     q = torch.empty(n, w, hq, a.head_dim, dtype=k_cache.dtype, device=qkv.device) if with_q else k_cache
     parts = qkv.numel() // (n * w * (hq + 2 * a.num_kv_heads) * a.head_dim)
-    _qkv_kernel[(n * w, hq + 2 * a.num_kv_heads)](
+    heads = qkv_heads(hq + 2 * a.num_kv_heads)
+    _qkv_kernel[(n * w, triton.cdiv(hq + 2 * a.num_kv_heads, heads))](
         qkv, a.q_norm.weight if qk_norm else qkv, a.k_norm.weight if qk_norm else qkv, rotary.inv_freq, positions,
         q, k_cache, cache.v[i], slots, kv_len, hq, a.num_kv_heads, w,
         a.k_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        qkv.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim,
+        qkv.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads,
         **overlap.launch(release=True))
     return q.transpose(1, 2) if with_q else None
