@@ -61,6 +61,23 @@ def test_window_kernel_matches_reference_masks(size):
             torch.testing.assert_close(got[i], want, rtol=0, atol=1e-5, msg=f"{window.anchor}, {how}, row {i}")
 
 
+@pytest.mark.parametrize("width", [3, 40])
+def test_eager_handles_attend_through_windows_as_the_reference(width):
+    """The store's per-request handles (an eager drafter's appends), a short window of new keys
+    (the kernel) and a long one (PyTorch's attention, masked): a sliding layer causal within
+    its window, a DFlash-style block over the last context positions, as the reference's."""
+    gen = torch.Generator().manual_seed(width)
+    store, ref = StaticStore(2, 128, torch.device(DEV)), ReferenceKV()
+    handles, caches = [store.new(2)], [ref.new(2)]
+    for causal, extra in ((True, {}), (False, {"block_causal": True}), (False, {})):
+        q = torch.randn(1, 4, width, 32, generator=gen).to(DEV)
+        k, v = (torch.randn(1, 2, width, 32, generator=gen).to(DEV) for _ in range(2))
+        for layer in (0, 1):  # layer 1 slides, layer 0 attends in full
+            got = store.attention(handles, causal, persist=True, windows={1: 5}, **extra)(layer, q, k, v)
+            want = ref.attention(caches, causal, persist=True, windows={1: 5}, **extra)(layer, q, k, v)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{causal}, {extra}, layer {layer}")
+
+
 def _rows(store_rows: Rows, last: int, start: int, features: torch.Tensor | None = None) -> DraftRows:
     return DraftRows(last_token=torch.tensor([last], device=DEV), start=torch.tensor([start], device=DEV),
                      batch=None, caches=store_rows, features=features)
