@@ -6,9 +6,7 @@ reference drafter's over a scripted generate, float32, greedy. Without a GPU the
 in the Triton interpreter; the target is not run (fixed features per position), so each test
 takes seconds."""
 
-import json
 import os
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +26,7 @@ from core.machine import Plan  # noqa: E402
 from core.methods.dflash import DFlashDrafter  # noqa: E402
 from core.methods.eagle3 import Eagle3Drafter  # noqa: E402
 from core.models.eagle3 import load_eagle3  # noqa: E402
+from conftest import z_lab_sliding_dflash  # noqa: E402
 from core.models.loader import load_dflash, random_target  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,19 +123,6 @@ def test_eagle3_heads_draft_on_the_cuda_caches_as_on_the_reference(name):
     assert got == want
 
 
-def _z_lab(folder: Path) -> Path:
-    """The speculators sliding DFlash fixture's weights under a z-lab config (same tensor names)."""
-    src = FIXTURES / "dflash-sliding-window"
-    inner = json.loads((src / "config.json").read_text())["transformer_layer_config"]
-    raw = {k: v for k, v in inner.items() if k not in ("rope_parameters", "max_window_layers")}
-    raw.update(architectures=["DFlashDraftModel"], rope_theta=10000.0, num_target_layers=6, block_size=4,
-               dflash_config={"mask_token_id": 257, "target_layer_ids": [-1, 2, 5]})
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(raw))
-    shutil.copy(src / "model.safetensors", folder / "model.safetensors")
-    return folder
-
-
 def _dflash_rounds(folder: Path) -> tuple[list, list]:
     target = random_target("tiny-qwen3", 0)  # its embedding and lm_head only
     model = load_dflash(folder)
@@ -175,7 +161,7 @@ def test_sliding_dflash_drafts_on_the_cuda_caches_as_on_the_reference(name, tmp_
     (the block over the last three context positions, the block causal or not) and z-lab's
     (each block query over the three keys ending at itself, causal): the same drafts every
     round as the reference drafter's."""
-    folder = _z_lab(tmp_path / "z") if name == "z-lab" else FIXTURES / name
+    folder = z_lab_sliding_dflash(tmp_path / "z") if name == "z-lab" else FIXTURES / name
     assert load_dflash(folder).config.windows() == {0: 3}
     got, want = _dflash_rounds(folder)
     assert got == want

@@ -104,9 +104,9 @@ def test_cuda_backend_drafts_what_the_reference_drafts(name, tmp_path):
 
     folder = FIXTURES / name
     if name == "z-lab-dflash-sliding":  # dflash-sliding-window's weights under a z-lab config
-        from test_cuda_sliding import _z_lab
+        from conftest import z_lab_sliding_dflash
 
-        folder = _z_lab(tmp_path / "z")
+        folder = z_lab_sliding_dflash(tmp_path / "z")
     method = {"method": "eagle3", "draft": {"path": str(folder)}, "num_speculative_tokens": 3}
     if "dflash" in name:
         method = {"method": "dflash", "draft": {"path": str(folder)}}

@@ -297,8 +297,9 @@ class SlotAttention:
             if mask is None:
                 mask = torch.ones(w, first + w, dtype=torch.bool, device=k.device)
             if layer in self.windows:
-                own = first + torch.arange(w, device=k.device)[:, None]
-                mask = mask & window_mask(own, torch.arange(first + w, device=k.device)[None, :], self.windows[layer], i)
+                own = first + torch.arange(w, device=k.device)[:, None]  # [W, 1]
+                keys_at = torch.arange(first + w, device=k.device)[None, :]  # [1, S]
+                mask = mask & window_mask(own, keys_at, self.windows[layer], i)
             out.append(causal_sdpa(q[i : i + 1], keys[None], values[None], mask))
         return torch.cat(out)
 

@@ -121,7 +121,8 @@ class Eagle3Method(Method):
             target_layer_ids=tuple(i - 1 for i in ids),  # the input of layer i is the output of layer i-1
             drafter_kv="own",
             draft_sample_method=self.cfg.draft_sample_method,
-            drafter=f"{drafter.layer.num_layers} layer{'s' if drafter.layer.num_layers > 1 else ''}, hidden {drafter.layer.hidden_size}, draft vocab {drafter.draft_vocab_size} "
+            drafter=f"{drafter.layer.num_layers} layer{'s' if drafter.layer.num_layers > 1 else ''}, "
+                    f"hidden {drafter.layer.hidden_size}, draft vocab {drafter.draft_vocab_size} "
                     f"({drafter.dialect_name} dialect, {src}); options: {', '.join(options)}; taps the inputs of "
                     f"layers {list(ids)} in EAGLE-3's numbering (layer i's input is layer i-1's output)",
         )
