@@ -262,8 +262,12 @@ def test_z_lab_dflash_sliding_layers_mask_as_z_lab_does(tmp_path):
     assert (got - full).abs().max() > 1e-3  # the window changes the block
 
 
-def test_eagle_dialect_heads_have_one_layer(tmp_path):
-    folder = _eagle(tmp_path / "c")
+@pytest.mark.parametrize("make", [_eagle, _angelslim])
+def test_eagle_and_angelslim_heads_have_one_layer(tmp_path, make):
+    """Their weights name one midlayer and the formats define no second layer's input: a
+    deeper head is refused, naming why and the format that defines one (speculators)."""
+    folder = make(tmp_path / "c")
     _edit_config(folder, lambda raw: raw.update(num_hidden_layers=2))
-    with pytest.raises(ConfigError, match="num_hidden_layers 2; this dialect's EAGLE-3 heads have one decoder layer"):
+    with pytest.raises(ConfigError, match="num_hidden_layers 2; this dialect's EAGLE-3 heads have one decoder layer "
+                                          r"\(its weights name one midlayer.*speculators format"):
         load_eagle3(folder)
