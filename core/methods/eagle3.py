@@ -1,4 +1,5 @@
-"""`eagle3`: chain drafting with a one-layer head fed with fused target features.
+"""`eagle3`: chain drafting with a head fed with fused target features (one decoder layer, or
+several in the speculators format, sliding-window layers among them).
 
 Round by round: the target's features of the newly verified positions wait in the request's
 state until the next draft. Drafting then runs the head over those positions (each position t
@@ -260,7 +261,7 @@ class Eagle3Drafter(Drafter):
         """Positional store: attention for new keys at ``at`` [N] of a chain started at ``first``
         [N], whose sliding windows stay where they were at the chain's start (as the reference's)."""
         return self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True, windows=self.windows,
-                                 **({"anchor": first} if self.windows else {}))
+                                 anchor=first)
 
     def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
         """Draft j + 1's token, as propose() will choose it: argmax, or the seeded draw."""
