@@ -97,16 +97,22 @@ class KVStore(Protocol):
 
     def truncate(self, cache: Any, length: int) -> None: ...
 
-    def attention(self, caches: Any, causal: bool, persist: bool) -> AttentionFn:
+    def attention(self, caches: Any, causal: bool, persist: bool, windows: dict[int, int] | None = None,
+                  anchor: Any = None, block_causal: bool = False, per_query: bool = False) -> AttentionFn:
         """Attention of each row's new q/k/v over its cache then its new k/v. ``caches`` is a
-        list of ``new()`` handles, or a backend's batched handle (DraftRows.caches)."""
+        list of ``new()`` handles, or a backend's batched handle (DraftRows.caches).
+        ``windows`` (layer -> sliding window) limits those layers' keys: causal, to the window
+        ending at each query or, past ``anchor`` (a position; a positional store: one per row
+        [N]), at the anchor; non-causal (a DFlash block), to the last ``window`` positions before
+        the block (``block_causal``: the block causal too) or, ``per_query``, to the window
+        ending at each query, causally (backends/reference/kv.py: attend)."""
 
     # Stores that index KV by absolute position (the cuda backend's static caches) also offer
     # write_projected(caches, layers, x [N, W, *], positions [N, W], rotary, fc=None, hidden_norm=None):
     # every DecoderLayer's k/v projection of x, or of hidden_norm(fc(x)) (k-norm, RoPE), at each
     # row's positions start .. start+W-1; and at(caches, start [N]) -> the same rows' handle with
-    # new keys going at ``start``; and prefill_attention(caches, num_layers) -> causal attention
-    # among the rows' first T entries, stored at positions 0 .. T - 1 (a batched prefill's).
+    # new keys going at ``start``; and prefill_attention(caches, num_layers, windows=None) -> causal
+    # attention among the rows' first T entries, stored at positions 0 .. T - 1 (a batched prefill's).
 
 
 @dataclass(frozen=True)

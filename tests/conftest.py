@@ -1,3 +1,7 @@
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,6 +43,20 @@ def full_forward(target, ids: torch.Tensor, taps=()):
     caches = [kv.new(target.config.num_layers) for _ in range(ids.shape[0])]
     positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     return target(ids, positions, kv.attention(caches, causal=True, persist=False), taps)
+
+
+def z_lab_sliding_dflash(folder: Path) -> Path:
+    """The speculators sliding DFlash fixture's weights (layer 0 sliding, window 3) under a
+    z-lab config: the tensor names are the same; the config says layer_types at the top level."""
+    src = Path(__file__).parent / "fixtures" / "speculators" / "dflash-sliding-window"
+    inner = json.loads((src / "config.json").read_text())["transformer_layer_config"]
+    raw = {k: v for k, v in inner.items() if k not in ("rope_parameters", "max_window_layers")}
+    raw.update(architectures=["DFlashDraftModel"], rope_theta=10000.0, num_target_layers=6, block_size=4,
+               dflash_config={"mask_token_id": 257, "target_layer_ids": [-1, 2, 5]})
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    shutil.copy(src / "model.safetensors", folder / "model.safetensors")
+    return folder
 
 
 def pytest_collection_modifyitems(config, items):

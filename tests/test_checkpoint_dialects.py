@@ -227,28 +227,47 @@ def test_specforge_fc_norm_and_norm_output(tmp_path):
     assert "no final norm before lm_head" in ", ".join(loaded.config.options())
 
 
-def test_z_lab_dflash_refuses_sliding_layers(tmp_path):
+def test_z_lab_dflash_sliding_layers_mask_as_z_lab_does(tmp_path):
+    """A z-lab sliding layer (dflash/model.py's _attention_mask): causal, each block query over
+    the keys less than `sliding_window` positions behind it, context and block alike. The
+    reference backend's store (per_query) against that mask written out over the whole cache."""
+    from backends.reference.kv import ReferenceKV
+
     folder = _dflash(tmp_path / "c")
-    _edit_config(folder, lambda raw: raw.update(layer_types=["sliding_attention"], sliding_window=8))
-    with pytest.raises(ConfigError, match=r"layer_types gives layer\(s\) \[0\] attention \['sliding_attention'\]"):
-        load_dflash(folder)
+    _edit_config(folder, lambda raw: raw.update(layer_types=["sliding_attention"], sliding_window=3,
+                                                use_sliding_window=True))
+    model = load_dflash(folder)
+    cfg, kv = model.config, ReferenceKV()
+    assert cfg.windows() == {0: 3} and cfg.sliding_per_query
+    gen = torch.Generator().manual_seed(0)
+    ctx, blk, width = 9, cfg.block_size, cfg.layers.hidden_size
+    context = model.context_kv(torch.randn(1, ctx, model.fc.in_features, generator=gen), torch.arange(ctx)[None])
+    cache = kv.new(len(model.layers))
+    for layer, (k, v) in enumerate(context):
+        kv.append(cache, layer, k[0], v[0])
+
+    def z_lab(layer, q, k, v):
+        keys, values = torch.cat([context[layer][0], k], dim=2), torch.cat([context[layer][1], v], dim=2)
+        at_q = keys.shape[2] - q.shape[2] + torch.arange(q.shape[2])[:, None]
+        at_k = torch.arange(keys.shape[2])[None]
+        mask = (at_k <= at_q) & (at_q - at_k < 3)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    embeds, positions = torch.randn(1, blk, width, generator=gen), ctx + torch.arange(blk)[None]
+    with torch.no_grad():
+        got = model(embeds, positions, kv.attention([cache], causal=False, persist=False, windows=cfg.windows(),
+                                                    per_query=True))
+        torch.testing.assert_close(got, model(embeds, positions, z_lab), rtol=0, atol=1e-5)
+        full = model(embeds, positions, kv.attention([cache], causal=False, persist=False))
+    assert (got - full).abs().max() > 1e-3  # the window changes the block
 
 
-def test_sliding_dflash_refuses_the_cuda_backend():
-    pytest.importorskip("triton")
-    from backends.cuda.kv import StaticStore
-    from core.machine import Plan
-    from core.methods.dflash import DFlashDrafter
-
-    plan = Plan(method="dflash", drafting="parallel", num_speculative_tokens=3, target_layer_ids=(-1, 2, 5),
-                block_size=4)
-    with pytest.raises(ConfigError, match=r"layers \[0\] attend through sliding windows.*backend: reference"):
-        DFlashDrafter(load_dflash(SPECULATORS.parent / "dflash-sliding-window"), random_target("tiny-qwen3", 0),
-                      StaticStore(2, 64, torch.device("cpu")), plan, 257)
-
-
-def test_eagle_dialect_heads_have_one_layer(tmp_path):
-    folder = _eagle(tmp_path / "c")
+@pytest.mark.parametrize("make", [_eagle, _angelslim])
+def test_eagle_and_angelslim_heads_have_one_layer(tmp_path, make):
+    """Their weights name one midlayer and the formats define no second layer's input: a
+    deeper head is refused, naming why and the format that defines one (speculators)."""
+    folder = make(tmp_path / "c")
     _edit_config(folder, lambda raw: raw.update(num_hidden_layers=2))
-    with pytest.raises(ConfigError, match="num_hidden_layers 2; this dialect's EAGLE-3 heads have one decoder layer"):
+    with pytest.raises(ConfigError, match="num_hidden_layers 2; this dialect's EAGLE-3 heads have one decoder layer "
+                                          r"\(its weights name one midlayer.*speculators format"):
         load_eagle3(folder)

@@ -93,17 +93,23 @@ def test_taps_at_both_ends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("sliding-window", "two-layers")]
-                         + ["dflash", "dflash-draft-vocab"])  # the others: refused
-def test_cuda_backend_drafts_what_the_reference_drafts(name):
-    """The cuda backend's fused chain (graphs, Triton kernels) computes each option as the
-    reference does: float32, the same tokens and the same drafts every round; bf16 greedy
-    output equals `none`'s."""
+@pytest.mark.parametrize("name", NAMES + ["dflash", "dflash-sliding-window", "dflash-sliding-non-causal",
+                                          "dflash-draft-vocab", "z-lab-dflash-sliding"])
+def test_cuda_backend_drafts_what_the_reference_drafts(name, tmp_path):
+    """The cuda backend's fused chain and stack (graphs, Triton kernels; sliding layers through
+    the windowed kernel, a two-layer head's second layer) compute each option as the reference
+    does: float32, the same tokens and the same drafts every round; bf16 greedy output equals
+    `none`'s."""
     from conftest import respec
 
-    method = {"method": "eagle3", "draft": {"path": str(FIXTURES / name)}, "num_speculative_tokens": 3}
-    if name.startswith("dflash"):
-        method = {"method": "dflash", "draft": {"path": str(FIXTURES / name)}}
+    folder = FIXTURES / name
+    if name == "z-lab-dflash-sliding":  # dflash-sliding-window's weights under a z-lab config
+        from conftest import z_lab_sliding_dflash
+
+        folder = z_lab_sliding_dflash(tmp_path / "z")
+    method = {"method": "eagle3", "draft": {"path": str(folder)}, "num_speculative_tokens": 3}
+    if "dflash" in name:
+        method = {"method": "dflash", "draft": {"path": str(folder)}}
     spec = tiny_spec(method, max_batch_size=4, device="cuda", dtype="float32", max_model_len=128)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompts = ["def fibonacci(n):", "x", "import os\nclass A:\n", "hello world"]
@@ -218,21 +224,6 @@ def test_cached_chain_equals_uncached_recompute(name):
             first = len(req.token_ids) - 1
             req.token_ids = req.token_ids + got[:accepted] + [int(torch.randint(0, 256, ()))]
             drafter.extend(req, full_forward(target, torch.tensor([req.token_ids[:-1]]), taps)[1][0, first:], first)
-
-
-def test_sliding_window_heads_refuse_the_cuda_backend():
-    """The cuda backend's drafter caches have no sliding window: refused, naming the fix."""
-    pytest.importorskip("triton")
-    from backends.cuda.kv import StaticStore
-    from core.machine import Plan
-    from core.methods.eagle3 import Eagle3Drafter
-    from core.models.config import ConfigError
-    from core.models.loader import random_target
-
-    plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=3, target_layer_ids=(0, 1, 2))
-    with pytest.raises(ConfigError, match=r"layers \[0\] attend through sliding windows.*backend: reference"):
-        Eagle3Drafter(load_eagle3(FIXTURES / "sliding-window"), random_target("tiny-qwen3", 0),
-                      StaticStore(2, 64, torch.device("cpu")), plan)
 
 
 ROUNDS = [n for n in NAMES if n not in ("sliding-window", "two-layers")]  # the fixtures with a scripted generate

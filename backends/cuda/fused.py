@@ -31,6 +31,7 @@ from core.models.layers import DecoderLayer, RMSNorm, Rotary
 from . import overlap
 from .attention import attend
 from .matvec import ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, matvec, matvec_argmax, matvec_draw
+from .sliding import Window, attend_window
 
 if TYPE_CHECKING:
     from .kv import StaticKV
@@ -261,11 +262,13 @@ def fused_weights(layer: torch.nn.Module) -> tuple[Tensor, Tensor]:
 
 def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor, cache: StaticKV,
               slots: Tensor, kv_len: Tensor, causal: bool, taps: tuple[int, ...] = (),
-              tapped: Callable[[Tensor], None] | None = None) -> tuple[Tensor, Tensor | None]:
+              tapped: Callable[[Tensor], None] | None = None, windows: dict[int, Window] | None = None
+              ) -> tuple[Tensor, Tensor | None]:
     """Decoder layers over a static cache: h [N, W, H] at positions [N, W] -> (final-normed
     hidden [N, W, H], the tapped layers' outputs [N, W, len(taps)*H] or None). ``tapped`` is
     called with those outputs as soon as the last tapped layer's is written, while the layers
-    after it are still to be launched (work that reads only the taps can start there)."""
+    after it are still to be launched (work that reads only the taps can start there).
+    ``windows``: the layers that attend through a sliding window (a drafter's; sliding.py)."""
     n, w = positions.shape
     h = h.reshape(n * w, -1)
     width = h.shape[1]
@@ -280,7 +283,8 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
         h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps, out=tap_out.get(i - 1))
         if i == done:
             _all_tapped(features, cols, taps, tap_out, tapped, n, w)
-        h, pending = layer_body(layer, h, x, positions, rotary, cache, i, slots, kv_len, causal)
+        h, pending = layer_body(layer, h, x, positions, rotary, cache, i, slots, kv_len, causal,
+                                (windows or {}).get(i))
     h, x = add_norm(pending, h, final_norm.weight, final_norm.eps, out=tap_out.get(len(layers) - 1))
     if done == len(layers):
         _all_tapped(features, cols, taps, tap_out, tapped, n, w)
@@ -288,16 +292,19 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
 
 
 def layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, i: int,
-               slots: Tensor, kv_len: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+               slots: Tensor, kv_len: Tensor, causal: bool, window: Window | None = None) -> tuple[Tensor, Tensor]:
     """One decoder layer after its input norm: residual h [N*W, H] and normed input x [N*W, In]
     (In may differ from H: an EAGLE-3 head reads 2H) -> (h after attention [N*W, H], the MLP's
     output, maybe float32 partial sums): the layer's output is their sum, which the next
-    add_norm makes. Keys go to layer ``i`` of the cache."""
+    add_norm makes. Keys go to layer ``i`` of the cache; a sliding ``window`` replaces causal."""
     n, w = positions.shape
     qkv_w, gate_up_w = fused_weights(layer)
     q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
-    out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
-                 tickets=cache.tickets)  # [N, Hq, W, D] view
+    if window is not None:
+        out = attend_window(q, cache.k[i], cache.v[i], slots, kv_len, window)  # [N, Hq, W, D] view
+    else:
+        out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
+                     tickets=cache.tickets)  # [N, Hq, W, D] view
     return _out_and_mlp(layer, out, h, gate_up_w)
 
 

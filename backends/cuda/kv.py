@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import CacheAttention, Splits, attend, split_plan, store_kv
 from .fused import add_norm, layer_body, norm, project_kv_stack, query_layer_body, run_stack
+from .sliding import Window, attend_window, layer_windows, window_mask
 
 
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -75,23 +76,29 @@ class StaticKV:
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
         return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets)
 
-    def prefill_attention(self, slots: Tensor) -> "PrefillAttention":
-        return PrefillAttention(self, slots)
+    def prefill_attention(self, slots: Tensor, windows: dict[int, Window] | None = None) -> "PrefillAttention":
+        return PrefillAttention(self, slots, windows or {})
 
 
 @dataclass(frozen=True)
 class PrefillAttention:
     """Whole prompts [N, P] into empty slots: causal attention among each row's own tokens,
-    keys stored at positions 0 .. P - 1 of its slot."""
+    keys stored at positions 0 .. P - 1 of its slot; a sliding layer's ``windows`` entry
+    masks each query to its window."""
 
     cache: StaticKV
     slots: Tensor  # [N] int64
+    windows: dict[int, Window] = field(default_factory=dict)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = k.shape[2]
         self.cache.k[layer][self.slots, :, :n] = k
         self.cache.v[layer][self.slots, :, :n] = v
-        return causal_sdpa(q, k, v)
+        window = self.windows.get(layer)
+        if window is None:
+            return causal_sdpa(q, k, v)
+        at = torch.arange(n, device=k.device)
+        return causal_sdpa(q, k, v, window_mask(at[:, None], at[None, :], window))
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -125,10 +132,13 @@ class Rows:
 
 class RowsAttention:
     """Attention for Rows: each row's W new tokens at positions start .. start + W - 1.
-    ``tapped``: see run_stack (the verify step starts the drafter's context update there)."""
+    ``tapped``: see run_stack (the verify step starts the drafter's context update there).
+    ``windows``: a drafter's sliding layers (sliding.py); the others attend as ``causal`` says."""
 
-    def __init__(self, cache: StaticKV, rows: Rows, causal: bool, tapped: Callable[[Tensor], None] | None = None):
+    def __init__(self, cache: StaticKV, rows: Rows, causal: bool, tapped: Callable[[Tensor], None] | None = None,
+                 windows: dict[int, Window] | None = None):
         self.cache, self.rows, self.causal, self.tapped = cache, rows, causal, tapped
+        self.windows = windows or {}
         self._lengths: dict[int, Tensor] = {}  # W -> kv_len, computed once per forward
 
     def kv_len(self, width: int) -> Tensor:
@@ -137,13 +147,18 @@ class RowsAttention:
         return self._lengths[width]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self.cache.attention(self.rows.slots, self.kv_len(q.shape[2]), self.causal)(layer, q, k, v)
+        kv_len = self.kv_len(q.shape[2])
+        if layer not in self.windows:
+            return self.cache.attention(self.rows.slots, kv_len, self.causal)(layer, q, k, v)
+        store_kv(k, v, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len)
+        return attend_window(q, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len,
+                             self.windows[layer])
 
     def decoder_stack(self, layers, final_norm, rotary, h: Tensor, positions: Tensor, taps: tuple[int, ...] = ()
                       ) -> tuple[Tensor, Tensor | None]:
         """Run whole decoder stacks with fused kernels (see fused.py) instead of layer by layer."""
         return run_stack(layers, final_norm, rotary, h, positions, self.cache, self.rows.slots,
-                         self.kv_len(positions.shape[1]), self.causal, taps, self.tapped)
+                         self.kv_len(positions.shape[1]), self.causal, taps, self.tapped, self.windows)
 
     def decoder_layer(self, layer, residual: Tensor, x: Tensor, positions: Tensor, rotary, index: int,
                       final_norm) -> tuple[Tensor, Tensor]:
@@ -152,7 +167,7 @@ class RowsAttention:
         output -> (output, final_norm(output)) [N, W, H] each, in fused kernels (fused.py)."""
         n, w = positions.shape
         h, mlp = layer_body(layer, residual.reshape(n * w, -1), x.reshape(n * w, -1), positions, rotary,
-                            self.cache, index, self.rows.slots, self.kv_len(w), self.causal)
+                            self.cache, index, self.rows.slots, self.kv_len(w), self.causal, self.windows.get(index))
         out, normed = add_norm(mlp, h, final_norm.weight, final_norm.eps)
         return out.view(n, w, -1), normed.view(n, w, -1)
 
@@ -208,25 +223,34 @@ class StaticStore:
         cache = self._make(len(layers), a.num_kv_heads, a.head_dim, x.dtype)
         project_kv_stack(layers, x, positions, rotary, cache, rows.slots, rows.start + x.shape[1], fc, hidden_norm)
 
-    def prefill_attention(self, rows: Rows, num_layers: int) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+    def prefill_attention(self, rows: Rows, num_layers: int, windows: dict[int, int] | None = None
+                          ) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
         """Attention for the rows' first entries (a batched prefill's): causal among each
-        row's own new keys, which are stored at positions 0 .. T - 1 of its slot."""
+        row's own new keys, which are stored at positions 0 .. T - 1 of its slot (a sliding
+        layer's, layer -> window in ``windows``, within its window)."""
+        sliding = layer_windows(windows, causal=True)
+
         def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return self._ensure(num_layers, k).prefill_attention(rows.slots)(layer, q, k, v)
+            return self._ensure(num_layers, k).prefill_attention(rows.slots, sliding)(layer, q, k, v)
         return attention
 
     def at(self, rows: Rows, start: Tensor) -> Rows:
         """The same rows with their new keys going at ``start`` [N] (a chain's later steps)."""
         return Rows(rows.slots, start)
 
-    def attention(self, caches: Rows | list[Slot], causal: bool, persist: bool) -> RowsAttention | SlotAttention:
+    def attention(self, caches: Rows | list[Slot], causal: bool, persist: bool, windows: dict[int, int] | None = None,
+                  anchor: Tensor | None = None, block_causal: bool = False, per_query: bool = False
+                  ) -> RowsAttention | SlotAttention:
         """New keys are always stored at their positions; ``persist`` needs nothing more here,
         since a row's length, not the cache, decides what later queries see. ``caches`` as a
         list of ``new()`` handles (an eager drafter's): each row's new keys go at its handle's
-        end, which ``persist`` then moves past them."""
+        end, which ``persist`` then moves past them. ``windows`` (layer -> sliding window) and
+        the rest as the reference backend's store takes them (sliding.layer_windows), an
+        ``anchor`` per row [N]."""
+        sliding = layer_windows(windows, causal, anchor, block_causal, per_query)
         if isinstance(caches, list):
-            return SlotAttention(self, caches, causal, persist)
-        return RowsAttention(self.cache, caches, causal)
+            return SlotAttention(self, caches, causal, persist, sliding)
+        return RowsAttention(self.cache, caches, causal, windows=sliding)
 
 
 @dataclass(frozen=True)
@@ -237,13 +261,18 @@ class SlotAttention:
     caches: list[Slot]
     causal: bool
     persist: bool
+    windows: dict[int, Window] = field(default_factory=dict)  # a drafter's sliding layers (sliding.py)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache = self.store._ensure(len(self.caches[0].filled), k)
         dev, w = k.device, k.shape[2]
         slots = torch.tensor([s.index for s in self.caches], device=dev)
         start = torch.tensor([s.filled[layer] for s in self.caches], device=dev)
-        if w * (q.shape[1] // k.shape[1]) <= LONG_WINDOW:
+        window = self.windows.get(layer)
+        if window is not None and w * (q.shape[1] // k.shape[1]) <= LONG_WINDOW:
+            store_kv(k, v, cache.k[layer], cache.v[layer], slots, start + w)
+            out = attend_window(q, cache.k[layer], cache.v[layer], slots, start + w, window)
+        elif w * (q.shape[1] // k.shape[1]) <= LONG_WINDOW:
             out = cache.attention(slots, start + w, self.causal)(layer, q, k, v)
         else:
             out = self._long(cache, layer, q, k, v, slots, start)
@@ -267,6 +296,10 @@ class SlotAttention:
                 mask = torch.arange(first + w, device=k.device)[None, :] <= own  # [W, S]
             if mask is None:
                 mask = torch.ones(w, first + w, dtype=torch.bool, device=k.device)
+            if layer in self.windows:
+                own = first + torch.arange(w, device=k.device)[:, None]  # [W, 1]
+                keys_at = torch.arange(first + w, device=k.device)[None, :]  # [1, S]
+                mask = mask & window_mask(own, keys_at, self.windows[layer], i)
             out.append(causal_sdpa(q[i : i + 1], keys[None], values[None], mask))
         return torch.cat(out)
 

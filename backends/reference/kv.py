@@ -20,13 +20,15 @@ class KVCache:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = None,
-           anchor: int | None = None, block_causal: bool = False) -> Tensor:
+           anchor: int | None = None, block_causal: bool = False, per_query: bool = False) -> Tensor:
     """q [Hq, T, D] over k, v [Hkv, S, D] -> [Hq, T, D]. The T queries are the last T keys'
     positions; with ``causal`` each sees keys up to and including its own position, and with a
     sliding ``window`` only keys past min(own, anchor) - window: a query after ``anchor`` (a
     draft chain's later steps, anchored at its start) keeps the window its chain started with.
     Without ``causal`` (a block over a context) a window keeps the last ``window`` context keys
-    before the block, and ``block_causal`` makes the block itself causal."""
+    before the block, and ``block_causal`` makes the block itself causal; with ``per_query``
+    (the z-lab DFlash sliding layer) each query sees instead the ``window`` keys ending at its
+    own position."""
     hq, t, d = q.shape
     hkv, s, _ = k.shape
     k = k.repeat_interleave(hq // hkv, dim=0)  # grouped-query: each KV head serves hq/hkv heads
@@ -44,7 +46,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = N
         own = torch.arange(s - t, s, device=q.device)[:, None]  # [T, 1]
         keys = torch.arange(s, device=q.device)[None, :]
         visible = keys >= (s - t) - window  # [1, S]: the window ends where the block starts
-        if block_causal:
+        if per_query:
+            visible = keys > own - window  # [T, S]: the window ends at the query
+        if block_causal or per_query:
             visible = visible & (keys <= own)
         scores = scores.masked_fill(~visible, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
@@ -64,6 +68,7 @@ class CachedAttention:
     windows: dict[int, int] | None = None  # layer -> its sliding window (see attend); others: full
     anchor: int | None = None  # where the window of queries past it is measured from
     block_causal: bool = False  # non-causal attention: a windowed layer's block is causal
+    per_query: bool = False  # non-causal attention: a windowed layer's queries see the window ending at them
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = []
@@ -75,7 +80,7 @@ class CachedAttention:
             if self.persist:
                 cache.k[layer], cache.v[layer] = keys, values
             window = (self.windows or {}).get(layer)
-            out.append(attend(q[b], keys, values, self.causal, window, self.anchor, self.block_causal))
+            out.append(attend(q[b], keys, values, self.causal, window, self.anchor, self.block_causal, self.per_query))
         return torch.stack(out)
 
 
@@ -98,8 +103,9 @@ class ReferenceKV:
         cache.v = [None if t is None else t[:, :length] for t in cache.v]
 
     def attention(self, caches: list[KVCache], causal: bool, persist: bool, windows: dict[int, int] | None = None,
-                  anchor: int | None = None, block_causal: bool = False) -> CachedAttention:
-        return CachedAttention(caches, causal, persist, windows, anchor, block_causal)
+                  anchor: int | None = None, block_causal: bool = False, per_query: bool = False
+                  ) -> CachedAttention:
+        return CachedAttention(caches, causal, persist, windows, anchor, block_causal, per_query)
 
 
 @dataclass(frozen=True)

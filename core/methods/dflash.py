@@ -152,7 +152,9 @@ class DFlashMethod(Method):
                     + ("" if drafter.num_target_layers is None else f" of {drafter.num_target_layers}")
                     + (" (-1: the embedding output)" if -1 in drafter.target_layer_ids else "")
                     + "".join(f", layer {i}: sliding window {w}" for i, w in drafter.windows().items())
-                    + (", sliding blocks causal" if drafter.windows() and drafter.sliding_block_causal else "")
+                    + ("" if not drafter.windows() else ", each sliding query over the window ending at itself"
+                       if drafter.sliding_per_query else ", sliding blocks causal" if drafter.sliding_block_causal
+                       else ", sliding blocks non-causal")
                     + ("" if drafter.draft_vocab_size is None else
                        f", its own lm_head over a draft vocabulary of {drafter.draft_vocab_size}"),
         )
@@ -170,12 +172,11 @@ class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashDraftModel, target: TargetModel, kv: KVStore, plan: Plan, mask_token_id: int):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.mask_token_id = mask_token_id
-        windows = model.config.windows()
-        if windows and hasattr(kv, "at"):
-            raise ConfigError(f"this DFlash drafter's layers {sorted(windows)} attend through sliding windows, which "
-                              "the cuda backend's drafter caches do not implement; run it with backend: reference")
-        # sliding layers see the last `window` context positions before the block (reference KV only)
-        self.windowed = {"windows": windows, "block_causal": model.config.sliding_block_causal} if windows else {}
+        cfg = model.config
+        # sliding layers: the last `window` context positions before the block (speculators), or
+        # each query's window ending at itself (z-lab), as both backends' stores apply them
+        self.windowed = {"windows": cfg.windows(), "block_causal": cfg.sliding_block_causal,
+                         "per_query": cfg.sliding_per_query} if cfg.windows() else {}
 
     def admit(self, req: Request) -> None:
         req.draft_state = self.kv.new(len(self.model.layers))

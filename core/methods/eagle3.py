@@ -1,4 +1,5 @@
-"""`eagle3`: chain drafting with a one-layer head fed with fused target features.
+"""`eagle3`: chain drafting with a head fed with fused target features (one decoder layer, or
+several in the speculators format, sliding-window layers among them).
 
 Round by round: the target's features of the newly verified positions wait in the request's
 state until the next draft. Drafting then runs the head over those positions (each position t
@@ -121,7 +122,8 @@ class Eagle3Method(Method):
             target_layer_ids=tuple(i - 1 for i in ids),  # the input of layer i is the output of layer i-1
             drafter_kv="own",
             draft_sample_method=self.cfg.draft_sample_method,
-            drafter=f"1 layer, hidden {drafter.layer.hidden_size}, draft vocab {drafter.draft_vocab_size} "
+            drafter=f"{drafter.layer.num_layers} layer{'s' if drafter.layer.num_layers > 1 else ''}, "
+                    f"hidden {drafter.layer.hidden_size}, draft vocab {drafter.draft_vocab_size} "
                     f"({drafter.dialect_name} dialect, {src}); options: {', '.join(options)}; taps the inputs of "
                     f"layers {list(ids)} in EAGLE-3's numbering (layer i's input is layer i-1's output)",
         )
@@ -160,14 +162,8 @@ class Eagle3Drafter(Drafter):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
         self.positional = hasattr(kv, "at")
         cfg = model.config
-        if self.positional and cfg.windows():
-            raise ConfigError(f"this EAGLE-3 head's layers {sorted(cfg.windows())} attend through sliding windows "
-                              f"({cfg.windows()} positions), which the cuda backend's drafter caches do not "
-                              "implement; run it with backend: reference")
-        if self.positional and cfg.layer.num_layers > 1:
-            raise ConfigError(f"this EAGLE-3 head has {cfg.layer.num_layers} decoder layers; the cuda backend's "
-                              "fused chain runs one-layer heads; run it with backend: reference")
         self.num_layers = cfg.layer.num_layers
+        self.windows = cfg.windows() or None  # layer -> sliding window; a chain keeps the window it starts with
         self.ascending = model.ascending_ids()  # greedy chains may read the draft vocabulary's argmax
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
@@ -190,7 +186,7 @@ class Eagle3Drafter(Drafter):
         if n > 0:
             ids = torch.tensor([req.token_ids[first + 1 : first + 1 + n]], device=features.device)  # [1, n]
             positions = first + torch.arange(n, device=ids.device)[None]
-            attn = self.kv.attention([req.draft_state], causal=True, persist=True)
+            attn = self.kv.attention([req.draft_state], causal=True, persist=True, windows=self.windows)
             self.model.step(self.model.embed(self.target, ids), self.model.fuse(features[None, :n]), positions, attn)
 
     def admit(self, req: Request) -> None:
@@ -201,7 +197,7 @@ class Eagle3Drafter(Drafter):
         t + 1 and the features at t), as ``_prefill_entries`` makes them one prompt at a time."""
         n, p = ids.shape
         positions = torch.arange(p - 1, device=ids.device)[None].expand(n, -1)  # [N, P - 1]
-        attn = self.kv.prefill_attention(rows.caches, 1)
+        attn = self.kv.prefill_attention(rows.caches, self.num_layers, self.windows)
         self.model.step(self.model.embed(self.target, ids[:, 1:]), self.model.fuse(features[:, :-1]), positions, attn)
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
@@ -211,7 +207,7 @@ class Eagle3Drafter(Drafter):
         first = (rows.start - 1).clamp(min=0)  # padding rows sit at 0
         feats = torch.cat([rows.features[:, None], features[:, :-1]], dim=1)  # [N, W, taps*H]
         positions = first[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
+        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True, windows=self.windows)
         self.model.step(self.model.embed(self.target, tokens), self.model.fuse(feats), positions, attn)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
@@ -229,7 +225,7 @@ class Eagle3Drafter(Drafter):
         """Positional store: the last verified position's entry (the round's last token and
         rows.features), then K-1 chained steps, one position on each -> logits [N, K, V]."""
         first = (rows.start - 1).clamp(min=0)  # [N]
-        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
+        attn = self._attention(rows, first, first)
         out = self.model.step(self.model.embed(self.target, rows.last_token[:, None]),
                               self.model.fuse(rows.features[:, None]), first[:, None], attn)  # [N, 1, H]
         steps = []
@@ -239,7 +235,7 @@ class Eagle3Drafter(Drafter):
                 break
             token = self._pick_rows(steps[-1], rows, j)  # [N]
             at = first + 1 + j
-            attn = self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True)
+            attn = self._attention(rows, at, first)
             out = self.model.step(self.model.embed(self.target, token[:, None]), self.model.next_hidden(out),
                                   at[:, None], attn)
         return torch.stack(steps, dim=1)
@@ -247,7 +243,7 @@ class Eagle3Drafter(Drafter):
     def _greedy_rows(self, rows: DraftRows) -> Tensor:
         """_chain_rows for greedy drafts, reading out tokens (no logits) -> [N, K]."""
         first = (rows.start - 1).clamp(min=0)  # [N]
-        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True)
+        attn = self._attention(rows, first, first)
         out, normed = self.model.step_normed(self.model.embed(self.target, rows.last_token[:, None]),
                                              self.model.fuse(rows.features[:, None]), first[:, None], attn)
         tokens = []
@@ -256,10 +252,16 @@ class Eagle3Drafter(Drafter):
             if j == self.plan.num_speculative_tokens - 1:
                 break
             at = first + 1 + j
-            attn = self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True)
+            attn = self._attention(rows, at, first)
             out, normed = self.model.step_normed(self.model.embed(self.target, tokens[-1][:, None]),
                                                  self.model.next_hidden(out, normed), at[:, None], attn)
         return torch.stack(tokens, dim=1)
+
+    def _attention(self, rows: DraftRows, at: Tensor, first: Tensor):
+        """Positional store: attention for new keys at ``at`` [N] of a chain started at ``first``
+        [N], whose sliding windows stay where they were at the chain's start (as the reference's)."""
+        return self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True, windows=self.windows,
+                                 anchor=first)
 
     def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
         """Draft j + 1's token, as propose() will choose it: argmax, or the seeded draw."""

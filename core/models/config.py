@@ -69,6 +69,9 @@ class DFlashConfig:
     dialect: str = "z-lab DFlash"
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None (or no entry): full
     sliding_block_causal: bool = True  # a sliding layer's block is causal (speculators' default)
+    # a sliding layer's query sees the window ending at itself, causally (z-lab); else the last
+    # `window` context positions before the block, then the block (speculators)
+    sliding_per_query: bool = False
     draft_vocab_size: int | None = None  # its own lm_head over this many ids, mapped by d2t (None: the target's)
 
     def windows(self) -> dict[int, int]:
@@ -170,7 +173,7 @@ def dflash_config(raw: dict[str, Any]) -> DFlashConfig:
             "expected ['DFlashDraftModel'] (the z-lab checkpoint dialect)"
         )
     DFLASH_DIALECT.check_keys(raw)
-    layer_values(raw)
+    windows = layer_values(raw, sliding_ok=True)
     extra = raw.get("dflash_config") or {}
     DFLASH_FIELDS.check_keys(extra, "config.json dflash_config")
     if raw.get("model_type", "qwen3") != "qwen3":
@@ -188,4 +191,7 @@ def dflash_config(raw: dict[str, Any]) -> DFlashConfig:
         mask_token_id=None if mask is None else int(mask),
         target_layer_ids=tuple(int(i) for i in ids),
         num_target_layers=n_target,
+        # z-lab's sliding layers are causal, each query over the `window` keys ending at itself
+        layer_windows=windows,
+        sliding_per_query=True,
     )

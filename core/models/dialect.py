@@ -37,7 +37,7 @@ LAYER_INERT = {
     "initializer_range": "random initialization only (draftline uses it for random_init presets)",
     "pretraining_tp": "a training-time split of the same matmuls",
     "tie_word_embeddings": "a drafter's read-out weights are loaded by name (or are the target's)",
-    "max_window_layers": "read only with use_sliding_window: true, which is refused",
+    "max_window_layers": "derives layer_types only where a config lacks them (use_sliding_window then is refused)",
     "auto_map": "names remote-code classes; the weights and keys here define the model",
     "output_attentions": "debug output only",
     "output_hidden_states": "debug output only",

@@ -137,13 +137,15 @@ class Eagle3DraftModel(nn.Module):
         if layer_fn is None:
             out = self.step(embeds, hidden, positions, attn)
             return out, self.norm(out)
-        if len(self.extra_layers):  # the fused form runs the first layer only: never drop the others
-            raise ValueError("a fused decoder_layer runs one-layer EAGLE-3 heads only; this head has "
-                             f"{1 + len(self.extra_layers)} layers (run it with backend: reference)")
         m = self.midlayer
+        # each layer's closing add+norm is the next one's input norm (the last's: the final norm)
+        closing = [layer.input_layernorm for layer in self.extra_layers] + [self.norm]
         normed = attn.norm(hidden, m.hidden_norm)
         x = torch.cat([attn.norm(embeds, m.input_layernorm), normed], dim=-1)  # [B, T, 2H]
-        return layer_fn(m, normed if m.norm_before_residual else hidden, x, positions, self.rotary, 0, self.norm)
+        out, x = layer_fn(m, normed if m.norm_before_residual else hidden, x, positions, self.rotary, 0, closing[0])
+        for i, layer in enumerate(self.extra_layers, start=1):  # plain decoder layers on the first's output
+            out, x = layer_fn(layer, out, x, positions, self.rotary, i, closing[i])
+        return out, x
 
     def greedy(self, normed: Tensor, head_argmax) -> Tensor:
         """The greedy token over the target vocabulary from what lm_head reads [..., H] (readout()): the draft

@@ -180,7 +180,9 @@ def _layer(raw: dict[str, Any], where: str, kinds: tuple[str, ...], deep_ok: boo
     layers = int(raw.get("num_hidden_layers", 1))
     if layers < 1 or (layers > 1 and not deep_ok):
         raise ConfigError(f"{where}: num_hidden_layers {layers}; this dialect's EAGLE-3 heads have one decoder "
-                          "layer, so a deeper head would lose its other layers. Use a one-layer head")
+                          "layer (its weights name one midlayer, and the format defines no second layer's input), "
+                          "so a deeper head would lose its other layers. Use a one-layer head, or the "
+                          "speculators format, which defines deeper heads")
     cfg = model_config({**raw, "num_hidden_layers": layers}, default_arch=kind)
     return replace(cfg, arch=kind), windows
 
