@@ -30,7 +30,10 @@ class Stops:
         return tokens, None
 
     def matched_string(self, req: Request) -> str | None:
-        """The stop string that occurs first in the request's text, if any."""
+        """The stop string that occurs first in the request's text, if any (the text is decoded
+        only for a request that has stop strings: every row pays for it every round)."""
+        if not req.stop_strings or len(req.output_ids) < req.params.min_new_tokens:
+            return None
         hit = self.stop_at(req, self.decode(req.output_ids))
         return None if hit is None else hit[1]
 

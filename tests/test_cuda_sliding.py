@@ -77,8 +77,9 @@ def test_eager_handles_attend_through_windows_as_the_reference(width):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{causal}, {extra}, layer {layer}")
 
 
-def _rows(store_rows: Rows, last: int, start: int, features: torch.Tensor | None = None) -> DraftRows:
-    return DraftRows(last_token=torch.tensor([last], device=DEV), start=torch.tensor([start], device=DEV),
+def _rows(store_rows: Rows, last: int, start: int, features: torch.Tensor | None = None, device: str = DEV
+          ) -> DraftRows:
+    return DraftRows(last_token=torch.tensor([last], device=device), start=torch.tensor([start], device=device),
                      batch=None, caches=store_rows, features=features)
 
 
@@ -131,7 +132,8 @@ def _dflash_rounds(folder: Path) -> tuple[list, list]:
                 block_size=blk)
     ref = DFlashDrafter(model, target, ReferenceKV(), plan, 257)
     store = StaticStore(2, 64, torch.device(DEV))
-    cuda = DFlashDrafter(load_dflash(folder).to(DEV), target.to(DEV), store, plan, 257)
+    # its own target: Module.to moves in place, and the reference drafter keeps the CPU one
+    cuda = DFlashDrafter(load_dflash(folder).to(DEV), random_target("tiny-qwen3", 0).to(DEV), store, plan, 257)
     gen = torch.Generator().manual_seed(1)
     feats = torch.randn(40, 3 * 128, generator=gen)
     tokens = torch.randint(0, 256, (6,), generator=gen).tolist()
@@ -145,11 +147,11 @@ def _dflash_rounds(folder: Path) -> tuple[list, list]:
                           feats[None, : len(tokens) - 1].to(DEV), torch.tensor([tokens[:-1]], device=DEV))
         for accepted, nxt in SCRIPT:
             start = len(tokens) - 1
-            want.append(ref.propose([req], _rows([req.draft_state], tokens[-1], start)).tokens[0].tolist())
+            want.append(ref.propose([req], _rows([req.draft_state], tokens[-1], start, device="cpu")).tokens[0].tolist())
             rows = _rows(Rows(slots, torch.tensor([start], device=DEV)), tokens[-1], start)
             got.append(cuda.propose([], rows).tokens[0].tolist())
             # the verify step's context update: the window's features at start .. start + K
-            cuda.extend_rows(rows, feats[None, start : start + blk].to(DEV), torch.zeros(1, blk, dtype=torch.long))
+            cuda.extend_rows(rows, feats[None, start : start + blk].to(DEV), torch.zeros(1, blk, dtype=torch.long, device=DEV))
             tokens = tokens + want[-1][: accepted] + [nxt]
             ref.extend(req, feats[start : len(tokens) - 1], start)
     return got, want
