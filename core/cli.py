@@ -223,6 +223,9 @@ def _train_drafter(args: argparse.Namespace, out: Path, device):
                           "--init starts a new run from a checkpoint's weights)")
     resume = load_state(args.resume, args.what) if args.resume else None
     cfg = _train_config(kind, args, preset, resume)
+    if resume is not None and resume["step"] >= cfg.steps:
+        raise ConfigError(f"--resume {args.resume}: the run is at step {resume['step']} of --steps {cfg.steps}, "
+                          "nothing is left; give a larger --steps to train on")
     _check_target(args)
     data = None if resume else _corpus(args.data)
     target = load_target(args.target)
