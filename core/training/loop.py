@@ -81,8 +81,8 @@ def _estimate(name: str, summary: Summary, first_s: float, ran: int, steps: int,
              limited_by="max_seconds" if total < steps else "steps")
 
 
-def progress(total: int, desc: str) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
+def progress(total: int, desc: str, initial: int = 0) -> tqdm:
+    return tqdm(total=total, desc=desc, initial=initial, unit="step", dynamic_ncols=True, mininterval=2.0)
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,7 @@ def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
     budget = budget or Budget(cfg.max_seconds)
     left = budget.left()
     summary = Summary(name, steps=start.step, resumed_at=start.step)
-    bar = progress(cfg.steps, name)
-    bar.update(start.step)
+    bar = progress(cfg.steps, name, initial=start.step)  # its rate counts this run's steps only
     estimated, last = False, 0.0
     model.train()
     for step in range(start.step, cfg.steps):
