@@ -194,7 +194,9 @@ def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
 def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     """A drafter trained from the user's JSONL: --num-sequences smaller than --gen-batch
     generates only those; --max-seconds bounds the whole run (generation included) and leaves
-    a z-lab DFlash checkpoint that loads, serves and resumes."""
+    a z-lab DFlash checkpoint that loads and serves; --init starts a new run from it, --resume
+    goes on with the same run, and a resume that does not fit the run is one line and exit 1."""
+    import shutil
     import time
 
     from core.cli import main
@@ -239,13 +241,17 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     pretrain(stream, stream[:2000], 300, 0, tmp_path / "t2", PretrainConfig(preset="micro", steps=1, batch_size=4,
              seq_len=32, eval_every=2, seed=1), torch.device("cpu"))
     capsys.readouterr()
+    shutil.copytree(d, tmp_path / "damaged")
+    state = tmp_path / "damaged" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:1000])  # a run killed mid-copy, say
     refused = [(["eagle3", "--resume", d, "--target", t], "--resume " + d + ": it holds a dflash run, not eagle3"),
                (["dflash", "--resume", d, "--target", t, "--preset", "tiny-code-dflash"],
                 "--preset tiny-code-dflash differs from the run's micro-dflash"),
                (["dflash", "--resume", d, "--target", str(tmp_path / "t2")], "same shape, other weights"),
                (["dflash", "--resume", t, "--target", t], "no training_state.pt there"),
                (["dflash", "--resume", d, "--init", d, "--target", t], "--resume and --init: give one"),
-               (["dflash", "--resume", d, "--target", t, "--steps", "1"], "nothing is left; give a larger --steps")]
+               (["dflash", "--resume", d, "--target", t, "--steps", "1"], "nothing is left; give a larger --steps"),
+               (["dflash", "--resume", str(tmp_path / "damaged"), "--target", t], "training_state.pt is not readable")]
     for args, message in refused:
         assert main(["train", *args, "--device", "cpu"]) == 1, args
         err = capsys.readouterr().err
