@@ -308,7 +308,8 @@ def test_resumed_run_ends_where_one_run_does(tmp_path, monkeypatch, method):
     for name, w in a["weights"].items():
         torch.testing.assert_close(b["weights"][name], w, rtol=1e-5, atol=1e-6)
     for i, moments in a["optimizer"]["state"].items():
-        torch.testing.assert_close(b["optimizer"]["state"][i]["exp_avg_sq"], moments["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(b["optimizer"]["state"][i]["exp_avg_sq"], moments["exp_avg_sq"],
+                                   rtol=1e-5, atol=1e-9)
     assert a["step"] == b["step"] == 4
     raw = json.loads((tmp_path / "cut" / "config.json").read_text())
     assert "training" not in json.dumps(raw)  # the state is beside the published config, not in it

@@ -64,7 +64,8 @@ def distill_chain(name: str, model: nn.Module, raw: dict[str, Any], objective: O
     if resume is not None:
         data, held = (unpack(resume["data"], part, device) for part in ("train", "held"))
     else:
-        log.info(f"{name}.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
+        log.info(f"{name}.generate", sequences=cfg.num_sequences,
+                 tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
         data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device, budget=budget)
         held = distill_data(target, corpus, "heldout", cfg, max(1, cfg.num_sequences // 8), cfg.seed + 1, device,
                             budget=budget)

@@ -80,6 +80,7 @@ def pretrain(train: torch.Tensor, heldout_tokens: torch.Tensor, vocab_size: int,
         return lm_loss(model, random_windows(train, cfg.batch_size, cfg.seq_len, gen).to(device))
 
     summary = train_loop("target", model, opt, loss, heldout, cfg, device, budget=budget,
-                         save=lambda _: save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model, dtype=torch.bfloat16))
+                         save=lambda _: save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model,
+                                                        dtype=torch.bfloat16))
     log.info("pretrain.done", summary=summary.report(), out=str(out))
     return summary
