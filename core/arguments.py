@@ -18,7 +18,7 @@ Handler = Callable[[argparse.Namespace], int]
 # name -> (value type, help); each run's default comes from its config dataclass
 TRAIN_KNOBS = {
     "preset": (str, "model shape preset of what is trained"),
-    "steps": (POSITIVE, "optimizer steps"),
+    "steps": (POSITIVE, "optimizer steps in all (a resumed run's count goes on from where it stopped)"),
     "batch_size": (POSITIVE, "training rows per step"),
     "seq_len": (POSITIVE, "tokens per training row"),
     "lr": (flags.real(0.0, strict=True), "peak learning rate (cosine schedule after warm-up)"),
@@ -29,7 +29,8 @@ TRAIN_KNOBS = {
     "anchors": (POSITIVE, "block anchors per training row"),
     "eval_every": (POSITIVE, "steps between held-out evaluations"),
     "max_seconds": (flags.real(0.0, strict=True), "the whole run's wall-time budget (generation takes up to 40%%): "
-                    "then evaluate and save; a checkpoint is also written at every evaluation"),
+                    "then evaluate and save; a checkpoint (drafters: with training_state.pt, for --resume) "
+                    "is also written at every evaluation"),
     "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, sampled, warm)"),
     "warm_tokens": (NON_NEGATIVE, "`warm` rows: sampled tokens after a bare prompt before the greedy part"),
     "weight_decay": (flags.real(0.0), "AdamW weight decay"),
@@ -157,10 +158,16 @@ def _training_commands(sub, handlers: dict[str, Handler]) -> None:
     t = sub.add_parser("train", help="train the tiny target, or a drafter for it (DFlash, EAGLE-3, frozen-KV MTP)",
                        epilog=_knob_defaults())
     t.add_argument("what", choices=["target", "dflash", "eagle3", "gemma4_mtp"], help="what to train")
-    t.add_argument("--data", default="data/corpus", help="folder written by `draftline corpus`")
-    t.add_argument("--out", required=True, help="checkpoint folder to write")
+    t.add_argument("--data", default="data/corpus",
+                   help="folder written by `draftline corpus` (not read with --resume: the run's text is in its state)")
+    t.add_argument("--out", help="checkpoint folder to write (required; default with --resume: the resumed folder)")
     t.add_argument("--target", help="(drafters, required) the target's checkpoint folder")
-    t.add_argument("--init", help="(drafters) continue training from this drafter checkpoint")
+    t.add_argument("--init", metavar="FOLDER",
+                   help="(drafters) start a new run from this drafter checkpoint's weights (default: random init)")
+    t.add_argument("--resume", metavar="FOLDER",
+                   help="(drafters) continue the run checkpointed in FOLDER where it stopped: weights, optimizer, "
+                        "step, LR schedule, data order; knobs not given keep the run's, and only --steps, "
+                        "--max-seconds and --eval-every may change (default: a new run)")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     for knob, (kind, text) in TRAIN_KNOBS.items():
         t.add_argument("--" + knob.replace("_", "-"), dest=knob, type=kind, help=text)

@@ -153,9 +153,12 @@ def _corpus(path: str):
     return torch.load(file)
 
 
-def _train_config(kind: type, args: argparse.Namespace, preset: str):
-    """The run's config from its dataclass defaults and the knobs given on the command line."""
+def _train_config(kind: type, args: argparse.Namespace, preset: str, resume: dict | None = None):
+    """The run's config from its dataclass defaults (a resumed run's own, with ``resume``) and
+    the knobs given on the command line."""
     import dataclasses
+
+    from .training.state import resumed_config
 
     given = {k: v for k, v in vars(args).items() if k in TRAIN_KNOBS and v is not None}
     fields = {f.name for f in dataclasses.fields(kind)}
@@ -163,6 +166,8 @@ def _train_config(kind: type, args: argparse.Namespace, preset: str):
     if stray:
         flags = ", ".join("--" + k.replace("_", "-") for k in stray)
         raise ConfigError(f"train {args.what}: {flags} does not apply to this command; drop it")
+    if resume is not None:
+        return kind(**resumed_config(resume, args.what, given, args.resume))
     return kind(**{"preset": preset, **given})
 
 
@@ -171,37 +176,63 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .training.loop import pick_device
 
-    if args.what != "target":  # its arguments before any work
-        _check_target(args)
-    data, device, out = _corpus(args.data), pick_device(args.device), Path(args.out)
+    if not (args.out or args.resume):
+        raise ConfigError(f"train {args.what} needs --out FOLDER: where to write the checkpoint")
+    out, device = Path(args.out or args.resume), pick_device(args.device)
     if args.what == "target":
         from .training.pretrain import PretrainConfig, pretrain
 
+        if args.resume or args.init:
+            raise ConfigError("--resume and --init apply to drafters (train dflash|eagle3|gemma4_mtp); "
+                              "train target starts afresh: drop the flag")
+        data = _corpus(args.data)
         cfg = _train_config(PretrainConfig, args, "tiny-code")
         out.mkdir(parents=True, exist_ok=True)  # the tokenizer first: every checkpoint written is whole
         shutil.copy(Path(args.data) / "tokenizer.json", out / "tokenizer.json")
         summary = pretrain(data["train"], data["heldout"], data["vocab_size"], data["eos_id"], out, cfg, device)
     else:
-        from .models.loader import load_target
-
-        init = Path(args.init) if args.init else None
-        if args.what == "eagle3":
-            from .training.eagle3 import Eagle3TrainConfig, train_eagle3
-
-            cfg = _train_config(Eagle3TrainConfig, args, "tiny-code-eagle3")
-            summary = train_eagle3(load_target(args.target), data, out, cfg, device, init)
-        elif args.what == "gemma4_mtp":
-            from .training.mtp import MTPTrainConfig, train_mtp
-
-            cfg = _train_config(MTPTrainConfig, args, "tiny-code-mtp")
-            summary = train_mtp(load_target(args.target), data, out, cfg, device, init)
-        else:
-            from .training.distill import DistillConfig, train_dflash
-
-            cfg = _train_config(DistillConfig, args, "tiny-code-dflash")
-            summary = train_dflash(load_target(args.target), data, out, cfg, device, init)
+        summary = _train_drafter(args, out, device)
     print(summary.report())
     return 0
+
+
+def _drafter_run(what: str) -> tuple[type, Any, str]:
+    """A drafter's run config, training function and default preset."""
+    if what == "eagle3":
+        from .training.eagle3 import Eagle3TrainConfig, train_eagle3
+
+        return Eagle3TrainConfig, train_eagle3, "tiny-code-eagle3"
+    if what == "gemma4_mtp":
+        from .training.mtp import MTPTrainConfig, train_mtp
+
+        return MTPTrainConfig, train_mtp, "tiny-code-mtp"
+    from .training.distill import DistillConfig, train_dflash
+
+    return DistillConfig, train_dflash, "tiny-code-dflash"
+
+
+def _train_drafter(args: argparse.Namespace, out: Path, device):
+    """Every argument checked before any work: the resumed state (its method, knobs and
+    target), then --target; a resumed run needs no corpus (its distilled text is in its state)."""
+    from .models.loader import load_target
+    from .training.state import check_target, load_state
+
+    kind, train, preset = _drafter_run(args.what)
+    if args.resume and args.init:
+        raise ConfigError("--resume and --init: give one (--resume continues a run where it stopped, "
+                          "--init starts a new run from a checkpoint's weights)")
+    resume = load_state(args.resume, args.what) if args.resume else None
+    cfg = _train_config(kind, args, preset, resume)
+    if resume is not None and resume["step"] >= cfg.steps:
+        raise ConfigError(f"--resume {args.resume}: the run is at step {resume['step']} of --steps {cfg.steps}, "
+                          "nothing is left; give a larger --steps to train on")
+    _check_target(args)
+    data = None if resume else _corpus(args.data)
+    target = load_target(args.target)
+    if resume is not None:
+        check_target(resume, target, args.resume, args.target)
+    init = Path(args.resume or args.init) if (args.resume or args.init) else None
+    return train(target, data, out, cfg, device, init, resume)
 
 
 def _check_target(args: argparse.Namespace) -> None:

@@ -2,6 +2,7 @@
 drafter steps, and the checkpoints they write round-tripping through the engine."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -193,7 +194,9 @@ def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
 def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     """A drafter trained from the user's JSONL: --num-sequences smaller than --gen-batch
     generates only those; --max-seconds bounds the whole run (generation included) and leaves
-    a z-lab DFlash checkpoint that loads, serves and resumes."""
+    a z-lab DFlash checkpoint that loads and serves; --init starts a new run from it, --resume
+    goes on with the same run, and a resume that does not fit the run is one line and exit 1."""
+    import shutil
     import time
 
     from core.cli import main
@@ -215,7 +218,7 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     assert main(argv + ["--out", str(tmp_path / "d")]) == 0
     assert time.perf_counter() - started < 3 + 10  # the budget, plus one evaluation and saving
     report = capsys.readouterr().out
-    steps = int(report.split(": ")[1].split()[0])
+    steps = int(re.search(r"dflash: (\d+) steps", report).group(1))
     assert 0 < steps < 1_000_000
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and {"block_size", "dflash_config", "num_target_layers"} <= set(raw)
@@ -227,3 +230,146 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     assert len(out.output_ids) == 4
     assert main(argv + ["--out", str(tmp_path / "d2"), "--init", str(tmp_path / "d")]) == 0
     load_dflash(tmp_path / "d2")
+    capsys.readouterr()
+
+    d, t = str(tmp_path / "d"), str(tmp_path / "t")  # the budget's run, resumed in its own folder
+    assert main(["train", "dflash", "--resume", d, "--target", t, "--device", "cpu", "--max-seconds", "2"]) == 0
+    report = capsys.readouterr().out
+    assert f"steps (resumed at step {steps})" in report
+    assert int(re.search(r"dflash: (\d+) steps", report).group(1)) > steps
+    load_dflash(tmp_path / "d")
+    pretrain(stream, stream[:2000], 300, 0, tmp_path / "t2", PretrainConfig(preset="micro", steps=1, batch_size=4,
+             seq_len=32, eval_every=2, seed=1), torch.device("cpu"))
+    capsys.readouterr()
+    shutil.copytree(d, tmp_path / "damaged")
+    state = tmp_path / "damaged" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:1000])  # a run killed mid-copy, say
+    refused = [(["eagle3", "--resume", d, "--target", t], "--resume " + d + ": it holds a dflash run, not eagle3"),
+               (["dflash", "--resume", d, "--target", t, "--preset", "tiny-code-dflash"],
+                "--preset tiny-code-dflash differs from the run's micro-dflash"),
+               (["dflash", "--resume", d, "--target", str(tmp_path / "t2")], "same shape, other weights"),
+               (["dflash", "--resume", t, "--target", t], "no training_state.pt there"),
+               (["dflash", "--resume", d, "--init", d, "--target", t], "--resume and --init: give one"),
+               (["dflash", "--resume", d, "--target", t, "--steps", "1"], "nothing is left; give a larger --steps"),
+               (["dflash", "--resume", str(tmp_path / "damaged"), "--target", t], "training_state.pt is not readable")]
+    for args, message in refused:
+        assert main(["train", *args, "--device", "cpu"]) == 1, args
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+class _Killed(Exception):
+    """Stands for the process dying right after a periodic checkpoint."""
+
+
+def _train_fn(method):
+    micro = dict(num_sequences=8, prompt_len=8, gen_len=12, gen_batch=4, steps=4, warmup=2, batch_size=2, eval_every=2)
+    if method == "dflash":
+        return train_dflash, DistillConfig(preset="micro-dflash", anchors=3, **micro)
+    if method == "eagle3":
+        return train_eagle3, Eagle3TrainConfig(preset="micro-eagle3", crop=16, ttt_steps=3, **micro)
+    return train_mtp, MTPTrainConfig(preset="micro-mtp", crop=16, chain_steps=3, **micro)
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3", "gemma4_mtp"])
+def test_resumed_run_ends_where_one_run_does(tmp_path, monkeypatch, method):
+    """4 steps in one go, and 2 steps cut off after their checkpoint then resumed for the other
+    2, end with the same weights, optimizer moments and loss; the published files beside the
+    state stay in their dialect and load."""
+    from core.models.loader import load_dflash, random_target
+    from core.models.eagle3 import load_eagle3
+    from core.models.gemma4_mtp import load_mtp
+    from core.training.state import STATE_FILE, StateWriter, load_state
+
+    torch.manual_seed(0)
+    stream = torch.randint(2, 300, (20000,), dtype=torch.int16)
+    corpus = {"train": stream, "heldout": stream[:2000], "train_function_starts": torch.tensor([50, 700, 9000])}
+    target, cpu = random_target("micro", 0), torch.device("cpu")
+    train, cfg = _train_fn(method)
+    whole = train(target, corpus, tmp_path / "whole", cfg, cpu)
+
+    save = StateWriter.save
+
+    def save_then_die(self, pos, *rest):
+        save(self, pos, *rest)
+        if pos.step == 2:
+            raise _Killed
+
+    monkeypatch.setattr(StateWriter, "save", save_then_die)
+    with pytest.raises(_Killed):
+        train(target, corpus, tmp_path / "cut", cfg, cpu)
+    monkeypatch.setattr(StateWriter, "save", save)
+    state = load_state(tmp_path / "cut", method)
+    assert state["step"] == 2
+    resumed = train(target, None, tmp_path / "cut", cfg, cpu, init=tmp_path / "cut", resume=state)
+    assert resumed.steps == 4 and resumed.resumed_at == 2
+    assert resumed.loss == pytest.approx(whole.loss, rel=1e-5)
+    a, b = (torch.load(tmp_path / run / STATE_FILE, weights_only=True) for run in ("whole", "cut"))
+    for name, w in a["weights"].items():
+        torch.testing.assert_close(b["weights"][name], w, rtol=1e-5, atol=1e-6)
+    for i, moments in a["optimizer"]["state"].items():
+        torch.testing.assert_close(b["optimizer"]["state"][i]["exp_avg_sq"], moments["exp_avg_sq"],
+                                   rtol=1e-5, atol=1e-9)
+    assert a["step"] == b["step"] == 4
+    raw = json.loads((tmp_path / "cut" / "config.json").read_text())
+    assert "training" not in json.dumps(raw)  # the state is beside the published config, not in it
+    {"dflash": load_dflash, "eagle3": load_eagle3, "gemma4_mtp": load_mtp}[method](tmp_path / "cut")
+
+
+def test_a_resumed_budget_run_keeps_its_decayed_learning_rate():
+    """A run its --max-seconds cut off ended with its learning rate decayed (time progress
+    0.99): resumed, the schedule goes on from there rather than back to the peak."""
+    from core.training.loop import Schedule, train_loop
+    from core.training.state import Position
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    lrs = []
+
+    def loss():
+        lrs.append(opt.param_groups[0]["lr"])
+        return model(torch.ones(1, 2)).sum()
+
+    cfg = Schedule(steps=3, lr=1.0, warmup=1, eval_every=10, max_seconds=60)
+    summary = train_loop("t", model, opt, loss, dict, cfg, torch.device("cpu"), start=Position(1, 0.99))
+    assert summary.steps == 3 and len(lrs) == 2 and max(lrs) < 0.04  # the floor is 0.03 of the peak
+    lrs.clear()
+    train_loop("t", model, opt, loss, dict, cfg, torch.device("cpu"), start=Position(1, 0.0))
+    assert min(lrs) > 0.5  # the same steps of a fresh schedule: near the peak
+
+
+def test_target_heldout_evaluation_stops_at_the_budget():
+    """`train target`'s held-out loss, once the budget is spent, is the first batch's (32
+    windows) rather than all 256 windows'; unbudgeted it reads them all."""
+    from core.models.loader import random_target
+    from core.training.loop import Budget
+    from core.training.pretrain import heldout_loss
+
+    torch.manual_seed(0)
+    tokens = torch.randint(2, 300, (256 * 16 + 1,))
+    model, cpu = random_target("micro", 0), torch.device("cpu")
+    spent = Budget(1e-9)
+    first = heldout_loss(model, tokens, 16, cpu, max_windows=32)
+    assert heldout_loss(model, tokens, 16, cpu, budget=spent) == pytest.approx(first)
+    assert heldout_loss(model, tokens, 16, cpu) != pytest.approx(first)
+    assert heldout_loss(model, tokens, 16, cpu, budget=Budget(None)) == heldout_loss(model, tokens, 16, cpu)
+
+
+def test_cli_target_training_keeps_its_budget(tmp_path, capsys):
+    """`draftline train target --max-seconds`: steps, evaluations and the checkpoint inside
+    the budget (plus one step and saving), and the checkpoint loads."""
+    import time
+
+    from core.cli import main
+
+    _user_data(tmp_path)
+    assert main(["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(tmp_path / "corpus")]) == 0
+    started = time.perf_counter()
+    assert main(["train", "target", "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "t"), "--device", "cpu",
+                 "--preset", "micro", "--seq-len", "16", "--batch-size", "4", "--steps", "1000000", "--eval-every", "5",
+                 "--max-seconds", "2"]) == 0
+    assert time.perf_counter() - started < 2 + 2
+    steps = int(re.search(r"target: (\d+) steps", capsys.readouterr().out).group(1))
+    assert 5 < steps < 1_000_000
+    assert load_target(tmp_path / "t").config.vocab_size == 300

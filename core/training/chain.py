@@ -12,8 +12,9 @@ from torch import Tensor, nn
 
 from ..models.checkpoint import save_checkpoint
 from ..models.target import TargetModel
-from .distill import DistillConfig, Distilled, distill_data
+from .distill import DistillConfig, Distilled, distill_data, pack, unpack
 from .loop import Budget, Summary, autocast, log, train_loop
+from .state import Position, StateWriter, restore
 
 # a drafter's objective over a batch of token windows [b, L] -> (loss, correct [steps, b, T])
 Objective = Callable[[Tensor], tuple[Tensor, Tensor]]
@@ -51,25 +52,35 @@ def heldout(objective: Objective, tau: Callable[[Tensor], float], held: Distille
 
 
 def distill_chain(name: str, model: nn.Module, raw: dict[str, Any], objective: Objective,
-                  tau: Callable[[Tensor], float], target: TargetModel, corpus: dict, out: Path,
-                  cfg: ChainTrainConfig, device, extra: Callable[[], dict[str, Tensor]] | None = None) -> Summary:
+                  tau: Callable[[Tensor], float], target: TargetModel, corpus: dict | None, out: Path,
+                  cfg: ChainTrainConfig, device, extra: Callable[[], dict[str, Tensor]] | None = None,
+                  resume: dict | None = None) -> Summary:
     """Generate the target's text, train ``model`` on windows of it with ``objective``, and
-    save it in bf16 under ``raw`` (its config.json) with ``extra()`` tensors beside it."""
+    save it in bf16 under ``raw`` (its config.json) with ``extra()`` tensors beside it;
+    ``resume`` (a training state, from load_state) continues that run on its own data."""
     budget = Budget(cfg.max_seconds)
     model.to(device)
     target.to(device).eval().requires_grad_(False)
-    log.info(f"{name}.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
-    data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device, budget=budget)
-    held = distill_data(target, corpus, "heldout", cfg, max(1, cfg.num_sequences // 8), cfg.seed + 1, device,
-                        budget=budget)
+    if resume is not None:
+        data, held = (unpack(resume["data"], part, device) for part in ("train", "held"))
+    else:
+        log.info(f"{name}.generate", sequences=cfg.num_sequences,
+                 tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
+        data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device, budget=budget)
+        held = distill_data(target, corpus, "heldout", cfg, max(1, cfg.num_sequences // 8), cfg.seed + 1, device,
+                            budget=budget)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
+    start = Position() if resume is None else restore(resume, model, opt, gen)
+    writer = StateWriter(out, name, cfg, target, pack(train=data, held=held))
 
-    def save() -> None:
+    def save(pos: Position) -> None:
         save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model, extra=extra() if extra else None,
                         dtype=torch.bfloat16)
+        writer.save(pos, model, opt, gen)
 
     summary = train_loop(name, model, opt, lambda: objective(crop_batch(data, cfg, gen))[0],
-                         lambda: heldout(objective, tau, held, cfg, budget), cfg, device, save=save, budget=budget)
+                         lambda: heldout(objective, tau, held, cfg, budget), cfg, device, save=save, budget=budget,
+                         start=start)
     log.info(f"{name}.done", summary=summary.report(), out=str(out))
     return summary

@@ -21,6 +21,7 @@ from ..models.target import TargetModel
 from ..sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits, sample
 from .loop import Budget, Schedule, Summary, autocast, log, progress, train_loop
 from .pretrain import random_windows
+from .state import Position, StateWriter, restore
 
 
 class DenseCache:
@@ -73,6 +74,15 @@ class DistillConfig(Schedule):
 class Distilled:
     tokens: Tensor  # [N, L] prompt + target continuation
     first_anchor: Tensor  # [N] each row's last prompt position: blocks start there or later
+
+
+def pack(**parts: Distilled) -> dict[str, Tensor]:
+    """Named distilled sets as flat int32 tensors (half of int64's bytes), for a training state."""
+    return {f"{name}.{f}": getattr(d, f).int() for name, d in parts.items() for f in ("tokens", "first_anchor")}
+
+
+def unpack(data: dict[str, Tensor], name: str, device) -> Distilled:
+    return Distilled(data[f"{name}.tokens"].long().to(device), data[f"{name}.first_anchor"].long().to(device))
 
 
 def prompt_windows(stream: Tensor, ends: Tensor | None, count: int, length: int, gen: torch.Generator) -> Tensor:
@@ -190,9 +200,10 @@ def evaluate(drafter, target, data: Distilled, bare: Distilled, cfg: DistillConf
             "heldout_tau_rounds": round_tau(drafter, target, bare, mask_id, blk, new_tokens=128, budget=budget)}
 
 
-def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfig, device,
-                 init: Path | None = None) -> Summary:
-    """``corpus`` as written by build_corpus; ``init`` continues from a drafter checkpoint."""
+def train_dflash(target: TargetModel, corpus: dict | None, out: Path, cfg: DistillConfig, device,
+                 init: Path | None = None, resume: dict | None = None) -> Summary:
+    """``corpus`` as written by build_corpus; ``init`` continues from a drafter checkpoint;
+    ``resume`` (a training state from load_state, ``init`` its folder) continues that run on its own data."""
     if init is not None:
         raw = read_config_json(init)
         drafter = load_dflash(init).float()
@@ -204,6 +215,31 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
     drafter.to(device)
     target.to(device).eval().requires_grad_(False)
     mask_id, blk = drafter.config.mask_token_id, drafter.config.block_size
+    if resume is not None:
+        data, held, bare = (unpack(resume["data"], name, device) for name in ("train", "held", "bare"))
+    else:
+        data, held, bare = _dflash_data(target, corpus, cfg, device, budget)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start = Position() if resume is None else restore(resume, drafter, opt, gen)
+    writer = StateWriter(out, "dflash", cfg, target, pack(train=data, held=held, bare=bare))
+
+    def loss() -> Tensor:
+        return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)[0]
+
+    def save(pos: Position) -> None:
+        save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter, dtype=torch.bfloat16)
+        writer.save(pos, drafter, opt, gen)
+
+    summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, bare, cfg, mask_id, blk, budget),
+                         cfg, device, save=save, budget=budget, start=start)
+    log.info("distill.done", summary=summary.report(), out=str(out))
+    return summary
+
+
+def _dflash_data(target: TargetModel, corpus: dict, cfg: DistillConfig, device,
+                 budget: Budget) -> tuple[Distilled, Distilled, Distilled]:
+    """The training rows, the held-out rows, and bare held-out function starts for round τ."""
     log.info("distill.generate", sequences=cfg.num_sequences, tokens=cfg.num_sequences * (cfg.prompt_len + cfg.gen_len))
     data = distill_data(target, corpus, "train", cfg, cfg.num_sequences, cfg.seed, device, budget=budget)
     held = distill_data(target, corpus, "heldout", cfg, max(1, cfg.num_sequences // 8), cfg.seed + 1, device,
@@ -211,14 +247,4 @@ def train_dflash(target: TargetModel, corpus: dict, out: Path, cfg: DistillConfi
     # function starts, as `draftline eval` runs them: 256, or fewer in a run of few sequences
     small = replace(cfg, gen_batch=min(cfg.gen_batch, 256, max(8, cfg.num_sequences // 8)))
     bare = distill_data(target, corpus, "heldout", small, small.gen_batch, cfg.seed + 2, device, mix="bare")
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(cfg.seed)
-
-    def loss() -> Tensor:
-        return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)[0]
-
-    summary = train_loop("dflash", drafter, opt, loss, lambda: evaluate(drafter, target, held, bare, cfg, mask_id, blk, budget),
-                         cfg, device, budget=budget,
-                         save=lambda: save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter, dtype=torch.bfloat16))
-    log.info("distill.done", summary=summary.report(), out=str(out))
-    return summary
+    return data, held, bare

@@ -34,9 +34,10 @@ def chain_tau(correct: Tensor) -> float:
     return 1.0 + float(runs.long().cumprod(dim=-1).sum(-1).float().mean())
 
 
-def train_eagle3(target: TargetModel, corpus: dict, out: Path, cfg: Eagle3TrainConfig, device,
-                 init: Path | None = None) -> Summary:
-    """``corpus`` as written by build_corpus; ``init`` continues from a head checkpoint."""
+def train_eagle3(target: TargetModel, corpus: dict | None, out: Path, cfg: Eagle3TrainConfig, device,
+                 init: Path | None = None, resume: dict | None = None) -> Summary:
+    """``corpus`` as written by build_corpus; ``init`` continues from a head checkpoint;
+    ``resume`` (a training state from load_state, ``init`` its folder) continues that run."""
     if init is not None:
         raw, model = read_config_json(init), load_eagle3(init).float()
     else:
@@ -50,4 +51,5 @@ def train_eagle3(target: TargetModel, corpus: dict, out: Path, cfg: Eagle3TrainC
         return training_loss(model, target, tokens, cfg.ttt_steps)
 
     return distill_chain("eagle3", model, raw, objective, chain_tau, target, corpus, out, cfg, device,
-                         extra=lambda: {"d2t": model.d2t, "t2d": model.t2d})  # the vocabulary map, beside the weights
+                         extra=lambda: {"d2t": model.d2t, "t2d": model.t2d},  # the vocabulary map, beside the weights
+                         resume=resume)

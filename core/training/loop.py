@@ -12,6 +12,8 @@ import structlog
 import torch
 from tqdm import tqdm
 
+from .state import Position
+
 log = structlog.get_logger("draftline.train")
 
 
@@ -46,6 +48,7 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 class Summary:
     what: str
     steps: int = 0
+    resumed_at: int = 0  # the step a resumed run started from
     loss: float = float("nan")
     heldout: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
@@ -58,16 +61,18 @@ class Summary:
         return 0.0 if budget is None else self.wall_s / budget
 
     def report(self) -> str:
-        parts = [f"{self.what}: {self.steps} steps", f"final loss {self.loss:.4f}"]
+        resumed = f" (resumed at step {self.resumed_at})" if self.resumed_at else ""
+        parts = [f"{self.what}: {self.steps} steps{resumed}", f"final loss {self.loss:.4f}"]
         parts += [f"{k} {v:.4f}" for k, v in self.heldout.items()]
         parts.append(f"wall {self.wall_s:.1f} s")
         return ", ".join(parts)
 
 
-def _estimate(name: str, summary: Summary, first_s: float, steps: int, left: float | None, bar: tqdm) -> None:
-    """From the steps timed so far: how many the run will take and how long, budget included.
-    The bar's total becomes the steps the budget allows, so its ETA tells the truth."""
-    per_step = (summary.wall_s - first_s) / (summary.steps - 1)
+def _estimate(name: str, summary: Summary, first_s: float, ran: int, steps: int, left: float | None,
+              bar: tqdm) -> None:
+    """From the ``ran`` steps timed so far: how many the run will take and how long, budget
+    included. The bar's total becomes the steps the budget allows, so its ETA tells the truth."""
+    per_step = (summary.wall_s - first_s) / (ran - 1)
     total = steps if left is None else max(summary.steps, min(steps, summary.steps + int((left - summary.wall_s) / per_step)))
     bar.total = total
     bar.refresh()
@@ -76,8 +81,8 @@ def _estimate(name: str, summary: Summary, first_s: float, steps: int, left: flo
              limited_by="max_seconds" if total < steps else "steps")
 
 
-def progress(total: int, desc: str) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
+def progress(total: int, desc: str, initial: int = 0) -> tqdm:
+    return tqdm(total=total, desc=desc, initial=initial, unit="step", dynamic_ncols=True, mininterval=2.0)
 
 
 @dataclass(frozen=True)
@@ -117,43 +122,48 @@ ESTIMATE_AFTER_S = 5.0  # time the first steps this long before estimating the r
 
 def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[], torch.Tensor],
                eval_fn: Callable[[], dict[str, float]], cfg: Schedule, device: torch.device,
-               save: Callable[[], None] | None = None, budget: Budget | None = None) -> Summary:
-    """Steps until cfg.steps or the time budget, evaluating (and calling ``save``) every
-    cfg.eval_every steps and at the end; ``budget`` is the run's, started before generation."""
+               save: Callable[[Position], None] | None = None, budget: Budget | None = None,
+               start: Position = Position()) -> Summary:
+    """Steps from ``start`` until cfg.steps or the time budget, evaluating (and calling
+    ``save`` with the position reached) every cfg.eval_every steps and at the end; ``budget``
+    is the run's, started before generation."""
     budget = budget or Budget(cfg.max_seconds)
     left = budget.left()
-    summary = Summary(name)
-    bar = progress(cfg.steps, name)
+    summary = Summary(name, steps=start.step, resumed_at=start.step)
+    bar = progress(cfg.steps, name, initial=start.step)  # its rate counts this run's steps only
     estimated, last = False, 0.0
     model.train()
-    for step in range(cfg.steps):
-        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, summary.time_fraction(left)))
+    for step in range(start.step, cfg.steps):
+        # a resumed run's budget decays what the schedule had left, from where it stood
+        time_progress = start.time_progress + (1 - start.time_progress) * summary.time_fraction(left)
+        set_lr(opt, cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, time_progress))
         with autocast(device):
             loss = loss_fn()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        summary.steps, summary.loss = step + 1, loss.item()
+        summary.steps, summary.loss, ran = step + 1, loss.item(), step + 1 - start.step
         bar.update(1)
         bar.set_postfix(loss=f"{summary.loss:.3f}", refresh=False)
         step_s, last = summary.wall_s - last, summary.wall_s
         out_of_time = left is not None and summary.wall_s + step_s > left  # the next step would end past it
-        if step == 0:
+        if ran == 1:
             first_s = summary.wall_s  # the first step pays one-time costs: the estimate leaves it out
         soon = ESTIMATE_AFTER_S if left is None else min(ESTIMATE_AFTER_S, 0.1 * left)
-        if not estimated and summary.steps >= 2 and (summary.wall_s > soon or out_of_time):
+        if not estimated and ran >= 2 and (summary.wall_s > soon or out_of_time):
             estimated = True
-            _estimate(name, summary, first_s, cfg.steps, left, bar)
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time:
+            _estimate(name, summary, first_s, ran, cfg.steps, left, bar)
+        evaluate = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or out_of_time
+        if evaluate:
             model.eval()
             summary.heldout = eval_fn()
             model.train()
             log.info(f"{name}.eval", step=step + 1, loss=round(summary.loss, 4),
                      **{k: round(v, 4) for k, v in summary.heldout.items()})
             if save is not None:  # a checkpoint at every evaluation: a run cut off later keeps this one
-                save()
-        if out_of_time:
+                save(Position(step + 1, time_progress))
+        if out_of_time or (evaluate and budget.over()):  # an evaluation that ran past the budget ends the run
             log.info(f"{name}.time_budget_reached", step=step + 1, max_seconds=cfg.max_seconds)
             break
     bar.close()

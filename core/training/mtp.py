@@ -32,9 +32,10 @@ def fixed_chain_tau(correct: Tensor) -> float:
     return 1.0 + float(runs.long().cumprod(dim=-1).sum(-1).float().mean())
 
 
-def train_mtp(target: TargetModel, corpus: dict, out: Path, cfg: MTPTrainConfig, device,
-              init: Path | None = None) -> Summary:
-    """``corpus`` as written by build_corpus; ``init`` continues from a drafter checkpoint."""
+def train_mtp(target: TargetModel, corpus: dict | None, out: Path, cfg: MTPTrainConfig, device,
+              init: Path | None = None, resume: dict | None = None) -> Summary:
+    """``corpus`` as written by build_corpus; ``init`` continues from a drafter checkpoint;
+    ``resume`` (a training state from load_state, ``init`` its folder) continues that run."""
     if init is not None:
         raw, model = read_config_json(init), load_mtp(init).float()
     else:
@@ -42,4 +43,4 @@ def train_mtp(target: TargetModel, corpus: dict, out: Path, cfg: MTPTrainConfig,
         model = Gemma4MTPModel(mtp_config(raw))
         init_random(model, cfg.seed, model.config.layers.initializer_range)
     return distill_chain("gemma4_mtp", model, raw, lambda tokens: training_loss(model, target, tokens, cfg.chain_steps),
-                         fixed_chain_tau, target, corpus, out, cfg, device)
+                         fixed_chain_tau, target, corpus, out, cfg, device, resume=resume)

@@ -14,7 +14,7 @@ from ..models.config import model_config
 from ..models.layers import causal_attention, init_random
 from ..models.presets import TARGET_PRESETS
 from ..models.target import TargetModel
-from .loop import Schedule, Summary, autocast, log, train_loop
+from .loop import Budget, Schedule, Summary, autocast, log, train_loop
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,21 @@ def lm_loss(model: TargetModel, windows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def heldout_loss(model: TargetModel, tokens: torch.Tensor, length: int, device, max_windows: int = 256) -> float:
+def heldout_loss(model: TargetModel, tokens: torch.Tensor, length: int, device, max_windows: int = 256,
+                 budget: Budget | None = None) -> float:
+    """Mean loss over the first ``max_windows`` windows, in batches of 32 (fewer batches once
+    the budget is spent: the evaluation then measures what it has, as the drafters' do)."""
     n = min(max_windows, (tokens.numel() - 1) // length)
     chunks = tokens[: n * length + 1]
     windows = torch.stack([chunks[i * length : (i + 1) * length + 1] for i in range(n)]).long()
-    total = 0.0
-    for batch in windows.split(32):
+    total, seen = 0.0, 0
+    for i, batch in enumerate(windows.split(32)):
+        if i and budget is not None and budget.over():
+            break
         with autocast(device):
             total += float(lm_loss(model, batch.to(device))) * batch.shape[0]
-    return total / n
+        seen += batch.shape[0]
+    return total / seen
 
 
 def target_config(preset: str, vocab_size: int, eos_id: int) -> dict:
@@ -56,6 +62,7 @@ def target_config(preset: str, vocab_size: int, eos_id: int) -> dict:
 
 def pretrain(train: torch.Tensor, heldout_tokens: torch.Tensor, vocab_size: int, eos_id: int, out: Path,
              cfg: PretrainConfig, device: torch.device) -> Summary:
+    budget = Budget(cfg.max_seconds)  # from the start: init and the first evaluation count too
     raw = target_config(cfg.preset, vocab_size, eos_id)
     model = TargetModel(model_config(raw))
     init_random(model, cfg.seed, model.config.initializer_range)
@@ -66,13 +73,14 @@ def pretrain(train: torch.Tensor, heldout_tokens: torch.Tensor, vocab_size: int,
     log.info("pretrain.start", params=params, tokens=train.numel(), device=str(device), **cfg.__dict__)
 
     def heldout() -> dict[str, float]:
-        held = heldout_loss(model, heldout_tokens, cfg.seq_len, device)
+        held = heldout_loss(model, heldout_tokens, cfg.seq_len, device, budget=budget)
         return {"heldout_loss": held, "heldout_ppl": math.exp(held)}
 
     def loss() -> torch.Tensor:
         return lm_loss(model, random_windows(train, cfg.batch_size, cfg.seq_len, gen).to(device))
 
-    summary = train_loop("target", model, opt, loss, heldout, cfg, device,
-                         save=lambda: save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model, dtype=torch.bfloat16))
+    summary = train_loop("target", model, opt, loss, heldout, cfg, device, budget=budget,
+                         save=lambda _: save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, model,
+                                                        dtype=torch.bfloat16))
     log.info("pretrain.done", summary=summary.report(), out=str(out))
     return summary
