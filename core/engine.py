@@ -70,6 +70,20 @@ def resolve_backend(spec: Spec, device: torch.device) -> str:
     return spec.backend
 
 
+def resolve_dtype(spec: Spec, backend: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 for the cuda backend on a GPU, float32 otherwise. The cuda backend's
+    kernels interpreted on a CPU (TRITON_INTERPRET=1) are exact in float32 only: numpy has no
+    bfloat16, and the interpreter's half-precision products are not a GPU's (wrong tokens)."""
+    name = spec.model.dtype
+    if name == "auto":
+        return torch.bfloat16 if backend == "cuda" and device.type == "cuda" else torch.float32
+    if backend == "cuda" and device.type != "cuda" and name != "float32":
+        raise ConfigError(f"model.dtype: {name} with backend: cuda on a CPU: the Triton interpreter does not compute "
+                          f"{name} as a GPU does and would give wrong tokens; use model.dtype: float32 (or auto) "
+                          "there, or backend: reference")
+    return DTYPES[name]
+
+
 def build_target(spec: Spec, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> tuple[TargetModel, Tokenizer]:
     m = spec.model
@@ -90,8 +104,7 @@ class Engine:
         self.spec = spec
         self.device = resolve_device(spec)
         self.backend_name = resolve_backend(spec, self.device)
-        default_dtype = "float32" if self.backend_name == "reference" else "bfloat16"
-        self.dtype = DTYPES[default_dtype if spec.model.dtype == "auto" else spec.model.dtype]
+        self.dtype = resolve_dtype(spec, self.backend_name, self.device)
         if target is None:
             target, tokenizer = build_target(spec, self.device, self.dtype)
             place(target, self.device, self.dtype)

@@ -1,5 +1,6 @@
 """Engine behaviour: the state machine's table, slots freed and refilled, limits and bad input."""
 
+import torch
 import pytest
 
 from conftest import tiny_spec
@@ -86,3 +87,18 @@ def test_bad_prompts(engine, prompt, match):
 def test_token_id_prompts(engine):
     ids = engine.encode("hello")
     assert engine.generate([ids], GREEDY)[0].output_ids == engine.generate(["hello"], GREEDY)[0].output_ids
+
+
+def test_interpreted_cuda_backend_computes_in_float32_or_refuses():
+    """The cuda backend on a CPU runs its kernels in the Triton interpreter, exact in float32
+    only: ``auto`` takes float32 there, and an explicit half dtype is refused by name."""
+    from core.engine import resolve_dtype
+    from core.models.config import ConfigError
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype(tiny_spec(backend="cuda", device="cpu"), "cuda", cpu) == torch.float32
+    assert resolve_dtype(tiny_spec(backend="cuda", device="cpu"), "cuda", gpu) == torch.bfloat16
+    assert resolve_dtype(tiny_spec(dtype="bfloat16"), "reference", cpu) == torch.bfloat16
+    for name in ("bfloat16", "float16"):
+        with pytest.raises(ConfigError, match=f"model.dtype: {name} with backend: cuda on a CPU.*float32"):
+            resolve_dtype(tiny_spec(backend="cuda", device="cpu", dtype=name), "cuda", cpu)
