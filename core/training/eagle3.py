@@ -60,8 +60,8 @@ def train_eagle3(target: TargetModel, corpus: dict | None, out: Path, cfg: Eagle
 
     def beside() -> dict[str, Tensor]:
         """Tensors written beside the weights: the target's embedding (the head reads it), as
-        SpecForge and speculators heads carry it: speculators' from_pretrained fills no missing
-        embedding from the target and would draft from a random one; and the draft vocabulary's
+        speculators' own heads carry it: its from_pretrained does not fill a missing embedding
+        from the target and would draft from a random one; and the draft vocabulary's
         map, for a reduced vocabulary only (a full one's is the identity, and speculators'
         Eagle3DraftModel then has no d2t / t2d: it reports them as unexpected keys)."""
         own = model.embed_tokens is not None  # then written with the weights
