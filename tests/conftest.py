@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.reference.kv import ReferenceKV
-from core.spec import parse_spec
+from draftline.backends.reference.kv import ReferenceKV
+from draftline.core.spec import parse_spec
 
 SPECS = {
     "dflash": {

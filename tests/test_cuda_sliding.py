@@ -17,17 +17,17 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda.kv import Rows, StaticStore  # noqa: E402
-from backends.cuda.sliding import ANCHOR_BLOCK, ANCHOR_OWN, ANCHOR_ROW, Window, attend_window  # noqa: E402
-from backends.reference.kv import ReferenceKV  # noqa: E402
-from backends.reference.kv import attend as reference_attend  # noqa: E402
-from core.contract import DraftRows  # noqa: E402
-from core.machine import Plan  # noqa: E402
-from core.methods.dflash import DFlashDrafter  # noqa: E402
-from core.methods.eagle3 import Eagle3Drafter  # noqa: E402
-from core.models.eagle3 import load_eagle3  # noqa: E402
+from draftline.backends.cuda.kv import Rows, StaticStore  # noqa: E402
+from draftline.backends.cuda.sliding import ANCHOR_BLOCK, ANCHOR_OWN, ANCHOR_ROW, Window, attend_window  # noqa: E402
+from draftline.backends.reference.kv import ReferenceKV  # noqa: E402
+from draftline.backends.reference.kv import attend as reference_attend  # noqa: E402
+from draftline.core.contract import DraftRows  # noqa: E402
+from draftline.core.machine import Plan  # noqa: E402
+from draftline.core.methods.dflash import DFlashDrafter  # noqa: E402
+from draftline.core.methods.eagle3 import Eagle3Drafter  # noqa: E402
+from draftline.core.models.eagle3 import load_eagle3  # noqa: E402
 from conftest import z_lab_sliding_dflash  # noqa: E402
-from core.models.loader import load_dflash, random_target  # noqa: E402
+from draftline.core.models.loader import load_dflash, random_target  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"

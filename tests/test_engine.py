@@ -4,10 +4,10 @@ import torch
 import pytest
 
 from conftest import tiny_spec
-from core.engine import Engine, RequestError
-from core.machine import TRANSITIONS, Phase, TransitionError, advance
-from core.request import Request, SpecStats
-from core.sampling import SamplingParams
+from draftline.core.engine import Engine, RequestError
+from draftline.core.machine import TRANSITIONS, Phase, TransitionError, advance
+from draftline.core.request import Request, SpecStats
+from draftline.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
@@ -92,8 +92,8 @@ def test_token_id_prompts(engine):
 def test_interpreted_cuda_backend_computes_in_float32_or_refuses():
     """The cuda backend on a CPU runs its kernels in the Triton interpreter, exact in float32
     only: ``auto`` takes float32 there, and an explicit half dtype is refused by name."""
-    from core.engine import resolve_dtype
-    from core.models.config import ConfigError
+    from draftline.core.engine import resolve_dtype
+    from draftline.core.models.config import ConfigError
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype(tiny_spec(backend="cuda", device="cpu"), "cuda", cpu) == torch.float32

@@ -7,10 +7,10 @@ import openai
 import pytest
 import torch
 
-from api.server import background
+from draftline.api.server import background
 from conftest import full_forward
-from core.engine import Engine
-from core.spec import load_spec
+from draftline.core.engine import Engine
+from draftline.core.spec import load_spec
 
 SPECS = Path(__file__).parent.parent / "specs"
 # spec defaults every request inherits: 9 new tokens, EOS ignored

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from core.models.eagle3 import keep_own_embedding, load_eagle3
-from core.models.loader import load_dflash, load_target
-from core.training.distill import DistillConfig, train_dflash
-from core.training.eagle3 import Eagle3TrainConfig, train_eagle3
+from draftline.core.models.eagle3 import keep_own_embedding, load_eagle3
+from draftline.core.models.loader import load_dflash, load_target
+from draftline.core.training.distill import DistillConfig, train_dflash
+from draftline.core.training.eagle3 import Eagle3TrainConfig, train_eagle3
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((ROOT / "tests/fixtures/speculators/trained_names.json").read_text())

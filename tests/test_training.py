@@ -7,17 +7,17 @@ import re
 import pytest
 import torch
 
-from core.engine import Engine
-from core.methods.dflash import BlockBatch, _block_mask, training_loss
-from core.models.loader import load_target, random_dflash, random_target
-from core.models.tokenizer import byte_tokenizer
-from core.spec import parse_spec
-from core.training.bpe import train_bpe
-from core.training.corpus import function_prompts, is_held_out, split_stdlib
-from core.training.distill import DistillConfig, Distilled, generate, round_tau, train_dflash
-from core.training.eagle3 import Eagle3TrainConfig, chain_tau, train_eagle3
-from core.training.mtp import MTPTrainConfig, fixed_chain_tau, train_mtp
-from core.training.pretrain import PretrainConfig, pretrain
+from draftline.core.engine import Engine
+from draftline.core.methods.dflash import BlockBatch, _block_mask, training_loss
+from draftline.core.models.loader import load_target, random_dflash, random_target
+from draftline.core.models.tokenizer import byte_tokenizer
+from draftline.core.spec import parse_spec
+from draftline.core.training.bpe import train_bpe
+from draftline.core.training.corpus import function_prompts, is_held_out, split_stdlib
+from draftline.core.training.distill import DistillConfig, Distilled, generate, round_tau, train_dflash
+from draftline.core.training.eagle3 import Eagle3TrainConfig, chain_tau, train_eagle3
+from draftline.core.training.mtp import MTPTrainConfig, fixed_chain_tau, train_mtp
+from draftline.core.training.pretrain import PretrainConfig, pretrain
 
 
 def test_split_is_by_module_and_deterministic():
@@ -170,8 +170,8 @@ def _user_data(folder):
 
 
 def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
-    from core.cli import main
-    from core.models.tokenizer import load_tokenizer
+    from draftline.core.cli import main
+    from draftline.core.models.tokenizer import load_tokenizer
 
     _user_data(tmp_path)
     argv = ["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
@@ -199,8 +199,8 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     import shutil
     import time
 
-    from core.cli import main
-    from core.models.loader import load_dflash
+    from draftline.core.cli import main
+    from draftline.core.models.loader import load_dflash
 
     torch.manual_seed(0)
     stream = torch.randint(2, 300, (20000,), dtype=torch.int16)
@@ -276,10 +276,10 @@ def test_resumed_run_ends_where_one_run_does(tmp_path, monkeypatch, method):
     """4 steps in one go, and 2 steps cut off after their checkpoint then resumed for the other
     2, end with the same weights, optimizer moments and loss; the published files beside the
     state stay in their dialect and load."""
-    from core.models.loader import load_dflash, random_target
-    from core.models.eagle3 import load_eagle3
-    from core.models.gemma4_mtp import load_mtp
-    from core.training.state import STATE_FILE, StateWriter, load_state
+    from draftline.core.models.loader import load_dflash, random_target
+    from draftline.core.models.eagle3 import load_eagle3
+    from draftline.core.models.gemma4_mtp import load_mtp
+    from draftline.core.training.state import STATE_FILE, StateWriter, load_state
 
     torch.manual_seed(0)
     stream = torch.randint(2, 300, (20000,), dtype=torch.int16)
@@ -319,8 +319,8 @@ def test_resumed_run_ends_where_one_run_does(tmp_path, monkeypatch, method):
 def test_a_resumed_budget_run_keeps_its_decayed_learning_rate():
     """A run its --max-seconds cut off ended with its learning rate decayed (time progress
     0.99): resumed, the schedule goes on from there rather than back to the peak."""
-    from core.training.loop import Schedule, train_loop
-    from core.training.state import Position
+    from draftline.core.training.loop import Schedule, train_loop
+    from draftline.core.training.state import Position
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -341,9 +341,9 @@ def test_a_resumed_budget_run_keeps_its_decayed_learning_rate():
 def test_target_heldout_evaluation_stops_at_the_budget():
     """`train target`'s held-out loss, once the budget is spent, is the first batch's (32
     windows) rather than all 256 windows'; unbudgeted it reads them all."""
-    from core.models.loader import random_target
-    from core.training.loop import Budget
-    from core.training.pretrain import heldout_loss
+    from draftline.core.models.loader import random_target
+    from draftline.core.training.loop import Budget
+    from draftline.core.training.pretrain import heldout_loss
 
     torch.manual_seed(0)
     tokens = torch.randint(2, 300, (256 * 16 + 1,))
@@ -360,7 +360,7 @@ def test_cli_target_training_keeps_its_budget(tmp_path, capsys):
     the budget (plus one step and saving), and the checkpoint loads."""
     import time
 
-    from core.cli import main
+    from draftline.core.cli import main
 
     _user_data(tmp_path)
     assert main(["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
