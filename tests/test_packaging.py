@@ -1,5 +1,7 @@
 """Packaging: one namespace, `draftline`, built from the repository's top-level folders."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,3 +28,27 @@ def test_pyproject_lists_every_package():
             parts = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((name, *parts)))
     assert set(_setuptools_table()["packages"]) == found
+
+
+def test_public_names_are_the_core_objects():
+    import draftline
+    from draftline.core.engine import Engine
+    from draftline.core.sampling import SamplingParams
+    from draftline.core.spec import load_spec
+
+    assert draftline.Engine is Engine and draftline.SamplingParams is SamplingParams
+    assert draftline.load_spec is load_spec
+    assert dir(draftline) == sorted(draftline.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        draftline.Engin
+
+
+def test_import_draftline_is_light():
+    # the package's own import loads no engine code: `draftline --help` and
+    # `import draftline.core` stay as light as they were
+    code = (
+        "import sys, draftline\n"
+        "heavy = [m for m in ('torch', 'draftline.core', 'draftline.api') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
