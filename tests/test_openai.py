@@ -197,3 +197,22 @@ def test_streamed_list_prompts_with_n_and_echo_equal_plain(client):
         assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == "length"
         streamed = [lp for c in mine for lp in c.logprobs.token_logprobs]
         assert streamed[0] is None and streamed[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_every_choice_reports_the_seed_that_replays_it(client):
+    kw = dict(model="m", prompt="def f(x):", max_tokens=6, temperature=1.0)
+    unseeded = client.completions.create(**kw, n=2)
+    seeds = [c.seed for c in unseeded.choices]
+    assert all(isinstance(s, int) for s in seeds) and seeds[0] != seeds[1]
+    for choice in unseeded.choices:  # each choice alone, from its reported seed
+        assert client.completions.create(**kw, seed=choice.seed).choices[0].text == choice.text
+    chunks = list(client.completions.create(**kw, seed=seeds[1], stream=True))
+    assert {c.choices[0].seed for c in chunks} == {seeds[1]}
+    assert "".join(c.choices[0].text for c in chunks) == unseeded.choices[1].text
+    chat = dict(model="m", messages=CHAT, max_completion_tokens=5, temperature=1.0)
+    plain = client.chat.completions.create(**chat)
+    assert client.chat.completions.create(**chat, seed=plain.choices[0].seed).choices[0].message.content == \
+        plain.choices[0].message.content
+    streamed = [c for c in client.chat.completions.create(**chat, seed=plain.choices[0].seed, stream=True) if c.choices]
+    assert {c.choices[0].seed for c in streamed} == {plain.choices[0].seed}
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.choices[0].message.content
