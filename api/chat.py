@@ -27,7 +27,7 @@ class ChatRoute:
             raise RequestError("this checkpoint has no chat template (tokenizer_config.json `chat_template`); "
                                "use /v1/completions, or add a template to the checkpoint folder")
         try:
-            self.prompt = template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
+            self.prompt = template.render([m.for_template() for m in body.messages], **body.template_kwargs())
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from None
         self.loop, self.body = loop, body
