@@ -445,3 +445,23 @@ def test_penalties_and_logprobs_with_rounds_in_flight_equal_the_reference():
             assert c.token == a.token and c.logprob == pytest.approx(a.logprob, abs=1e-4)
             assert [t for t, _ in c.top] == [t for t, _ in a.top]
             assert [v for _, v in c.top] == pytest.approx([v for _, v in a.top], abs=1e-4)
+
+
+def test_penalised_drafting_with_accepted_drafts_equals_the_reference():
+    """DFlash rounds whose drafts are mostly right (simulated acceptance over the reference's
+    penalised continuation), two rounds in flight: every accepted draft is counted before the
+    slots after it and before the next round, so greedy penalised output and its logprobs
+    equal plain decoding's on the reference backend."""
+    from core.simulated import SimulatedAcceptance
+
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5,
+                            repetition_penalty=1.2, logit_bias=((7, 2.0),), logprobs=1)
+    ref = _engine("none", "reference").generate(PROMPTS[:1], params)[0]
+    eng = _engine("dflash", "cuda", depth=2)
+    eng.backend.set_draft_override(SimulatedAcceptance(
+        0.9, {tuple(eng.encode(PROMPTS[0])): ref.output_ids}, 4, eng.backend.cache.max_len,
+        eng.target.config.vocab_size, eng.device))
+    got = eng.generate(PROMPTS[:1], params)[0]
+    assert got.output_ids == ref.output_ids and got.meta_info["spec_accepted_tokens"] >= 3
+    assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
+    assert [e.top for e in got.logprobs][0][0][0] == ref.logprobs[0].top[0][0]

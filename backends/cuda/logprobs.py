@@ -44,8 +44,10 @@ class Pending:
         first, tokens, chosen = self.first.tolist(), self.tokens.tolist(), self.chosen.tolist()
         values, ids = self.top_values.tolist(), self.top_ids.tolist()
         for j, (req, row) in enumerate(zip(self.reqs, self.rows)):
-            keep = len(tokens[j]) if row < 0 else accepted[row] + 1
             n = req.params.logprobs if row >= 0 else req.params.prompt_logprobs
+            if n is None:  # a row of the round that reports nothing
+                continue
+            keep = len(tokens[j]) if row < 0 else accepted[row] + 1
             for t in range(keep):
                 top = tuple(zip(ids[j][t][:n], values[j][t][:n]))
                 req.logprobs[first[j] + t] = TokenLogprob(tokens[j][t], chosen[j][t], top)
@@ -64,14 +66,15 @@ def reduce(logits: Tensor, tokens: Tensor, top_n: int) -> tuple[Tensor, Tensor, 
 
 
 def window(reqs: list[Request], logits: Tensor, tokens: Tensor, first: Tensor) -> Pending | None:
-    """The rows of a round (logits [n, W, V], its tokens [n, W]: accepted drafts, then the
-    correction or bonus, -1 past them; first [n]: slot 0's position) that report logprobs."""
-    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-    if not rows:
+    """A round's logprobs (logits [n, W, V], its tokens [n, W]: accepted drafts, then the
+    correction or bonus, -1 past them; first [n]: slot 0's position), when any row reports
+    them. Every row is reduced (picking rows would copy their indices to the device, which
+    waits for the rounds in flight); ``record`` files only the rows that asked."""
+    asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+    if not asked:
         return None
-    index = torch.tensor(rows, device=logits.device)
-    chosen, values, ids = reduce(logits[index], tokens[index], max(reqs[i].params.logprobs for i in rows))
-    return Pending(tuple(reqs[i] for i in rows), tuple(rows), first[index], tokens[index], chosen, values, ids)
+    chosen, values, ids = reduce(logits, tokens, max(asked))
+    return Pending(tuple(reqs), tuple(range(len(reqs))), first, tokens, chosen, values, ids)
 
 
 def prompt(req: Request, hidden: Tensor, ids: Tensor, logits_of: Callable[[Tensor], Tensor],
