@@ -9,6 +9,9 @@ starts from the device's state, the machine may launch the next rounds before it
 this one. Prefill batches the admitted prompts into one forward (a graph for short ones) and
 lands its first tokens as a round does, so rounds may follow it before the host reads them.
 Every graph the spec can use is captured by ``prepare`` at start-up, over padding rows only.
+A round with rows that filter (top-k / top-p), adjust logits (penalties, logit_bias,
+min_new_tokens: penalties.py) or report logprobs (logprobs.py) replays the graph that leaves
+the verify logits, and accepts eagerly over them; other rounds never take that path.
 Without a GPU the same code runs eagerly through the Triton interpreter (TRITON_INTERPRET=1),
 which is how CI holds it to the reference backend.
 """
