@@ -1,1 +1,1 @@
-"""The HTTP layer (FastAPI): thin request models over ``core.engine``."""
+"""The HTTP layer (FastAPI): thin request models over ``draftline.core.engine``."""

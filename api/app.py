@@ -10,9 +10,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from core.engine import RequestError
-from core.loop import EngineDead, EngineLoop, QueueFull
-from core.machine import describe_transitions
+from draftline.core.engine import RequestError
+from draftline.core.loop import EngineDead, EngineLoop, QueueFull
+from draftline.core.machine import describe_transitions
 
 from .chat import ChatRoute
 from .completions import CompletionsRoute

@@ -10,9 +10,9 @@ from statistics import mean
 
 import httpx
 
-from core.engine import Engine
-from core.spec import Spec
-from core.training.corpus import read_prompts
+from draftline.core.engine import Engine
+from draftline.core.spec import Spec
+from draftline.core.training.corpus import read_prompts
 
 from .server import background
 

@@ -8,10 +8,10 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from core.engine import Completion, RequestError
-from core.logprobs import TokenLogprob
-from core.loop import EngineLoop
-from core.models.chat_template import ChatTemplateError
+from draftline.core.engine import Completion, RequestError
+from draftline.core.logprobs import TokenLogprob
+from draftline.core.loop import EngineLoop
+from draftline.core.models.chat_template import ChatTemplateError
 
 from . import fanout
 from .completions import finish_reason, refuse_unimplemented, usage

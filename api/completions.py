@@ -11,9 +11,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from core.engine import Completion, RequestError
-from core.logprobs import TokenLogprob
-from core.loop import EngineLoop
+from draftline.core.engine import Completion, RequestError
+from draftline.core.logprobs import TokenLogprob
+from draftline.core.loop import EngineLoop
 
 from . import fanout
 from .schemas import CompletionRequest, OpenAIBase, prompt_list

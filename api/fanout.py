@@ -7,9 +7,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-from core.engine import Completion
-from core.loop import EngineLoop, Handle, Update
-from core.options import SamplingOptions, nth_seed
+from draftline.core.engine import Completion
+from draftline.core.loop import EngineLoop, Handle, Update
+from draftline.core.options import SamplingOptions, nth_seed
 
 
 @dataclass(frozen=True)

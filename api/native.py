@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from core.engine import Completion
-from core.logprobs import TokenLogprob
-from core.loop import EngineLoop
+from draftline.core.engine import Completion
+from draftline.core.logprobs import TokenLogprob
+from draftline.core.loop import EngineLoop
 
 from . import fanout
 from .schemas import GenerateRequest

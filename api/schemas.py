@@ -1,6 +1,6 @@
 """Request shapes: SGLang's native /generate and OpenAI's /v1/completions and /v1/chat/completions.
 
-Each maps its own field names onto core.options.SamplingOptions (same bounds, the shared
+Each maps its own field names onto draftline.core.options.SamplingOptions (same bounds, the shared
 ``Annotated`` types) and gives only the fields the request set, so the spec's ``sampling:``
 section supplies every default. Fields OpenAI defines that draftline does not implement are
 declared here so that a request using one gets a 400 naming it (``unimplemented``)."""
@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.engine import RequestError
-from core.options import (LogitBias, NewTokens, Penalty, RepetitionPenalty, SamplingOptions, Seed, Temperature,
+from draftline.core.engine import RequestError
+from draftline.core.options import (LogitBias, NewTokens, Penalty, RepetitionPenalty, SamplingOptions, Seed, Temperature,
                           TokenId, TopK, TopLogprobs, TopP)
 
 MAX_CHOICES = 16  # n / best_of

@@ -10,9 +10,9 @@ from typing import Iterator
 
 import uvicorn
 
-from core.engine import Engine
-from core.loop import EngineLoop
-from core.spec import Spec
+from draftline.core.engine import Engine
+from draftline.core.loop import EngineLoop
+from draftline.core.spec import Spec
 
 from .app import create_app
 

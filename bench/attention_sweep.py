@@ -1,14 +1,14 @@
 """Attention splits on a CUDA machine: attention and its combine over 36 distinct layers'
 caches of a Qwen3-8B geometry (8 kv heads, 32 query heads, D 128, 4096-key caches), replayed
-from one graph, for the split plan the backend picks (backends.cuda.attention.split_plan), the
+from one graph, for the split plan the backend picks (draftline.backends.cuda.attention.split_plan), the
 same plan merged the other way (by the last split, or by a combine kernel), and fixed splits
 of 64 to 512 keys. `python bench/attention_sweep.py` prints µs a layer."""
 import dataclasses
 
 import torch
 
-from backends.cuda.attention import Splits, attend, split_plan
-from core.benchmark import _graphed, median_ms
+from draftline.backends.cuda.attention import Splits, attend, split_plan
+from draftline.core.benchmark import _graphed, median_ms
 
 dev = torch.device("cuda")
 LAYERS, HKV, HQ, D, MAX_LEN = 36, 8, 32, 128, 4096

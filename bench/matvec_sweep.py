@@ -1,13 +1,13 @@
 """Decode matvec tilings against cuBLAS on a CUDA machine, each shape of a Qwen3-8B layer over
 36 distinct weights (as a forward streams them) replayed from one graph; and a kernel-by-kernel
 profile of a round. `python bench/matvec_sweep.py` sweeps; `--chosen` times only the tilings
-backends.cuda.matvec.choose_tiling picks; `--profile SPEC BATCH` profiles that round's graphs."""
+draftline.backends.cuda.matvec.choose_tiling picks; `--profile SPEC BATCH` profiles that round's graphs."""
 import itertools
 import sys
 import torch
 import torch.nn.functional as F
-from backends.cuda.matvec import matvec, Tiling
-from core.benchmark import _graphed, median_ms
+from draftline.backends.cuda.matvec import matvec, Tiling
+from draftline.core.benchmark import _graphed, median_ms
 
 dev = torch.device("cuda")
 H, Q, KV, I, V = 4096, 4096, 1024, 12288, 151936
@@ -18,8 +18,8 @@ def profile_round(spec, batch, dump=None):
     """Kernel time by kernel over ten replays of one round's graphs (draft, verify) at a batch;
     with ``dump`` a path, every kernel's (name, start us, end us) in order go there as JSON."""
     from torch.profiler import profile, ProfilerActivity
-    from core.engine import Engine
-    from core.benchmark import _decode, _prompts
+    from draftline.core.engine import Engine
+    from draftline.core.benchmark import _decode, _prompts
     eng = Engine.from_spec(spec, draft_policy="always")
     _decode(eng, _prompts(eng, batch, 512, 1), 32)
     graphs = [g for k, (g, _) in eng.backend.graphs._graphs.items() if k[-1 if k[0] == "draft" else 2] == batch]
@@ -87,8 +87,8 @@ def sweep(name, weights, m, tilings, gated):
 
 
 def chosen():
-    """Each shape's chosen tiling (backends.cuda.matvec.choose_tiling) against cuBLAS."""
-    from backends.cuda.matvec import choose_tiling
+    """Each shape's chosen tiling (draftline.backends.cuda.matvec.choose_tiling) against cuBLAS."""
+    from draftline.backends.cuda.matvec import choose_tiling
     for name, (n, k) in SHAPES.items():
         gated, weights = name == "gate_up", shape_weights(name, n, k)
         for m in (1, 16):

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from core.engine import Engine
-from core.sampling import SamplingParams
-from core.spec import load_spec
-from core.training.corpus import read_prompts
+from draftline.core.engine import Engine
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import load_spec
+from draftline.core.training.corpus import read_prompts
 
 SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 COMPILES = [0]

@@ -1,5 +1,5 @@
 """The command line's arguments: every command's flags, their value types, help and defaults.
-Commands themselves live in ``core.cli``; ``build_parser`` takes them by name."""
+Commands themselves live in ``draftline.core.cli``; ``build_parser`` takes them by name."""
 
 from __future__ import annotations
 

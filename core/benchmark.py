@@ -193,7 +193,7 @@ class SimRow:
 def bench_acceptance(base: Engine, specs: list, batches: list[int], prompt_len: int, new_tokens: int,
                      rate: float) -> list[SimRow]:
     """Per method and batch: a round at tau = 1 (its own drafts, never accepted on random
-    weights), then the same rounds with drafts replaced per core.simulated, against `none`."""
+    weights), then the same rounds with drafts replaced per draftline.core.simulated, against `none`."""
     from .simulated import SimulatedAcceptance, expected_tau
 
     none = base if base.plan.method == "none" else base.with_method({"method": "none"})
@@ -322,7 +322,7 @@ def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: 
     """The verify attention kernel alone over the target's KV geometry: (context, µs, TB/s of
     KV read, µs of PyTorch's scaled_dot_product_attention over the same keys as a contiguous
     tensor with an explicit mask) per context length, for `batch` rows of `width` queries."""
-    from backends.cuda.attention import CacheAttention, split_plan
+    from draftline.backends.cuda.attention import CacheAttention, split_plan
 
     cfg, dev, out = engine.target.config, engine.device, []
     for ctx in contexts:

@@ -1,4 +1,4 @@
-"""The `draftline` commands (their flags are in ``core.arguments``)."""
+"""The `draftline` commands (their flags are in ``draftline.core.arguments``)."""
 
 from __future__ import annotations
 
@@ -338,7 +338,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from api.server import serve
+    from draftline.api.server import serve
 
     from .spec import load_spec
 
@@ -348,7 +348,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from api.bench import run_bench
+    from draftline.api.bench import run_bench
 
     from .spec import load_spec
 

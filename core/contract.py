@@ -12,9 +12,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from core.models.layers import AttentionFn
-from core.request import Request
-from core.sampling import SamplingBatch
+from draftline.core.models.layers import AttentionFn
+from draftline.core.request import Request
+from draftline.core.sampling import SamplingBatch
 
 
 @dataclass(frozen=True)

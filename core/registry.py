@@ -1,7 +1,7 @@
 """Method and backend registries: a name maps to an implementation; duplicate names raise.
 
 Methods register themselves where they are defined (``@METHODS.register("dflash")``).
-Backends are registered as lazy ``"module:Class"`` strings so that importing ``core``
+Backends are registered as lazy ``"module:Class"`` strings so that importing ``draftline.core``
 imports neither Triton nor CUDA code.
 """
 
@@ -62,10 +62,10 @@ class Registry:
 
 
 def _load_builtin_methods() -> None:
-    importlib.import_module("core.methods")
+    importlib.import_module("draftline.core.methods")
 
 
 METHODS = Registry("method", _load_builtin_methods)
 BACKENDS = Registry("backend")
-BACKENDS.register("reference", "backends.reference.backend:ReferenceBackend")
-BACKENDS.register("cuda", "backends.cuda.backend:CudaBackend")
+BACKENDS.register("reference", "draftline.backends.reference.backend:ReferenceBackend")
+BACKENDS.register("cuda", "draftline.backends.cuda.backend:CudaBackend")

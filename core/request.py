@@ -97,7 +97,7 @@ class Request:
         self.t_finish = time.perf_counter()
 
     def append(self, tokens: list[int]) -> None:
-        """Append tokens the machine decided to keep (core.stops)."""
+        """Append tokens the machine decided to keep (draftline.core.stops)."""
         if tokens and self.t_first_token is None:
             self.t_first_token = time.perf_counter()
         self.output_ids.extend(tokens)

@@ -30,7 +30,7 @@ class Stream(IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's resolved parameters (core.options.SamplingOptions is the user-facing,
+    """One request's resolved parameters (draftline.core.options.SamplingOptions is the user-facing,
     validated form; its docs say what each field does)."""
 
     temperature: float = 0.0
@@ -69,7 +69,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logits are changed before sampling (core.penalties) for this request."""
+        """Whether logits are changed before sampling (draftline.core.penalties) for this request."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_new_tokens)
 

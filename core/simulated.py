@@ -3,7 +3,7 @@ chosen rate, on weights whose own drafts never are (random 8B-shaped weights).
 
 The drafter runs its full forward as usual; then, inside the captured draft step, its tokens
 are replaced by each row's own greedy continuation (from a `none` run over the same prompts
-first, then settled to what the method's own verify computes: core.benchmark's calibration
+first, then settled to what the method's own verify computes: draftline.core.benchmark's calibration
 passes), made wrong at one position per round, drawn per prompt and position. Position j
 of a round is accepted, given the ones before it were, with probability ``p``, so a round of
 K drafts accepts min(G, K) of them, G geometric: tau = sum_{j<=K} p^j.

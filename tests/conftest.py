@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from backends.reference.kv import ReferenceKV
-from core.spec import parse_spec
+from draftline.backends.reference.kv import ReferenceKV
+from draftline.core.spec import parse_spec
 
 SPECS = {
     "dflash": {

@@ -9,13 +9,13 @@ from typing import Literal
 
 import torch
 
-from core.contract import Proposal
+from draftline.core.contract import Proposal
 from conftest import full_forward
-from core.machine import Plan
-from core.methods.base import Drafter, Method
-from core.registry import METHODS
-from core.sampling import SamplingBatch, Stream, probs_from_logits, sample
-from core.spec import SpeculativeSpec
+from draftline.core.machine import Plan
+from draftline.core.methods.base import Drafter, Method
+from draftline.core.registry import METHODS
+from draftline.core.sampling import SamplingBatch, Stream, probs_from_logits, sample
+from draftline.core.spec import SpeculativeSpec
 
 
 class OracleSpec(SpeculativeSpec):

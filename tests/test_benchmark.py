@@ -1,8 +1,8 @@
 """The bandwidth floor's byte count: what each method's round must read."""
 
 from conftest import tiny_spec
-from core.benchmark import geometry
-from core.engine import Engine
+from draftline.core.benchmark import geometry
+from draftline.core.engine import Engine
 
 EAGLE3 = {"method": "eagle3", "draft": {"random_init": {"preset": "tiny-eagle3", "seed": 1}}, "num_speculative_tokens": 4}
 MTP = {"method": "gemma4_mtp", "draft": {"random_init": {"preset": "tiny-mtp", "seed": 1}}, "num_speculative_tokens": 3}

@@ -10,15 +10,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_spec
-from core.engine import Engine
-from core.models.checkpoint import CheckpointError, save_checkpoint
-from core.models.config import ConfigError
-from core.models.eagle3 import PRESETS as EAGLE3_PRESETS
-from core.models.eagle3 import load_eagle3, random_eagle3
-from core.models.gemma4_mtp import PRESETS as MTP_PRESETS
-from core.models.gemma4_mtp import load_mtp, random_mtp
-from core.models.loader import load_dflash, random_dflash, random_target
-from core.models.presets import DRAFT_PRESETS
+from draftline.core.engine import Engine
+from draftline.core.models.checkpoint import CheckpointError, save_checkpoint
+from draftline.core.models.config import ConfigError
+from draftline.core.models.eagle3 import PRESETS as EAGLE3_PRESETS
+from draftline.core.models.eagle3 import load_eagle3, random_eagle3
+from draftline.core.models.gemma4_mtp import PRESETS as MTP_PRESETS
+from draftline.core.models.gemma4_mtp import load_mtp, random_mtp
+from draftline.core.models.loader import load_dflash, random_dflash, random_target
+from draftline.core.models.presets import DRAFT_PRESETS
 
 SPECULATORS = Path(__file__).parent / "fixtures" / "speculators" / "llama"
 SPECULATORS_DFLASH = SPECULATORS.parent / "dflash"
@@ -208,8 +208,8 @@ def test_specforge_fc_norm_and_norm_output(tmp_path):
     something else: the normed output fed back)."""
     from dataclasses import replace
 
-    from core.models.eagle3 import Eagle3DraftModel, preset_config
-    from core.models.layers import init_random
+    from draftline.core.models.eagle3 import Eagle3DraftModel, preset_config
+    from draftline.core.models.layers import init_random
 
     cfg = replace(preset_config("micro-eagle3"), fc_norm=True, readout_norm=False)
     model = Eagle3DraftModel(cfg)
@@ -236,9 +236,9 @@ def test_z_lab_dflash_refuses_sliding_layers(tmp_path):
 
 def test_sliding_dflash_refuses_the_cuda_backend():
     pytest.importorskip("triton")
-    from backends.cuda.kv import StaticStore
-    from core.machine import Plan
-    from core.methods.dflash import DFlashDrafter
+    from draftline.backends.cuda.kv import StaticStore
+    from draftline.core.machine import Plan
+    from draftline.core.methods.dflash import DFlashDrafter
 
     plan = Plan(method="dflash", drafting="parallel", num_speculative_tokens=3, target_layer_ids=(-1, 2, 5),
                 block_size=4)

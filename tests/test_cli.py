@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.cli import main
+from draftline.core.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "specs" / "tiny-random-dflash.yaml")
@@ -183,7 +183,7 @@ def test_numeric_flags_are_checked_as_the_spec_checks_them(capsys, argv, needle)
 def test_help_shows_defaults_and_every_flag(capsys):
     import argparse
 
-    from core.cli import build_parser
+    from draftline.core.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in sub.choices.items():

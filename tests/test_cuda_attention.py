@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda.attention import CacheAttention, Splits, attend, split_plan  # noqa: E402
-from backends.reference.kv import attend as reference_attend  # noqa: E402
+from draftline.backends.cuda.attention import CacheAttention, Splits, attend, split_plan  # noqa: E402
+from draftline.backends.reference.kv import attend as reference_attend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,7 +74,7 @@ def test_attention_names_too_few_tickets():
 
 def _twin_caches(cfg, gen):
     """Two static caches holding the same random prefix."""
-    from backends.cuda.kv import StaticKV
+    from draftline.backends.cuda.kv import StaticKV
 
     caches = [StaticKV(cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, torch.device(DEV))
               for _ in range(2)]
@@ -89,8 +89,8 @@ def test_fused_stack_matches_module_forward(preset):
     """The fused decoder stack (add+norm, one QKV matmul, q/k-norm + RoPE + store, SiLU·up),
     reached through the cuda attention's decoder_stack, against the modules layer by layer
     over the same static cache: hidden, taps and the stored K/V."""
-    from backends.cuda.kv import Rows, RowsAttention
-    from core.models.loader import random_target
+    from draftline.backends.cuda.kv import Rows, RowsAttention
+    from draftline.core.models.loader import random_target
 
     target = random_target(preset, 0, DEV)
     gen = torch.Generator().manual_seed(1)
@@ -112,8 +112,8 @@ def test_fused_stack_matches_module_forward(preset):
 
 def test_fused_stack_runs_the_dflash_block():
     """The DFlash drafter's non-causal block forward takes the same fused path."""
-    from backends.cuda.kv import Rows, RowsAttention
-    from core.models.loader import random_dflash
+    from draftline.backends.cuda.kv import Rows, RowsAttention
+    from draftline.core.models.loader import random_dflash
 
     drafter = random_dflash("tiny-dflash", 1, DEV)
     gen = torch.Generator().manual_seed(2)
@@ -134,8 +134,8 @@ def test_projected_context_matches_the_drafters_own(fused_here):
     """The DFlash drafter's context K/V written through the fused projection (one matvec and
     one k-norm/RoPE/store kernel a layer; fc and hidden norm either inside the store, as the
     engine runs it, or by the model) equals its own context_kv stored row by row."""
-    from backends.cuda.kv import Rows, StaticStore
-    from core.models.loader import random_dflash
+    from draftline.backends.cuda.kv import Rows, StaticStore
+    from draftline.core.models.loader import random_dflash
 
     drafter = random_dflash("tiny-dflash", 1, DEV)
     cfg = drafter.config
@@ -170,7 +170,7 @@ def test_eager_drafter_attention_appends_windows_of_any_length(w):
     different lengths take W new tokens each (80 leaves the decode kernel for PyTorch's
     attention); each row equals causal attention over its prefix then its new keys, and the
     handles move past them."""
-    from backends.cuda.kv import StaticStore
+    from draftline.backends.cuda.kv import StaticStore
 
     gen = torch.Generator().manual_seed(1)
     hq, hkv, d = 4, 2, 32

@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from conftest import respec, tiny_spec  # noqa: E402
-from core.engine import Engine  # noqa: E402
-from core.sampling import SamplingParams  # noqa: E402
-from core.spec import load_spec  # noqa: E402
+from draftline.core.engine import Engine  # noqa: E402
+from draftline.core.sampling import SamplingParams  # noqa: E402
+from draftline.core.spec import load_spec  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log")  # log(0) = -inf, by design
@@ -251,9 +251,9 @@ def test_settle_accepts_from_the_heads_draws_as_from_the_logits(temperature):
     """A head that folded its draws (matvec_draw) leaves raw draws and non-finite counts in the
     scratch; the settle takes them and accepts drafts while they match. The packed result and
     each row's new state are those of the draw kernels' path."""
-    from backends.cuda import sampling as kernels
-    from backends.cuda.buffers import INV_TEMP, SEED, START
-    from backends.cuda.matvec import EMPTY
+    from draftline.backends.cuda import sampling as kernels
+    from draftline.backends.cuda.buffers import INV_TEMP, SEED, START
+    from draftline.backends.cuda.matvec import EMPTY
 
     eng = _engine("none", "cuda", depth=0)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=temperature, seed=i))
@@ -293,7 +293,7 @@ def test_branch_work_is_done_at_the_join_eagerly_and_in_a_graph():
     a captured graph too; a join with nothing forked leaves a capture intact (a verify step
     without a drafter joins, and waiting on the side stream's earlier uncaptured work would
     break the capture)."""
-    from backends.cuda.overlap import Branch
+    from draftline.backends.cuda.overlap import Branch
 
     branch, x = Branch(torch.device(DEV)), torch.arange(8.0, device=DEV)
     side, main = torch.zeros(8, device=DEV), torch.zeros(8, device=DEV)
@@ -324,7 +324,7 @@ def test_simulated_acceptance_gives_the_profiles_tau():
     drafts replaced inside the draft step, the measured tau is the profile's, within 0.5
     (about two standard errors over these ~28 rounds; the draws are keyed, so the run is
     deterministic), and tokens stay the target's."""
-    from core.simulated import SimulatedAcceptance, expected_tau
+    from draftline.core.simulated import SimulatedAcceptance, expected_tau
 
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     prompts = PROMPTS[:2]
@@ -346,7 +346,7 @@ def test_simulated_acceptance_gives_the_profiles_tau():
 def test_features_a_backend_lacks_are_refused_not_run_differently(field, value, feature):
     """The cuda backend runs every feature a request can ask; a backend that lacked one would
     name it and run nothing, rather than emit tokens the request did not ask for."""
-    from core.engine import RequestError
+    from draftline.core.engine import RequestError
 
     engine = _cuda_none()
     params = SamplingParams(max_new_tokens=4, **{field: value})
@@ -366,9 +366,9 @@ def _cuda_none() -> Engine:
 
 
 def _reference_window(reqs, logits, drafts):
-    """The reference's round over these logits and drafts (core.penalties, core.sampling)."""
-    from core.penalties import adjust_logits
-    from core.sampling import SamplingBatch, accept_drafts, probs_from_logits
+    """The reference's round over these logits and drafts (draftline.core.penalties, draftline.core.sampling)."""
+    from draftline.core.penalties import adjust_logits
+    from draftline.core.sampling import SamplingBatch, accept_drafts, probs_from_logits
 
     batch = SamplingBatch.of([r.params for r in reqs])
     probs = probs_from_logits(adjust_logits(logits, reqs, drafts), batch)
@@ -381,7 +381,7 @@ def test_a_window_is_adjusted_slot_by_slot_as_the_reference_adjusts_it():
     device's counts of the row's output plus the window's earlier drafts, and min_new_tokens
     holds a stop id back only at the slots before it is reached. The round's verdict equals
     the reference's over the same logits and drafts, and the emitted tokens are counted."""
-    from core.penalties import adjust_logits
+    from draftline.core.penalties import adjust_logits
 
     eng = _engine("dflash", "cuda", depth=0)
     eos = eng.target.config.eos_token_ids[0]
@@ -452,7 +452,7 @@ def test_penalised_drafting_with_accepted_drafts_equals_the_reference():
     penalised continuation), two rounds in flight: every accepted draft is counted before the
     slots after it and before the next round, so greedy penalised output and its logprobs
     equal plain decoding's on the reference backend."""
-    from core.simulated import SimulatedAcceptance
+    from draftline.core.simulated import SimulatedAcceptance
 
     params = SamplingParams(max_new_tokens=8, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5,
                             repetition_penalty=1.2, logit_bias=((7, 2.0),), logprobs=1)

@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda import sampling as kernels  # noqa: E402
-from core.sampling import SamplingBatch, SamplingParams, Stream, accept_drafts, probs_from_logits, sample  # noqa: E402
+from draftline.backends.cuda import sampling as kernels  # noqa: E402
+from draftline.core.sampling import SamplingBatch, SamplingParams, Stream, accept_drafts, probs_from_logits, sample  # noqa: E402
 from stats import chi_square_p  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,8 +127,8 @@ def test_rejection_kernel_matches_the_oracle(temperature):
 def test_window_kernels_match_their_pytorch_forms():
     """The DFlash block and the verify window built in one launch each, against plain PyTorch:
     rows of different lengths, a width that is not a power of two."""
-    from core.contract import block_window as plain_block
-    from backends.cuda.windows import block_window, verify_window
+    from draftline.core.contract import block_window as plain_block
+    from draftline.backends.cuda.windows import block_window, verify_window
 
     last, start = torch.tensor([5, 17, 2], device=DEV), torch.tensor([0, 40, 9], device=DEV)
     for width in (16, 5):

@@ -11,10 +11,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from backends.cuda.fused import add_norm, head_argmax, linear, lm_logits, norm  # noqa: E402
-from backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, device_tiling,  # noqa: E402
+from draftline.backends.cuda.fused import add_norm, head_argmax, linear, lm_logits, norm  # noqa: E402
+from draftline.backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, device_tiling,  # noqa: E402
                                   matvec, matvec_argmax, matvec_draw)
-from backends.cuda.sampling import sample  # noqa: E402
+from draftline.backends.cuda.sampling import sample  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -4,14 +4,14 @@ perturbing inputs: non-causal inside the block, context only from before the anc
 import pytest
 import torch
 
-from backends.reference.kv import ReferenceKV
+from draftline.backends.reference.kv import ReferenceKV
 from conftest import full_forward, tiny_spec
-from core.engine import Engine
-from core.models.checkpoint import CheckpointError, save_checkpoint
-from core.models.config import ConfigError
-from core.models.loader import load_dflash, random_dflash
-from core.models.presets import draft_preset_raw
-from core.sampling import SamplingParams
+from draftline.core.engine import Engine
+from draftline.core.models.checkpoint import CheckpointError, save_checkpoint
+from draftline.core.models.config import ConfigError
+from draftline.core.models.loader import load_dflash, random_dflash
+from draftline.core.models.presets import draft_preset_raw
+from draftline.core.sampling import SamplingParams
 
 ZLAB_CONFIG = {
     "architectures": ["DFlashDraftModel"],

@@ -9,15 +9,15 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import full_forward, tiny_spec
-from backends.reference.kv import ReferenceKV
-from core.machine import Plan
-from core.methods.eagle3 import Eagle3Drafter
-from core.models.checkpoint import CheckpointError
-from core.models.config import ConfigError
-from core.models.eagle3 import PRESETS, load_eagle3, random_eagle3
-from core.models.layers import causal_attention
-from core.models.loader import random_target
-from core.spec import SpecError, parse_spec
+from draftline.backends.reference.kv import ReferenceKV
+from draftline.core.machine import Plan
+from draftline.core.methods.eagle3 import Eagle3Drafter
+from draftline.core.models.checkpoint import CheckpointError
+from draftline.core.models.config import ConfigError
+from draftline.core.models.eagle3 import PRESETS, load_eagle3, random_eagle3
+from draftline.core.models.layers import causal_attention
+from draftline.core.models.loader import random_target
+from draftline.core.spec import SpecError, parse_spec
 
 K = 4
 TAPS = (0, 2, 3)  # outputs of target layers 0, 2, 3: the inputs of layers 1, 3, 4 (tiny-eagle3's)
@@ -163,7 +163,7 @@ def _forced_chain(model, target, tokens: list[int], end: int, steps: int) -> lis
 def test_training_time_test_equals_the_inference_chain():
     """chain_outputs (all positions, all steps at once, with the diagonal masks) gives exactly
     the outputs the drafter's chain computes at inference, fed the same tokens."""
-    from core.methods.eagle3 import chain_outputs
+    from draftline.core.methods.eagle3 import chain_outputs
 
     torch.manual_seed(1)
     target, model = random_target("tiny-qwen3", 0), random_eagle3("tiny-eagle3", 3)
@@ -177,7 +177,7 @@ def test_training_time_test_equals_the_inference_chain():
 
 
 def test_training_loss_falls_and_reports_agreement():
-    from core.methods.eagle3 import training_loss
+    from draftline.core.methods.eagle3 import training_loss
 
     torch.manual_seed(2)
     target, model = random_target("tiny-qwen3", 0), random_eagle3("tiny-eagle3", 3)

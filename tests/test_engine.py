@@ -3,10 +3,10 @@
 import pytest
 
 from conftest import tiny_spec
-from core.engine import Engine, RequestError
-from core.machine import TRANSITIONS, Phase, TransitionError, advance
-from core.request import Request, SpecStats
-from core.sampling import SamplingParams
+from draftline.core.engine import Engine, RequestError
+from draftline.core.machine import TRANSITIONS, Phase, TransitionError, advance
+from draftline.core.request import Request, SpecStats
+from draftline.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 

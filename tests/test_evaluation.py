@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-from core.cli import main
-from core.training.corpus import write_prompts
+from draftline.core.cli import main
+from draftline.core.training.corpus import write_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def test_shipped_prompts_are_heldout_function_starts():
     lines = (ROOT / "specs" / "tiny" / "eval_prompts.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert len(rows) >= 100
-    from core.training.corpus import is_held_out
+    from draftline.core.training.corpus import is_held_out
 
     assert all(is_held_out(r["module"]) and r["prompt"].lstrip().startswith(("def ", "async def ")) for r in rows)
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import tiny_spec
-from core.engine import Engine
-from core.methods.gemma4_mtp import chain_outputs, training_loss
-from core.models.gemma4_mtp import random_mtp
-from core.models.loader import random_target
-from core.sampling import SamplingParams
-from core.spec import SpecError
+from draftline.core.engine import Engine
+from draftline.core.methods.gemma4_mtp import chain_outputs, training_loss
+from draftline.core.models.gemma4_mtp import random_mtp
+from draftline.core.models.loader import random_target
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import SpecError
 
 MTP = {"method": "gemma4_mtp", "draft": {"random_init": {"preset": "tiny-mtp", "seed": 1}}, "num_speculative_tokens": 3}
 

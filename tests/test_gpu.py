@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import respec, tiny_spec
-from core.engine import Engine
-from core.sampling import SamplingParams
-from core.spec import load_spec
+from draftline.core.engine import Engine
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import load_spec
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["def fibonacci(n):", "x", "import os\nimport sys\n\nclass Config:\n", "hello world"]
@@ -30,9 +30,9 @@ def test_reference_on_cuda_matches_cpu(method):
 
 
 def test_training_step_on_cuda(tmp_path):
-    from core.methods.dflash import BlockBatch, training_loss
-    from core.models.loader import random_dflash, random_target
-    from core.training.loop import autocast
+    from draftline.core.methods.dflash import BlockBatch, training_loss
+    from draftline.core.models.loader import random_dflash, random_target
+    from draftline.core.training.loop import autocast
 
     dev = torch.device("cuda")
     target, drafter = random_target("tiny-qwen3", 0).to(dev), random_dflash("tiny-dflash", 1).to(dev)
@@ -85,7 +85,7 @@ def test_bf16_verify_logits_close_to_reference():
     modules' uncached bf16 forward, and >= 99% of greedy tokens agree. (A random model with a
     wide init amplifies any rounding: there two bf16 runs differ as much as bf16 and float32.)"""
     from conftest import full_forward
-    from core.training.corpus import read_prompts
+    from draftline.core.training.corpus import read_prompts
 
     cuda = _tiny_pair("cuda", "bfloat16")
     reference = _tiny_pair("reference", "bfloat16").target

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import full_forward
-from core.models.checkpoint import CheckpointError
-from core.models.loader import load_target
+from draftline.core.models.checkpoint import CheckpointError
+from draftline.core.models.loader import load_target
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,9 +7,9 @@ import torch
 
 import oracle  # noqa: F401  registers the test-only `test_oracle` method
 from conftest import full_forward, tiny_spec
-from core.engine import Engine
-from core.registry import METHODS
-from core.sampling import SamplingBatch, SamplingParams, probs_from_logits
+from draftline.core.engine import Engine
+from draftline.core.registry import METHODS
+from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits
 from stats import chi_square_p
 
 PROMPTS = ["def fibonacci(n):", "x", "import os\nimport sys\n\nclass Config:\n", "hello world"]
@@ -159,7 +159,7 @@ def test_accepted_counts_are_each_rounds_matching_prefix(spec):
     """With the shipped trained drafters: every round accepts exactly the leading drafts that
     agree with the target's own greedy continuation (plain decoding's output is the oracle),
     and enough of them agree for the check to bite."""
-    from core.training.corpus import read_prompts
+    from draftline.core.training.corpus import read_prompts
 
     engine = Engine.from_spec(spec)
     plain = engine.with_method({"method": "none"})

@@ -5,7 +5,7 @@ import json
 import httpx
 import pytest
 
-from api.server import background
+from draftline.api.server import background
 from conftest import tiny_spec
 
 SPEC = tiny_spec(max_batch_size=8, max_model_len=128)

@@ -7,10 +7,10 @@ import openai
 import pytest
 import torch
 
-from api.server import background
+from draftline.api.server import background
 from conftest import full_forward
-from core.engine import Engine
-from core.spec import load_spec
+from draftline.core.engine import Engine
+from draftline.core.spec import load_spec
 
 SPECS = Path(__file__).parent.parent / "specs"
 # spec defaults every request inherits: 9 new tokens, EOS ignored
@@ -251,7 +251,7 @@ def test_chat_content_and_template_misuse_is_a_400_naming_it(client, messages, e
 
 
 def test_template_variables_from_chat_template_kwargs():
-    from core.models.chat_template import ChatTemplate, ChatTemplateError
+    from draftline.core.models.chat_template import ChatTemplate, ChatTemplateError
     t = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if not loop.last %}</>\n"
                      "{% endif %}{% endfor %}{% if style %}[{{ style }}]{% endif %}")
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he said "}]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import full_forward
-from core.engine import Engine
-from core.sampling import SamplingParams
-from core.spec import load_spec
+from draftline.core.engine import Engine
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import load_spec
 
 SPECS = Path(__file__).parent.parent / "specs"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:\n", "    return"]

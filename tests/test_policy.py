@@ -1,7 +1,7 @@
 """The draft policy: `auto` converges to the faster choice per batch size, explores without
 starving it, and says what it chose."""
 
-from core.policy import DraftPolicy
+from draftline.core.policy import DraftPolicy
 
 
 def _run(policy: DraftPolicy, rounds: int, on: float, off: float, batch: int = 1, cold: float = 0.0) -> int:

@@ -1,11 +1,11 @@
-"""Registries: declarative, duplicates raise, backends lazy so `import core` stays light."""
+"""Registries: declarative, duplicates raise, backends lazy so `import draftline.core` stays light."""
 
 import subprocess
 import sys
 
 import pytest
 
-from core.registry import BACKENDS, METHODS, Registry, RegistryError
+from draftline.core.registry import BACKENDS, METHODS, Registry, RegistryError
 
 
 def test_duplicate_names_raise():
@@ -28,9 +28,9 @@ def test_backends_resolve_lazily():
 
 def test_import_core_is_light():
     code = (
-        "import sys, core, core.spec, core.engine, core.machine, core.sampling, core.registry\n"
-        "core.registry.METHODS.names()\n"
-        "bad = [m for m in ('triton', 'backends.reference.backend') if m in sys.modules]\n"
+        "import sys, draftline.core, draftline.core.spec, draftline.core.engine, draftline.core.machine, draftline.core.sampling, draftline.core.registry\n"
+        "draftline.core.registry.METHODS.names()\n"
+        "bad = [m for m in ('triton', 'draftline.backends.reference.backend') if m in sys.modules]\n"
         "import torch\n"
         "assert not bad, bad\n"
         "assert not torch.cuda.is_initialized()\n"

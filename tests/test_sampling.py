@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from core.sampling import (
+from draftline.core.sampling import (
     SamplingBatch, SamplingParams, Stream, accept_drafts, hash32, probs_from_logits, row_key, sample, uniform,
     unit_interval,
 )

@@ -8,9 +8,9 @@ import httpx
 import pytest
 import torch
 
-from api.server import background
+from draftline.api.server import background
 from conftest import tiny_spec
-from core.engine import Engine
+from draftline.core.engine import Engine
 
 SPEC = tiny_spec(max_batch_size=16, max_model_len=256)
 

@@ -4,7 +4,7 @@ draft step's drafts."""
 import pytest
 import torch
 
-from core.simulated import SimulatedAcceptance, expected_tau, profile_rate
+from draftline.core.simulated import SimulatedAcceptance, expected_tau, profile_rate
 
 
 def test_profiles_name_the_papers_rates_and_refuse_nonsense():

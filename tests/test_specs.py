@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from core.cli import main
-from core.spec import SpecError, load_spec
+from draftline.core.cli import main
+from draftline.core.spec import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "specs").rglob("*.yaml"))
@@ -47,8 +47,8 @@ def test_check_files_reads_real_configs(tmp_path):
     """--check-files cross-checks a checkpoint's config.json against the drafter's."""
     import json
 
-    from core.models.presets import TARGET_PRESETS
-    from core.spec import check_files
+    from draftline.core.models.presets import TARGET_PRESETS
+    from draftline.core.spec import check_files
 
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").write_text(json.dumps({**TARGET_PRESETS["tiny-qwen3"], "num_hidden_layers": 3}))

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_spec
-from core.engine import Engine
-from core.methods.eagle3 import chain_outputs
-from core.models.eagle3 import Eagle3DraftModel, load_eagle3
-from core.sampling import SamplingParams
+from draftline.core.engine import Engine
+from draftline.core.methods.eagle3 import chain_outputs
+from draftline.core.models.eagle3 import Eagle3DraftModel, load_eagle3
+from draftline.core.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and not p.name.startswith("dflash"))  # EAGLE-3
@@ -81,7 +81,7 @@ def test_taps_at_both_ends():
     """Layer id 0 (speculators: the input of layer 0) is the plan's tap -1, the embeddings;
     layer id N (the input of a layer after the last) is tap N - 1, the output before the norm."""
     from conftest import full_forward
-    from core.models.loader import random_target
+    from draftline.core.models.loader import random_target
 
     target = random_target("tiny-qwen3", 0)
     ids = torch.randint(0, 384, (1, 7))
@@ -127,8 +127,8 @@ def test_speculators_dflash_logits_equal_speculators_forward(name):
     embedding and read-out, which the checkpoint does not store, come with the reference),
     through the reference backend's attention (a sliding layer: the last `window` context
     positions, its block causal)."""
-    from backends.reference.kv import ReferenceKV
-    from core.models.loader import load_dflash
+    from draftline.backends.reference.kv import ReferenceKV
+    from draftline.core.models.loader import load_dflash
 
     folder = FIXTURES / name
     ref = load_file(folder / "reference.safetensors")
@@ -176,11 +176,11 @@ def test_cached_chain_equals_uncached_recompute(name):
     different numbers of drafts."""
     from types import SimpleNamespace
 
-    from backends.reference.kv import ReferenceKV
+    from draftline.backends.reference.kv import ReferenceKV
     from conftest import full_forward
-    from core.machine import Plan
-    from core.methods.eagle3 import Eagle3Drafter
-    from core.models.loader import random_target
+    from draftline.core.machine import Plan
+    from draftline.core.methods.eagle3 import Eagle3Drafter
+    from draftline.core.models.loader import random_target
 
     torch.manual_seed(0)
     target, model = random_target("tiny-qwen3", 0), load_eagle3(FIXTURES / name)
@@ -223,11 +223,11 @@ def test_cached_chain_equals_uncached_recompute(name):
 def test_sliding_window_heads_refuse_the_cuda_backend():
     """The cuda backend's drafter caches have no sliding window: refused, naming the fix."""
     pytest.importorskip("triton")
-    from backends.cuda.kv import StaticStore
-    from core.machine import Plan
-    from core.methods.eagle3 import Eagle3Drafter
-    from core.models.config import ConfigError
-    from core.models.loader import random_target
+    from draftline.backends.cuda.kv import StaticStore
+    from draftline.core.machine import Plan
+    from draftline.core.methods.eagle3 import Eagle3Drafter
+    from draftline.core.models.config import ConfigError
+    from draftline.core.models.loader import random_target
 
     plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=3, target_layer_ids=(0, 1, 2))
     with pytest.raises(ConfigError, match=r"layers \[0\] attend through sliding windows.*backend: reference"):
@@ -245,9 +245,9 @@ def test_drafts_equal_speculators_every_round(name):
     speculators' own modules draft over the same context (make_fixtures.py: chain)."""
     from types import SimpleNamespace
 
-    from backends.reference.kv import ReferenceKV
-    from core.machine import Plan
-    from core.methods.eagle3 import Eagle3Drafter
+    from draftline.backends.reference.kv import ReferenceKV
+    from draftline.core.machine import Plan
+    from draftline.core.methods.eagle3 import Eagle3Drafter
 
     ref = load_file(FIXTURES / name / "reference.safetensors")
     feats, k = ref["rounds.features"], ref["rounds.drafts"].shape[1]

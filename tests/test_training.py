@@ -6,17 +6,17 @@ import json
 import pytest
 import torch
 
-from core.engine import Engine
-from core.methods.dflash import BlockBatch, _block_mask, training_loss
-from core.models.loader import load_target, random_dflash, random_target
-from core.models.tokenizer import byte_tokenizer
-from core.spec import parse_spec
-from core.training.bpe import train_bpe
-from core.training.corpus import function_prompts, is_held_out, split_stdlib
-from core.training.distill import DistillConfig, Distilled, generate, round_tau, train_dflash
-from core.training.eagle3 import Eagle3TrainConfig, chain_tau, train_eagle3
-from core.training.mtp import MTPTrainConfig, fixed_chain_tau, train_mtp
-from core.training.pretrain import PretrainConfig, pretrain
+from draftline.core.engine import Engine
+from draftline.core.methods.dflash import BlockBatch, _block_mask, training_loss
+from draftline.core.models.loader import load_target, random_dflash, random_target
+from draftline.core.models.tokenizer import byte_tokenizer
+from draftline.core.spec import parse_spec
+from draftline.core.training.bpe import train_bpe
+from draftline.core.training.corpus import function_prompts, is_held_out, split_stdlib
+from draftline.core.training.distill import DistillConfig, Distilled, generate, round_tau, train_dflash
+from draftline.core.training.eagle3 import Eagle3TrainConfig, chain_tau, train_eagle3
+from draftline.core.training.mtp import MTPTrainConfig, fixed_chain_tau, train_mtp
+from draftline.core.training.pretrain import PretrainConfig, pretrain
 
 
 def test_split_is_by_module_and_deterministic():
@@ -169,8 +169,8 @@ def _user_data(folder):
 
 
 def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
-    from core.cli import main
-    from core.models.tokenizer import load_tokenizer
+    from draftline.core.cli import main
+    from draftline.core.models.tokenizer import load_tokenizer
 
     _user_data(tmp_path)
     argv = ["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
@@ -196,8 +196,8 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     a z-lab DFlash checkpoint that loads, serves and resumes."""
     import time
 
-    from core.cli import main
-    from core.models.loader import load_dflash
+    from draftline.core.cli import main
+    from draftline.core.models.loader import load_dflash
 
     torch.manual_seed(0)
     stream = torch.randint(2, 300, (20000,), dtype=torch.int16)
@@ -233,9 +233,9 @@ def test_trained_target_has_a_tokenizer_hf_reads_as_draftline_does(tmp_path, cap
     """`corpus` (its own BPE) then `train target`: the target folder carries tokenizer_config.json
     and a chat template, so AutoTokenizer splits text as draftline does and both render a chat alike."""
     transformers = pytest.importorskip("transformers")
-    from core.cli import main
-    from core.models.chat_template import load_chat_template
-    from core.models.tokenizer import load_tokenizer
+    from draftline.core.cli import main
+    from draftline.core.models.chat_template import load_chat_template
+    from draftline.core.models.tokenizer import load_tokenizer
 
     _user_data(tmp_path)
     text_only = [line for line in (tmp_path / "data.jsonl").read_text().splitlines() if '"text"' in line]

@@ -29,13 +29,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from core.contract import Capacity, DraftRows, RoundResult
-from core.machine import Plan
-from core.methods.base import Drafter, Method
-from core.models.config import ConfigError
-from core.models.target import TargetModel
-from core.request import Request, SpecStats
-from core.sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits
+from draftline.core.contract import Capacity, DraftRows, RoundResult
+from draftline.core.machine import Plan
+from draftline.core.methods.base import Drafter, Method
+from draftline.core.models.config import ConfigError
+from draftline.core.models.target import TargetModel
+from draftline.core.request import Request, SpecStats
+from draftline.core.sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits
 
 from . import logprobs as target_logprobs
 from . import overlap
@@ -112,7 +112,7 @@ def _settle_kernel(meta, drafts, num, tokens, bad, packed, state, stride_meta, s
 
 
 class DraftOverride(Protocol):
-    """Replaces a draft step's drafts (core.simulated.SimulatedAcceptance)."""
+    """Replaces a draft step's drafts (draftline.core.simulated.SimulatedAcceptance)."""
 
     def admit(self, slot: int, prompt_ids: list[int]) -> None: ...
 
@@ -183,7 +183,7 @@ class CudaBackend:
         return next(b for b in self.buckets if b >= n)
 
     def set_draft_override(self, override: "DraftOverride | None") -> dict:
-        """Rewrite every greedy draft step's drafts (core.simulated, for bench --acceptance);
+        """Rewrite every greedy draft step's drafts (draftline.core.simulated, for bench --acceptance);
         the graphs are captured again with it inside."""
         self.draft_override = override
         self.graphs = Graphs(enabled=self.graphs.enabled)

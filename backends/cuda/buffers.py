@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from core.request import Request
-from core.sampling import SamplingBatch
+from draftline.core.request import Request
+from draftline.core.sampling import SamplingBatch
 
 from .matvec import ArgmaxScratch
 

@@ -1,4 +1,4 @@
-"""Decoder stacks with fused kernels: the same weights and math as core.models.layers, in eight
+"""Decoder stacks with fused kernels: the same weights and math as draftline.core.models.layers, in eight
 or nine launches per layer instead of about sixty. The cuda backend's attention metadata
 offers this as ``decoder_stack``, and the target and drafters built from DecoderLayers use it
 when given.
@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from core.contract import head_argmax as plain_head_argmax
-from core.models.layers import DecoderLayer, RMSNorm, Rotary
+from draftline.core.contract import head_argmax as plain_head_argmax
+from draftline.core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
@@ -173,7 +173,7 @@ def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtyp
 
 def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor) -> Tensor:
     """hidden [..., H] -> float32 logits [..., V], rounded through the model dtype as the
-    target's own logits() are (core.models.target)."""
+    target's own logits() are (draftline.core.models.target)."""
     if lm_head.bias is not None:
         return lm_head(hidden).float()
     flat = hidden.reshape(-1, hidden.shape[-1])

@@ -5,7 +5,7 @@ the host reads the round only later. So the launch reduces them on the device at
 (log_softmax, the chosen tokens' values, the top alternatives), starts their copy to the
 host beside the round's packed result, and ``record`` files them on the request by absolute
 position when the round is collected: the positions the round kept (accepted + 1 of them),
-as core.logprobs.record does on the reference backend. Prefill does the same for the first
+as draftline.core.logprobs.record does on the reference backend. Prefill does the same for the first
 token and, for prompt_logprobs, for every prompt position.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core.logprobs import TokenLogprob
-from core.request import Request
+from draftline.core.logprobs import TokenLogprob
+from draftline.core.request import Request
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Pending:
 
 def reduce(logits: Tensor, tokens: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
     """logits [m, T, V] (slot t's logits score tokens[:, t]) -> (chosen [m, T], top values and
-    ids [m, T, top_n]), as core.logprobs.token_logprobs computes them."""
+    ids [m, T, top_n]), as draftline.core.logprobs.token_logprobs computes them."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]
     if top_n > 0:

@@ -4,7 +4,7 @@ The host books a round only after rounds behind it were launched, so what a requ
 generated lives on the device, by KV slot: ``counts`` [slots + 1, V] (each emitted token
 counted when its round is decided, in stream order before any later round reads it) and
 ``in_prompt`` [slots + 1, V] (for repetition_penalty), both made at the first request that
-adjusts logits. Each round's adjustment is core.penalties.adjust_window, the reference's own
+adjusts logits. Each round's adjustment is draftline.core.penalties.adjust_window, the reference's own
 arithmetic, over the verify window's raw logits with the window's drafts counted slot by slot;
 the number generated before the window comes from the row's device start. Rounds whose rows
 adjust nothing never come here (the launch keeps its graph-decided path for them).
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from core.penalties import RowConstants, adjust_window
-from core.request import Request
+from draftline.core.penalties import RowConstants, adjust_window
+from draftline.core.request import Request
 
 
 class SlotPenalties:

@@ -1,6 +1,6 @@
 """Triton kernels for sampling and acceptance, keyed like core/sampling.py bit for bit.
 
-The keyed hash is 32-bit integer arithmetic, so the kernels reproduce core.sampling's noise
+The keyed hash is 32-bit integer arithmetic, so the kernels reproduce draftline.core.sampling's noise
 exactly; the Gumbel transform is float32 in both. No torch.Generator: safe inside a graph.
 Under TRITON_INTERPRET=1 these run on the CPU, which is how CI checks them.
 """
@@ -15,12 +15,12 @@ from torch import Tensor
 
 @triton.jit
 def _mul32(x, c: tl.constexpr):
-    return x * c  # uint32 arithmetic wraps modulo 2^32, as core.sampling._mul32 emulates
+    return x * c  # uint32 arithmetic wraps modulo 2^32, as draftline.core.sampling._mul32 emulates
 
 
 @triton.jit
 def _hash32(x):
-    """lowbias32 on uint32 values (core.sampling.hash32)."""
+    """lowbias32 on uint32 values (draftline.core.sampling.hash32)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -30,7 +30,7 @@ def _hash32(x):
 
 @triton.jit
 def _row_key(seed, position, STREAM: tl.constexpr):
-    """core.sampling.row_key for one row: seed int64, position int64 -> uint32 key."""
+    """draftline.core.sampling.row_key for one row: seed int64, position int64 -> uint32 key."""
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     k = _hash32(_hash32(lo) ^ hi)
@@ -40,11 +40,11 @@ def _row_key(seed, position, STREAM: tl.constexpr):
 
 @triton.jit
 def _uniform(key):
-    """core.sampling.uniform for one key: float32 strictly inside (0, 1)."""
+    """draftline.core.sampling.uniform for one key: float32 strictly inside (0, 1)."""
     return ((_hash32(key) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
-_SAMPLE = tl.constexpr(1)  # core.sampling.Stream.SAMPLE, readable inside kernels
+_SAMPLE = tl.constexpr(1)  # draftline.core.sampling.Stream.SAMPLE, readable inside kernels
 
 # what _gumbel_argmax reads from its rows (constexpr: jit functions may read such globals)
 LOGP, PROBS, RESIDUAL, LOGITS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
@@ -161,7 +161,7 @@ def _pick_kernel(vals, idxs, out, CHUNKS: tl.constexpr):
 def _accept_matching_kernel(vals, idxs, drafts, num_out, tok_out, K, CHUNKS: tl.constexpr):
     """One request per program, over the K+1 draws t_i already made (_draw_chunks_kernel):
     accept drafts while they match, write the accepted run then t at the first mismatch (or
-    the bonus t_K), and -1 past it. Mirrors core.sampling._accept_matching."""
+    the bonus t_K), and -1 past it. Mirrors draftline.core.sampling._accept_matching."""
     req = tl.program_id(0)
     accepted = tl.full((), 0, tl.int64)
     matching = tl.full((), 1, tl.int1)
@@ -197,7 +197,7 @@ def _accept_rejection_kernel(p, q, drafts, seed, first, num_out, tok_out, V, K, 
                              BLOCK: tl.constexpr):
     """Drafts sampled from q: accept d_i iff u_i * q_i(d_i) < p_i(d_i); at the first rejection
     emit a residual draw, after K acceptances a bonus draw from p_K. Mirrors
-    core.sampling._accept_rejection (streams ACCEPT = 2, RESIDUAL = 3, SAMPLE = 1)."""
+    draftline.core.sampling._accept_rejection (streams ACCEPT = 2, RESIDUAL = 3, SAMPLE = 1)."""
     req = tl.program_id(0)
     s, p0 = tl.load(seed + req), tl.load(first + req)
     accepted = tl.full((), 0, tl.int64)
@@ -221,7 +221,7 @@ def _accept_rejection_kernel(p, q, drafts, seed, first, num_out, tok_out, V, K, 
     tl.store(num_out + req, accepted)
 
 
-SAMPLE_STREAM = 1  # core.sampling.Stream.SAMPLE
+SAMPLE_STREAM = 1  # draftline.core.sampling.Stream.SAMPLE
 CHUNK = 4096  # vocabulary columns per program of a draw
 
 
@@ -252,7 +252,7 @@ def chunking(v: int, chunk: int = CHUNK) -> tuple[int, int, int]:
 
 def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_STREAM, block: int = 1024,
            inv_temp: Tensor | None = None, chunk: int = CHUNK) -> Tensor:
-    """log-probabilities [N, V] (-inf where filtered) -> ids [N]; as core.sampling.sample on exp(logp).
+    """log-probabilities [N, V] (-inf where filtered) -> ids [N]; as draftline.core.sampling.sample on exp(logp).
     With ``inv_temp`` [N] the rows are raw logits instead, sampled at temperature 1 / inv_temp
     (greedy where it is 0): no softmax pass over the vocabulary."""
     if logp.stride(1) != 1:

@@ -45,7 +45,7 @@ def verify_window(meta: Tensor, drafts: Tensor, rows: int, width: int, last_row:
 
 
 def block_window(last_token: Tensor, start: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
-    """The DraftRows.block_window of the cuda backend: core.contract.block_window in one launch."""
+    """The DraftRows.block_window of the cuda backend: draftline.core.contract.block_window in one launch."""
     rows = last_token.shape[0]
     ids = torch.empty(rows, width, dtype=torch.int64, device=last_token.device)  # [N, W]
     positions = torch.empty_like(ids)  # [N, W]

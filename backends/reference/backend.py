@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from core import logprobs
-from core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification
-from core.machine import Plan
-from core.methods.base import Drafter, Method
-from core.models.target import TargetModel
-from core.penalties import adjust_logits
-from core.request import Request
-from core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
+from draftline.core import logprobs
+from draftline.core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification
+from draftline.core.machine import Plan
+from draftline.core.methods.base import Drafter, Method
+from draftline.core.models.target import TargetModel
+from draftline.core.penalties import adjust_logits
+from draftline.core.request import Request
+from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
 
 from .kv import FrozenTargetKV, ReferenceKV
 

@@ -1,3 +1,3 @@
-"""Built-in drafting methods; each module registers itself in ``core.registry.METHODS``."""
+"""Built-in drafting methods; each module registers itself in ``draftline.core.registry.METHODS``."""
 
 from . import dflash, eagle3, gemma4_mtp, none  # noqa: F401

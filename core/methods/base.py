@@ -14,7 +14,7 @@ from ..request import Request
 from ..spec import SpeculativeSpec
 
 if TYPE_CHECKING:
-    from core.contract import DraftRows, KVStore, Proposal
+    from draftline.core.contract import DraftRows, KVStore, Proposal
 
     from ..models.target import TargetModel
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from core.contract import DraftRows, KVStore, Proposal
+from draftline.core.contract import DraftRows, KVStore, Proposal
 
 from ..machine import Plan
 from ..models.checkpoint import tensor_files

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from core.contract import DraftRows, KVStore, Proposal
+from draftline.core.contract import DraftRows, KVStore, Proposal
 
 from ..machine import Plan
 from ..models.config import ConfigError, ModelConfig, read_config_json

@@ -1,5 +1,5 @@
 """EAGLE-3 head training by self-distillation: the unrolled training-time test over text the
-target wrote (core.methods.eagle3.training_loss), run by chain.distill_chain."""
+target wrote (draftline.core.methods.eagle3.training_loss), run by chain.distill_chain."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Frozen-KV MTP drafter training by self-distillation: chained steps over text the target
-wrote (core.methods.gemma4_mtp.training_loss), run by chain.distill_chain."""
+wrote (draftline.core.methods.gemma4_mtp.training_loss), run by chain.distill_chain."""
 
 from __future__ import annotations
 
