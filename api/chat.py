@@ -1,5 +1,6 @@
 """OpenAI's /v1/chat/completions: messages rendered with the checkpoint's chat template, the
-same sampling fields as completions, logprobs in the chat shape, streaming chunks."""
+same sampling fields as completions, logprobs in the chat shape, streaming chunks; each
+choice carries the ``seed`` it was sampled with (as completions' choices do)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class ChatRoute:
             raise RequestError("this checkpoint has no chat template (tokenizer_config.json `chat_template`); "
                                "use /v1/completions, or add a template to the checkpoint folder")
         try:
-            self.prompt = template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
+            self.prompt = template.render([m.for_template() for m in body.messages], **body.template_kwargs())
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from None
         self.loop, self.body = loop, body
@@ -54,7 +55,8 @@ class ChatRoute:
         choices = self.start()
         done = await fanout.results(choices)
         out = [{"index": ch.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.output_ids, c.logprobs or []), "finish_reason": finish_reason(c)}
+                "logprobs": self._logprobs(c.output_ids, c.logprobs or []), "finish_reason": finish_reason(c),
+                "seed": c.meta_info["seed"]}
                for ch, c in zip(choices, done)]
         return self.head | {"object": "chat.completion", "choices": out,
                             "usage": usage(done[0].meta_info["prompt_tokens"], done)}
@@ -63,10 +65,11 @@ class ChatRoute:
         choices = self.start()
         return sse(self._chunks(choices), choices)
 
-    def _chunk(self, index: int, delta: dict[str, Any], lp: Any = None, finish: str | None = None,
+    def _chunk(self, choice: fanout.Choice, delta: dict[str, Any], lp: Any = None, finish: str | None = None,
                made: tuple[int, int] | None = None) -> dict[str, Any]:
         chunk = self.head | {"object": "chat.completion.chunk",
-                             "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+                             "choices": [{"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                                          "seed": choice.handle.req.params.seed}]}
         opts = self.body.stream_options
         if opts is None or not opts.include_usage:
             return chunk
@@ -76,7 +79,7 @@ class ChatRoute:
 
     async def _chunks(self, choices: list[fanout.Choice]) -> AsyncIterator[dict[str, Any]]:
         for c in choices:  # OpenAI opens each choice with the role
-            yield self._chunk(c.index, {"role": "assistant", "content": ""})
+            yield self._chunk(c, {"role": "assistant", "content": ""})
         sent = {c.index: "" for c in choices}
         sent_ids = {c.index: 0 for c in choices}
         finished: list[Completion] = []
@@ -90,10 +93,10 @@ class ChatRoute:
             sent_ids[i] = len(u.output_ids)
             made = (len(req.prompt_ids), sent_ids[i])
             if delta or lp:
-                yield self._chunk(i, {"content": delta}, lp, made=made)
+                yield self._chunk(choice, {"content": delta}, lp, made=made)
             if u.finished is not None:
                 finished.append(u.finished)
-                yield self._chunk(i, {}, None, finish_reason(u.finished), made)
+                yield self._chunk(choice, {}, None, finish_reason(u.finished), made)
         if self.body.include_usage():
             yield self.head | {"object": "chat.completion.chunk", "choices": [],
                                "usage": usage(finished[0].meta_info["prompt_tokens"], finished)}

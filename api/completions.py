@@ -1,4 +1,9 @@
-"""OpenAI's /v1/completions: list prompts, n / best_of, echo, logprobs, streaming with usage."""
+"""OpenAI's /v1/completions: list prompts, n / best_of, echo, logprobs, streaming with usage.
+
+Every choice (and every streamed chunk's choice) carries ``seed``, the seed it was sampled
+with: a request with that seed and n = 1 replays it, whether or not the request gave one
+(an unseeded request draws a fresh seed per choice). OpenAI defines no such field; clients
+read it as an extra attribute (the openai client's ``choice.seed``)."""
 
 from __future__ import annotations
 
@@ -113,7 +118,8 @@ class CompletionsRoute:
             lp = built.take()
         if self.body.echo:
             text = self.prompt_text(c) + text
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(c)}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(c),
+                "seed": c.meta_info["seed"]}
 
     def stream(self):
         choices = self.start()
@@ -144,7 +150,7 @@ class CompletionsRoute:
                 lp = logs[i].take()
             sent_ids[i] = len(u.output_ids)
             chunk = self.head | {"choices": [{"index": i, "text": delta, "logprobs": lp,
-                                              "finish_reason": finish_reason(u.finished)}]}
+                                              "finish_reason": finish_reason(u.finished), "seed": req.params.seed}]}
             if u.finished is not None:
                 finished.append(u.finished)
             if opts is not None and opts.include_usage:  # OpenAI: null on every chunk but the last

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from draftline.core.engine import RequestError
 from draftline.core.options import (LogitBias, NewTokens, Penalty, RepetitionPenalty, SamplingOptions, Seed, Temperature,
                           TokenId, TopK, TopLogprobs, TopP)
 
@@ -169,9 +170,13 @@ class CompletionRequest(OpenAIBase):
         return self
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content: {"type": "text", "text": ...}; other types (image_url,
+    input_audio, file, ...) are named in a 400, since the targets draftline serves read text."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class Message(BaseModel):
@@ -179,12 +184,22 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
+        """The message as the template reads it: list content's text parts joined by newlines
+        (as vLLM joins them for templates that take string content)."""
         out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):  # text parts joined, as servers do for string-content templates
-            out["content"] = "\n".join(p.text for p in self.content)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.type != "text":
+                    raise RequestError(f"content part of type {part.type!r}: not supported (draftline serves "
+                                       "text-only models); send {\"type\": \"text\", \"text\": ...} parts or a string")
+                if part.text is None:
+                    raise RequestError("a content part of type 'text' needs a `text` string")
+                texts.append(part.text)
+            out["content"] = "\n".join(texts)
         return out
 
 
@@ -194,7 +209,10 @@ class ChatRequest(OpenAIBase):
     max_completion_tokens: NewTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
+    # vLLM's template controls
+    add_generation_prompt: bool = True  # end the prompt with the assistant's turn opening
+    continue_final_message: bool = False  # end it inside the last message instead: the model continues it
+    chat_template_kwargs: dict[str, Any] | None = None  # further template variables (these two may be among them)
     # OpenAI fields draftline does not implement; their default (or a harmless value) is accepted
     audio: Any = None
     function_call: Any = None
@@ -230,6 +248,18 @@ class ChatRequest(OpenAIBase):
         if self.logprobs:
             given["logprobs"] = self.top_logprobs or 0
         return defaults.merged(given)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template renders with besides the messages: add_generation_prompt,
+        continue_final_message and chat_template_kwargs (which override the first two, as in vLLM)."""
+        kwargs = {"add_generation_prompt": self.add_generation_prompt,
+                  "continue_final_message": self.continue_final_message} | (self.chat_template_kwargs or {})
+        if "messages" in kwargs:
+            raise RequestError("chat_template_kwargs: `messages` is the request's own; drop it from chat_template_kwargs")
+        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true: set "
+                               "add_generation_prompt: false to continue the final message")
+        return kwargs
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> "ChatRequest":

@@ -127,7 +127,7 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     info = build_corpus(Path(args.out), args.vocab_size, args.prompts)
     print(json.dumps(info, indent=2))
     print(f"wrote {args.out}/corpus.pt ({info['bytes'] / 2**20:.1f} MiB: {info['train_tokens']:,} train and "
-          f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, eval_prompts.jsonl")
+          f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, tokenizer_config.json, eval_prompts.jsonl")
     return 0
 
 
@@ -140,7 +140,7 @@ def _user_corpus(args: argparse.Namespace) -> int:
     info = build_user_corpus(Path(args.out), args.data, folder, args.vocab_size, args.prompts)
     print(json.dumps(info, indent=2))
     print(f"wrote {args.out}/corpus.pt ({info['bytes'] / 2**20:.1f} MiB: {info['train_tokens']:,} train and "
-          f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, eval_prompts.jsonl")
+          f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, tokenizer_config.json, eval_prompts.jsonl")
     return 0
 
 
@@ -174,6 +174,7 @@ def _train_config(kind: type, args: argparse.Namespace, preset: str, resume: dic
 def cmd_train(args: argparse.Namespace) -> int:
     import shutil
 
+    from .models.tokenizer_files import copy_tokenizer_files
     from .training.loop import pick_device
 
     if not (args.out or args.resume):
@@ -189,6 +190,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = _train_config(PretrainConfig, args, "tiny-code")
         out.mkdir(parents=True, exist_ok=True)  # the tokenizer first: every checkpoint written is whole
         shutil.copy(Path(args.data) / "tokenizer.json", out / "tokenizer.json")
+        # its tokenizer_config.json and chat template (a corpus written before it had them: generated)
+        copy_tokenizer_files(Path(args.data), out, _token_name(out, data["eos_id"]))
         summary = pretrain(data["train"], data["heldout"], data["vocab_size"], data["eos_id"], out, cfg, device)
     else:
         summary = _train_drafter(args, out, device)
@@ -233,6 +236,10 @@ def _train_drafter(args: argparse.Namespace, out: Path, device):
         check_target(resume, target, args.resume, args.target)
     init = Path(args.resume or args.init) if (args.resume or args.init) else None
     return train(target, data, out, cfg, device, init, resume)
+def _token_name(folder: Path, token_id: int) -> str:
+    from .models.tokenizer import load_tokenizer
+
+    return load_tokenizer(folder).id_to_token(int(token_id))
 
 
 def _check_target(args: argparse.Namespace) -> None:

@@ -7,6 +7,7 @@ keyed hash uses only 32-bit integer operations so that a kernel can reproduce it
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Sequence
@@ -59,6 +60,12 @@ class SamplingParams:
         need = {"penalties"} if self.adjusts_logits else set()
         return need | ({"logprobs"} if self.logprobs is not None else set()) | (
             {"prompt_logprobs"} if self.prompt_logprobs is not None else set())
+
+    @functools.cached_property
+    def reads_logits(self) -> bool:
+        """Whether a round must hand this request's logits to the host-side acceptance
+        (filtering, adjusting or reporting them) rather than deciding it inside the graph."""
+        return self.top_k > 0 or self.top_p < 1 or self.adjusts_logits or self.logprobs is not None
 
     @property
     def adjusts_logits(self) -> bool:

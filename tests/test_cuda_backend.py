@@ -343,17 +343,125 @@ def test_simulated_acceptance_gives_the_profiles_tau():
 @pytest.mark.parametrize("field, value, feature", [
     ("frequency_penalty", 0.5, "penalties"), ("logit_bias", ((5, 1.0),), "penalties"), ("min_new_tokens", 3, "penalties"),
     ("logprobs", 2, "logprobs"), ("prompt_logprobs", 0, "prompt_logprobs")])
-def test_features_the_backend_lacks_are_refused_not_run_differently(field, value, feature):
-    """Penalties and logprobs are the reference backend's for now: a cuda engine names what it
-    cannot do and runs nothing, rather than emitting tokens the request did not ask for."""
+def test_features_a_backend_lacks_are_refused_not_run_differently(field, value, feature):
+    """The cuda backend runs every feature a request can ask; a backend that lacked one would
+    name it and run nothing, rather than emit tokens the request did not ask for."""
     from draftline.core.engine import RequestError
 
     engine = _cuda_none()
-    with pytest.raises(RequestError, match=f"cuda backend does not implement {feature}"):
-        engine.make_request(PROMPTS[0], SamplingParams(max_new_tokens=4, **{field: value}))
-    assert engine.make_request(PROMPTS[0], SamplingParams(max_new_tokens=4)).params.max_new_tokens == 4
+    params = SamplingParams(max_new_tokens=4, **{field: value})
+    assert engine.make_request(PROMPTS[0], params).params == params
+    offered = engine.backend.features
+    try:
+        engine.backend.features = offered - {feature}
+        with pytest.raises(RequestError, match=f"cuda backend does not implement {feature}"):
+            engine.make_request(PROMPTS[0], params)
+    finally:
+        engine.backend.features = offered
 
 
 @functools.cache
 def _cuda_none() -> Engine:
     return _engine("none", "cuda")
+
+
+def _reference_window(reqs, logits, drafts):
+    """The reference's round over these logits and drafts (draftline.core.penalties, draftline.core.sampling)."""
+    from draftline.core.penalties import adjust_logits
+    from draftline.core.sampling import SamplingBatch, accept_drafts, probs_from_logits
+
+    batch = SamplingBatch.of([r.params for r in reqs])
+    probs = probs_from_logits(adjust_logits(logits, reqs, drafts), batch)
+    first = torch.tensor([r.seq_len for r in reqs])
+    return accept_drafts(probs, drafts, None, batch.seed, first, batch.temperature == 0)
+
+
+def test_a_window_is_adjusted_slot_by_slot_as_the_reference_adjusts_it():
+    """Penalties, logit_bias and min_new_tokens inside a verify window: each slot sees the
+    device's counts of the row's output plus the window's earlier drafts, and min_new_tokens
+    holds a stop id back only at the slots before it is reached. The round's verdict equals
+    the reference's over the same logits and drafts, and the emitted tokens are counted."""
+    from draftline.core.penalties import adjust_logits
+
+    eng = _engine("dflash", "cuda", depth=0)
+    eos = eng.target.config.eos_token_ids[0]
+    params = [SamplingParams(max_new_tokens=16, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
+                             logit_bias=((eos, 30.0),), min_new_tokens=5),  # EOS wins at the window's last slot
+              SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=5, frequency_penalty=2.0),
+              SamplingParams(max_new_tokens=16, ignore_eos=True)]  # adjusts nothing, in the same round
+    reqs = [eng.make_request(p, s) for p, s in zip(PROMPTS[:3], params)]
+    backend, b, width = eng.backend, eng.backend.bufs, eng.backend.width
+    first = backend.collect(backend.prefill(reqs))  # each first token, counted on the device
+    for r, tokens in zip(reqs, first.tokens):
+        r.append(tokens)
+    for r in reqs[:2]:
+        want = torch.bincount(torch.tensor(r.output_ids), minlength=backend.penalties.vocab).float()
+        assert torch.equal(backend.penalties.counts[r.kv].cpu(), want)
+    vocab = backend.penalties.vocab
+    logits = torch.randn(3, width, vocab, generator=torch.Generator().manual_seed(3)).to(DEV)
+    drafts = torch.zeros(3, width - 1, dtype=torch.int64)
+    for j in range(width - 1):  # greedy drafts the adjusted window accepts; the others' first draft fails
+        drafts[:, j] = adjust_logits(logits[:, : j + 1], reqs, drafts[:, :j])[:, j].argmax(-1)
+    drafts[2, 0] = (drafts[2, 0] + 1) % vocab
+    want = _reference_window(reqs, logits, drafts)
+    assert eos not in drafts[0].tolist() and want.tokens[0, width - 1] == eos  # held back until min_new_tokens
+    with torch.inference_mode():  # as a launch runs it
+        b.load(reqs, 4)
+        b.gather(4)
+        b.drafts[:3, : width - 1] = drafts.to(DEV)
+        packed = backend._accept(reqs, width, logits, None).cpu()
+    assert packed[:, 1].tolist() == want.num_accepted.tolist()
+    for i, r in enumerate(reqs):
+        emitted = want.tokens[i, : int(want.num_accepted[i]) + 1].tolist()
+        assert packed[i, 2 : 3 + int(packed[i, 1])].tolist() == emitted
+        if i < 2:
+            counted = torch.bincount(torch.tensor(r.output_ids + emitted), minlength=vocab).float()
+            assert torch.equal(backend.penalties.counts[r.kv].cpu(), counted)
+    assert int(want.num_accepted[0]) == width - 1
+
+
+def test_penalties_and_logprobs_with_rounds_in_flight_equal_the_reference():
+    """Plain decoding with two rounds in flight: penalised rows (greedy and seeded sampled,
+    beside a row that adjusts nothing) emit the reference's tokens, and the target's logprobs
+    (output and prompt) are the reference's."""
+    eos = 256
+    params = [SamplingParams(max_new_tokens=5, frequency_penalty=1.2, presence_penalty=0.4, repetition_penalty=1.2,
+                             logit_bias=((eos, 20.0), (7, 3.0)), min_new_tokens=4, logprobs=2, prompt_logprobs=1),
+              SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.8, seed=11, frequency_penalty=1.0,
+                             logprobs=0),
+              SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=3)]
+    ref = _engine("none", "reference").generate(PROMPTS[:3], params)
+    eng = _engine("none", "cuda", depth=2)
+    assert eng.target.config.eos_token_ids[0] == eos
+    got = eng.generate(PROMPTS[:3], params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in ref]
+    assert got[0].output_ids[-1] == eos and len(got[0].output_ids) == 5  # min_new_tokens held EOS back
+    assert got[0].meta_info["finish_reason"]["type"] == "stop"
+    assert eng.machine.clock.ahead > 0
+    for r, g in zip(ref, got):
+        pairs = list(zip(r.logprobs, g.logprobs)) + list(zip(r.prompt_logprobs or [], g.prompt_logprobs or []))[1:]
+        assert len(pairs) >= len(r.output_ids)
+        for a, c in pairs:
+            assert c.token == a.token and c.logprob == pytest.approx(a.logprob, abs=1e-4)
+            assert [t for t, _ in c.top] == [t for t, _ in a.top]
+            assert [v for _, v in c.top] == pytest.approx([v for _, v in a.top], abs=1e-4)
+
+
+def test_penalised_drafting_with_accepted_drafts_equals_the_reference():
+    """DFlash rounds whose drafts are mostly right (simulated acceptance over the reference's
+    penalised continuation), two rounds in flight: every accepted draft is counted before the
+    slots after it and before the next round, so greedy penalised output and its logprobs
+    equal plain decoding's on the reference backend."""
+    from draftline.core.simulated import SimulatedAcceptance
+
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5,
+                            repetition_penalty=1.2, logit_bias=((7, 2.0),), logprobs=1)
+    ref = _engine("none", "reference").generate(PROMPTS[:1], params)[0]
+    eng = _engine("dflash", "cuda", depth=2)
+    eng.backend.set_draft_override(SimulatedAcceptance(
+        0.9, {tuple(eng.encode(PROMPTS[0])): ref.output_ids}, 4, eng.backend.cache.max_len,
+        eng.target.config.vocab_size, eng.device))
+    got = eng.generate(PROMPTS[:1], params)[0]
+    assert got.output_ids == ref.output_ids and got.meta_info["spec_accepted_tokens"] >= 3
+    assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
+    assert [e.top for e in got.logprobs][0][0][0] == ref.logprobs[0].top[0][0]

@@ -197,3 +197,65 @@ def test_streamed_list_prompts_with_n_and_echo_equal_plain(client):
         assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == "length"
         streamed = [lp for c in mine for lp in c.logprobs.token_logprobs]
         assert streamed[0] is None and streamed[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_every_choice_reports_the_seed_that_replays_it(client):
+    kw = dict(model="m", prompt="def f(x):", max_tokens=6, temperature=1.0)
+    unseeded = client.completions.create(**kw, n=2)
+    seeds = [c.seed for c in unseeded.choices]
+    assert all(isinstance(s, int) for s in seeds) and seeds[0] != seeds[1]
+    for choice in unseeded.choices:  # each choice alone, from its reported seed
+        assert client.completions.create(**kw, seed=choice.seed).choices[0].text == choice.text
+    chunks = list(client.completions.create(**kw, seed=seeds[1], stream=True))
+    assert {c.choices[0].seed for c in chunks} == {seeds[1]}
+    assert "".join(c.choices[0].text for c in chunks) == unseeded.choices[1].text
+    chat = dict(model="m", messages=CHAT, max_completion_tokens=5, temperature=1.0)
+    plain = client.chat.completions.create(**chat)
+    assert client.chat.completions.create(**chat, seed=plain.choices[0].seed).choices[0].message.content == \
+        plain.choices[0].message.content
+    streamed = [c for c in client.chat.completions.create(**chat, seed=plain.choices[0].seed, stream=True) if c.choices]
+    assert {c.choices[0].seed for c in streamed} == {plain.choices[0].seed}
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.choices[0].message.content
+
+
+def test_chat_template_controls_render_as_transformers_does(client):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(SPECS / "tiny" / "target")
+    started = CHAT + [{"role": "assistant", "content": "    return a"}]
+    for messages, kw, extra in [
+        (started, {"continue_final_message": True, "add_generation_prompt": False},
+         {"continue_final_message": True, "add_generation_prompt": False}),
+        (CHAT, {"add_generation_prompt": False}, {"chat_template_kwargs": {"add_generation_prompt": False}}),
+    ]:
+        ids = hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
+        chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, extra_body=extra)
+        plain = client.completions.create(model="m", prompt=[ids], max_tokens=6)
+        assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == plain.choices[0].text
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}, {"type": "text", "text": "x"}]}]
+    joined = [{"role": "user", "content": "def add(a, b):\nx"}]
+    assert client.chat.completions.create(model="m", messages=parts, max_tokens=4).usage.prompt_tokens == \
+        client.chat.completions.create(model="m", messages=joined, max_tokens=4).usage.prompt_tokens
+
+
+@pytest.mark.parametrize("messages, extra, needle", [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}], {}, "image_url"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}], {},
+     "input_audio"),
+    (CHAT, {"continue_final_message": True}, "add_generation_prompt"),
+    (CHAT, {"chat_template_kwargs": {"messages": []}}, "messages"),
+])
+def test_chat_content_and_template_misuse_is_a_400_naming_it(client, messages, extra, needle):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=messages, max_tokens=2, extra_body=extra)
+    assert info.value.status_code == 400 and needle in info.value.message
+
+
+def test_template_variables_from_chat_template_kwargs():
+    from draftline.core.models.chat_template import ChatTemplate, ChatTemplateError
+    t = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if not loop.last %}</>\n"
+                     "{% endif %}{% endfor %}{% if style %}[{{ style }}]{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he said "}]
+    assert t.render(msgs, style="terse") == "<user>hi</>\n<assistant>he said [terse]"
+    assert t.render(msgs, continue_final_message=True, style=None) == "<user>hi</>\n<assistant>he said "
+    with pytest.raises(ChatTemplateError, match="does not render"):
+        ChatTemplate("{{ messages | length }}").render(msgs, continue_final_message=True)

@@ -373,3 +373,35 @@ def test_cli_target_training_keeps_its_budget(tmp_path, capsys):
     steps = int(re.search(r"target: (\d+) steps", capsys.readouterr().out).group(1))
     assert 5 < steps < 1_000_000
     assert load_target(tmp_path / "t").config.vocab_size == 300
+
+
+def test_trained_target_has_a_tokenizer_hf_reads_as_draftline_does(tmp_path, capsys):
+    """`corpus` (its own BPE) then `train target`: the target folder carries tokenizer_config.json
+    and a chat template, so AutoTokenizer splits text as draftline does and both render a chat alike."""
+    transformers = pytest.importorskip("transformers")
+    from draftline.core.cli import main
+    from draftline.core.models.chat_template import load_chat_template
+    from draftline.core.models.tokenizer import load_tokenizer
+
+    _user_data(tmp_path)
+    text_only = [line for line in (tmp_path / "data.jsonl").read_text().splitlines() if '"text"' in line]
+    (tmp_path / "text.jsonl").write_text("\n".join(text_only * 4) + "\n")
+    assert main(["corpus", "--data", str(tmp_path / "text.jsonl"), "--vocab-size", "512",
+                 "--out", str(tmp_path / "c")]) == 0
+    assert main(["train", "target", "--data", str(tmp_path / "c"), "--out", str(tmp_path / "t"), "--device", "cpu",
+                 "--preset", "micro", "--steps", "1", "--batch-size", "2", "--seq-len", "16"]) == 0
+    capsys.readouterr()
+    for folder in (tmp_path / "c", tmp_path / "t"):
+        hf = transformers.AutoTokenizer.from_pretrained(folder)
+        ours = load_tokenizer(folder)
+        for text in ["the quick fox<|endoftext|>  jumps\n\n over", "  a\n\n\n b\t\tc  ", "日本語 ✓"]:
+            assert hf.encode(text) == ours.encode(text, add_special_tokens=False).ids
+        chat = [{"role": "user", "content": "say the"}, {"role": "assistant", "content": "the quick"}]
+        assert hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            load_chat_template(folder).render(chat, add_generation_prompt=True)
+    with_template = tmp_path / "c2"  # from the user's tokenizer folder: its own template is kept
+    assert main(["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(with_template)]) == 0
+    assert load_chat_template(with_template).source == CHAT_TEMPLATE
+    assert transformers.AutoTokenizer.from_pretrained(with_template).encode("fox  jumps") == \
+        load_tokenizer(tmp_path / "tok").encode("fox  jumps", add_special_tokens=False).ids

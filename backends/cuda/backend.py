@@ -9,6 +9,9 @@ starts from the device's state, the machine may launch the next rounds before it
 this one. Prefill batches the admitted prompts into one forward (a graph for short ones) and
 lands its first tokens as a round does, so rounds may follow it before the host reads them.
 Every graph the spec can use is captured by ``prepare`` at start-up, over padding rows only.
+A round with rows that filter (top-k / top-p), adjust logits (penalties, logit_bias,
+min_new_tokens: penalties.py) or report logprobs (logprobs.py) replays the graph that leaves
+the verify logits, and accepts eagerly over them; other rounds never take that path.
 Without a GPU the same code runs eagerly through the Triton interpreter (TRITON_INTERPRET=1),
 which is how CI holds it to the reference backend.
 """
@@ -34,6 +37,7 @@ from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
 from draftline.core.sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits
 
+from . import logprobs as target_logprobs
 from . import overlap
 from . import sampling as kernels
 from .buffers import (DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, draft_slot,
@@ -42,6 +46,7 @@ from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
 from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
+from .penalties import SlotPenalties
 from .windows import block_window, verify_window
 
 MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it collects next
@@ -122,6 +127,7 @@ class Launch:
     width: int
     host: Tensor  # [>= rows, 2W + 1] int64: finite, accepted, tokens (W), drafts (W - 1)
     copied: torch.cuda.Event | None  # None: the copy was synchronous
+    logprobs: tuple[target_logprobs.Pending, ...] = ()  # on their way to the host with the result
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -135,6 +141,8 @@ def buckets_for(max_batch: int) -> list[int]:
 class CudaBackend:
     name = "cuda"
     default_depth = 2
+    # everything SamplingParams asks; rounds whose rows use none keep the graph-decided path
+    features = frozenset({"penalties", "logprobs", "prompt_logprobs"})
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity):
@@ -169,6 +177,7 @@ class CudaBackend:
         self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: launches' GPU spans
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
+        self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -267,29 +276,51 @@ class CudaBackend:
         # is aligned whatever the row count (a one-row column's view is not: another specialization)
         batch = SamplingBatch(temperature=floats[:, 0].clone(), top_k=ints[:n, width + 4].clone(),
                               top_p=floats[:, 1].clone(), seed=ints[:n, width + 3].clone())
+        hidden = [] if any(r.params.prompt_logprobs is not None for r in reqs) else None  # every position's
         logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
-            if self._prefill_graphed(rows, width) else self._prefill_step(rows, width)
+            if self._prefill_graphed(rows, width) and hidden is None else self._prefill_step(rows, width, hidden)
         logits, features, at, slots = logits[:n], None if features is None else features[:n], p.at[:n], p.slots[:n]
         if self.ring is not None:
             self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), at - 1][:, None])
         finite = torch.isfinite(logits).all(dim=1)
-        scores, inv_temp = _scores(torch.nan_to_num(logits), reqs, batch)
+        self.penalties.admit(reqs)
+        adjusted = self.penalties.adjust(logits[:, None], reqs, at - 1, None)[:, 0]  # as the reference: then nan_to_num
+        scores, inv_temp = _scores(torch.nan_to_num(adjusted), reqs, batch)
         tokens = kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
         self.bufs.place(slots, tokens, at)
+        self.penalties.count(reqs, tokens[:, None], None)
+        reported = self._prompt_logprobs(reqs, hidden[0] if hidden else None, p.ids[:n])
+        reported += self._window_logprobs(reqs, logits[:, None], tokens[:, None], at)
         # as a round of width 1 lands: finite, accepted (0), the token; read when collected
-        return self._land(torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), 1, None)
+        return self._land(torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), 1, None, reported)
+
+    def _prompt_logprobs(self, reqs: list[Request], hidden: Tensor | None, ids: Tensor) -> list:
+        """prompt_logprobs: each such prompt's positions 0 .. P-2 (hidden [n, width, H], ids [n, width])."""
+        if hidden is None:
+            return []
+        return [target_logprobs.prompt(r, hidden[i, : len(r.prompt_ids) - 1], ids[i, 1 : len(r.prompt_ids)],
+                                       self.target.logits)
+                for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None and len(r.prompt_ids) > 1]
+
+    @staticmethod
+    def _window_logprobs(reqs: list[Request], logits: Tensor, tokens: Tensor, first: Tensor) -> list:
+        pending = target_logprobs.window(reqs, logits, tokens, first)
+        return [] if pending is None else [pending]
 
     def _prefill_graphed(self, rows: int, width: int) -> bool:
         return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
                 and width <= self.cache.max_len)
 
-    def _prefill_step(self, rows: int, width: int) -> tuple[Tensor, Tensor | None]:
+    def _prefill_step(self, rows: int, width: int, hidden_out: list | None = None) -> tuple[Tensor, Tensor | None]:
         """The target over the prefill buffers' first ``rows`` prompts of ``width`` tokens:
-        keys stored in their slots -> (logits at each prompt's last token [rows, V], taps)."""
+        keys stored in their slots -> (logits at each prompt's last token [rows, V], taps).
+        ``hidden_out`` (eager only) receives every position's hidden states, for prompt_logprobs."""
         p = self.pre
         positions = torch.arange(width, device=self.device)[None].expand(rows, -1)  # [rows, P]
         hidden, features = self.target(p.ids[:rows, :width], positions,
                                        self.cache.prefill_attention(p.slots[:rows]), self.plan.target_layer_ids)
+        if hidden_out is not None:
+            hidden_out.append(hidden)
         if self.drafter is not None:
             self.drafter.prefill_rows(self._prefill_rows(rows), features, p.ids[:rows, :width])
         last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
@@ -313,7 +344,9 @@ class CudaBackend:
     def _to_device(self, rows: list[list], dtype: torch.dtype) -> Tensor:
         """Host values onto the device without waiting: a pinned, asynchronous copy (a plain
         one waits for every round in flight, which would drain the pipeline at each prefill)."""
-        host = torch.tensor(rows, dtype=dtype)
+        return self._put(torch.tensor(rows, dtype=dtype))
+
+    def _put(self, host: Tensor) -> Tensor:
         if self.device.type != "cuda":
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
@@ -326,7 +359,8 @@ class CudaBackend:
         width = self.width if draft and self.drafter is not None else 1
         span = self._span_start()
         self.bufs.load(reqs, bucket)
-        decide = not _filtered(reqs) and (width == 1 or self.plan.draft_sample_method == "greedy")
+        # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
+        decide = not any(r.params.reads_logits for r in reqs) and (width == 1 or self.plan.draft_sample_method == "greedy")
         inside = width > 1 and self._graphed_draft()
         probs = None
         if width > 1 and not inside:  # sampled drafts: their q goes to acceptance
@@ -335,9 +369,12 @@ class CudaBackend:
             self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens[:n])
             probs = None if proposal.probs is None else proposal.probs[:n]
         logits, packed = self._replay(bucket, width, decide, inside)
+        reported = []
         if packed is None:
             packed = self._accept(reqs, width, logits[:n], probs)
-        return self._land(packed[:n], width, span)
+            first = self.bufs.row(START, n) + 1  # this round's (the next launch gathers anew)
+            reported = self._window_logprobs(reqs, logits[:n], packed[:, 2 : 2 + width], first)
+        return self._land(packed[:n], width, span, reported)
 
     def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
         return self.graphs.run(("round", bucket, width, decide, inside),
@@ -358,13 +395,17 @@ class CudaBackend:
         rows, w = handle.host[: handle.rows].tolist(), handle.width
         if handle.copied is not None:
             self._landing[w].append(handle.host)
+        for pending in handle.logprobs:
+            pending.record([r[1] for r in rows])
         return RoundResult(finite=[r[0] == 1 for r in rows], accepted=[r[1] for r in rows],
                            tokens=[r[2 : 3 + r[1]] for r in rows], drafted=[r[2 + w : 1 + 2 * w] for r in rows])
 
-    def _land(self, packed: Tensor, width: int, span) -> Launch:
-        """The round's one copy back: into a free pinned buffer, asynchronously."""
+    def _land(self, packed: Tensor, width: int, span, logprobs: list | None = None) -> Launch:
+        """The round's one copy back: into a free pinned buffer, asynchronously (and the
+        logprobs of rows that report them, beside it)."""
+        moved = tuple(p.to_host() for p in logprobs or ())
         if self.device.type != "cuda":
-            return Launch(packed.shape[0], width, packed.cpu(), None)
+            return Launch(packed.shape[0], width, packed.cpu(), None, moved)
         free = self._landing.setdefault(width, [])
         host = free.pop() if free else torch.empty(self.capacity.max_batch, 2 * width + 1, dtype=torch.int64,
                                                    pin_memory=True)
@@ -374,7 +415,7 @@ class CudaBackend:
         if span is not None:
             span[1].record()
             self.timeline.append(span)
-        return Launch(packed.shape[0], width, host, copied)
+        return Launch(packed.shape[0], width, host, copied, moved)
 
     def _span_start(self):
         if self.timeline is None or self.device.type != "cuda":
@@ -461,23 +502,29 @@ class CudaBackend:
     # ------------------------------------------------------------------ eager acceptance
 
     def _accept(self, reqs: list[Request], width: int, logits: Tensor, probs: Tensor | None) -> Tensor:
-        """Acceptance outside the graph (drafts from q, or rows with top-k / top-p), then the
-        same settle: packed [n, 2W + 1] and the rows' new state."""
+        """Acceptance outside the graph (drafts from q, or rows with top-k / top-p, penalties
+        or logprobs), then the same settle: packed [n, 2W + 1] and the rows' new state; the
+        adjusting rows' emitted tokens are counted for the rounds after it."""
         n, b = len(reqs), self.bufs
         batch = b.sampling(n)
-        first = b.row(START, n) + 1  # position of the first draft
+        start = b.row(START, n)
+        first = start + 1  # position of the first draft
         drafts = b.drafts[:n, : width - 1]
+        adjusted = self.penalties.adjust(logits, reqs, start, drafts)  # each slot as plain decoding there
         if probs is not None:
-            p = probs_from_logits(logits, batch)
+            p = probs_from_logits(adjusted, batch)
             num, tokens = kernels.accept_rejection(p, probs, drafts, batch.seed, first)
         else:
-            scores, inv_temp = _scores(logits, reqs, batch)
+            scores, inv_temp = _scores(adjusted, reqs, batch)
             num, tokens = kernels.accept_matching(scores, drafts, batch.seed, first, inv_temp=inv_temp)
-        bad = (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(n * width, 1)  # [n * W, 1]
-        return self._settle(n, width, num, tokens, bad, 1, 1, False)
+        bad = (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(n * width, 1)  # [n * W, 1], of the raw logits
+        packed = self._settle(n, width, num, tokens, bad, 1, 1, False)
+        self.penalties.count(reqs, packed[:, 2 : 2 + width], packed[:, 1])
+        return packed
 
     def free(self, req: Request) -> None:
         if req.kv is not None:
+            self.penalties.rows.pop(req.kv, None)
             self.cache.release(req.kv)
             req.kv = None
         if self.drafter is not None:

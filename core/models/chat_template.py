@@ -67,12 +67,36 @@ class ChatTemplate:
         if self.compiled is None:  # a syntax error surfaces when the checkpoint loads, not per request
             object.__setattr__(self, "compiled", _compile(self.source))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt for these messages; ``extra`` are further template variables. With
+        ``continue_final_message`` the prompt ends inside the last message, right after its
+        text (no end-of-turn): the model continues it. As transformers does, a tag appended to
+        that text marks where to cut the rendering."""
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ChatTemplateError("continue_final_message needs a final message with text content to continue")
+            messages = messages[:-1] + [messages[-1] | {"content": messages[-1]["content"] + CONTINUE_TAG}]
         try:
-            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens, **extra)
+            text = self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **(self.special_tokens | extra))
         except Exception as exc:  # the template is code from the checkpoint: any failure is this request's
             raise ChatTemplateError(f"the chat template failed on these messages: {exc!r}") from None
+        return _cut_at_tag(text) if continue_final_message else text
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so both cut the same rendering at one place
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendering up to the final message's end (where the tag was appended)."""
+    tag = CONTINUE_TAG.strip()
+    if tag not in text:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the final message's "
+                                "text; drop continue_final_message or use a template that keeps it")
+    at = text.rindex(tag)
+    # a template that keeps the tag's trailing space keeps the message's spacing; else it trimmed both
+    return text[:at] if text[at: at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 def _token_text(value: Any) -> str | None:

@@ -111,14 +111,15 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
     """Train the tokenizer on the train split, tokenize both splits, pick held-out prompts."""
     import torch
 
+    from ..models.tokenizer_files import write_tokenizer_files
     from .bpe import train_bpe
 
     out.mkdir(parents=True, exist_ok=True)
     split = split_stdlib()
     train_texts, heldout_texts = read_sources(split.train), read_sources(split.heldout)
     tok = train_bpe(train_texts, vocab_size)
-    tok.save(str(out / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
+    write_tokenizer_files(out, tok, eos)  # tokenizer.json and what HF AutoTokenizer reads beside it
 
     def flat(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token stream with end-of-text between files, and each function start's last token."""

@@ -133,6 +133,7 @@ def build_user_corpus(out: Path, data: list[str], tokenizer_folder: Path | None,
     import torch
 
     from ..models.tokenizer import load_tokenizer
+    from ..models.tokenizer_files import write_tokenizer_files
     from .bpe import train_bpe
     from .corpus import write_prompts
 
@@ -157,7 +158,7 @@ def build_user_corpus(out: Path, data: list[str], tokenizer_folder: Path | None,
         data_out[split] = torch.tensor(ids, dtype=dtype)
         data_out[f"{split}_function_starts"] = torch.tensor(ends, dtype=torch.int64)  # prompt ends
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    write_tokenizer_files(out, tok, eos, tokenizer_folder)  # with tokenizer_config.json and its chat template
     torch.save(data_out, out / "corpus.pt")
     write_prompts(out / "eval_prompts.jsonl", _eval_prompts(tok, held_docs, num_prompts))
     return {"records": len(docs), "train_records": len(train_docs), "heldout_records": len(held_docs),
