@@ -398,7 +398,7 @@ def test_a_window_is_adjusted_slot_by_slot_as_the_reference_adjusts_it():
         want = torch.bincount(torch.tensor(r.output_ids), minlength=backend.penalties.vocab).float()
         assert torch.equal(backend.penalties.counts[r.kv].cpu(), want)
     vocab = backend.penalties.vocab
-    logits = torch.randn(3, width, vocab, generator=torch.Generator().manual_seed(3)).to(DEV)
+    logits = torch.randn(3, width, vocab, generator=torch.Generator().manual_seed(3))  # the reference's, on the CPU
     drafts = torch.zeros(3, width - 1, dtype=torch.int64)
     for j in range(width - 1):  # greedy drafts the adjusted window accepts; the others' first draft fails
         drafts[:, j] = adjust_logits(logits[:, : j + 1], reqs, drafts[:, :j])[:, j].argmax(-1)
@@ -409,7 +409,7 @@ def test_a_window_is_adjusted_slot_by_slot_as_the_reference_adjusts_it():
         b.load(reqs, 4)
         b.gather(4)
         b.drafts[:3, : width - 1] = drafts.to(DEV)
-        packed = backend._accept(reqs, width, logits, None).cpu()
+        packed = backend._accept(reqs, width, logits.to(DEV), None).cpu()
     assert packed[:, 1].tolist() == want.num_accepted.tolist()
     for i, r in enumerate(reqs):
         emitted = want.tokens[i, : int(want.num_accepted[i]) + 1].tolist()
