@@ -29,10 +29,16 @@ class Stops:
                 return tokens[:i], {"type": "length", "length": out + i}
         return tokens, None
 
+    @staticmethod
+    def watching(req: Request) -> bool:
+        """Whether stop strings apply to the request now: it has some, and its min_new_tokens
+        are out."""
+        return bool(req.stop_strings) and len(req.output_ids) >= req.params.min_new_tokens
+
     def matched_string(self, req: Request) -> str | None:
         """The stop string that occurs first in the request's text, if any (the text is decoded
         only for a request that has stop strings: every row pays for it every round)."""
-        if not req.stop_strings or len(req.output_ids) < req.params.min_new_tokens:
+        if not self.watching(req):
             return None
         hit = self.stop_at(req, self.decode(req.output_ids))
         return None if hit is None else hit[1]
@@ -40,7 +46,7 @@ class Stops:
     def stop_at(self, req: Request, text: str) -> tuple[int, str] | None:
         """(where, which) of the earliest stop string in ``text`` (the request's output text).
         Under min_new_tokens, stop strings count only after the text of those first tokens."""
-        if not req.stop_strings or len(req.output_ids) < req.params.min_new_tokens:
+        if not self.watching(req):
             return None
         start = len(self.decode(req.output_ids[: req.params.min_new_tokens])) if req.params.min_new_tokens else 0
         hits = [(text.find(s, start), s) for s in req.stop_strings]
