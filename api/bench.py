@@ -32,6 +32,10 @@ async def _one(client: httpx.AsyncClient, prompt: str, max_new: int, speculative
                     first = time.perf_counter()
                 last = chunk
     end = time.perf_counter()
+    reason = (last or {}).get("meta_info", {}).get("finish_reason") or {}
+    if first is None or reason.get("type") == "abort":  # a benchmark of failed requests measures nothing
+        raise RuntimeError(f"bench-serve: a request failed ({reason.get('message', 'no tokens streamed')}); "
+                           "the server's log names the cause")
     n = last["meta_info"]["completion_tokens"]
     return {"ttft": first - start, "tpot": (end - first) / max(1, n - 1), "tokens": n,
             "tau": last["meta_info"]["spec_accept_length"], "start": start, "end": end}

@@ -10,8 +10,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 16  # the latest rounds an estimate is made of
-PRIOR_ROUNDS = 4  # how many drafted rounds the bucket's history counts for beside the batch's own
-TOKENS_HORIZON = 256  # rounds the bucket's tokens a row are averaged over
+PRIOR_ROUNDS = 16  # how many drafted rounds the history counts for beside the rows' own: a request's hard start must not turn drafting off for the rest of it
+TOKENS_HORIZON = 256  # rounds the drafted tokens a row are averaged over
+CLEAR_GAIN = 1.5  # one choice this many times faster a token than the other: probe it less
 
 
 @dataclass
@@ -56,29 +57,40 @@ class Bucket:
     off: Arm = field(default_factory=Arm)
     decisions: int = 0
 
-    def choice(self, drafted: Drafted = Drafted()) -> bool | None:
-        """The faster choice once both are measured (None before): a drafting round's median
-        time over the tokens a row of *these* rows' drafted rounds emitted (the bucket's
-        history standing in for PRIOR_ROUNDS rounds), against a plain round's one token. Not
-        the median of each round's seconds per token: a drafting round's time is steady while
-        its tokens range from 1 to K + 1, so that median sits near the typical rejection and
-        overstates drafting's cost by half (dflash, tau 3.8); and not the bucket's history
-        alone, which one request's hard stretch would turn against the next request."""
+    def choice(self, tau_prior: float, drafted: Drafted = Drafted()) -> bool | None:
+        gain = self.gain(tau_prior, drafted)
+        return None if gain is None else gain >= 1.0
+
+    def gain(self, tau_prior: float, drafted: Drafted = Drafted()) -> float | None:
+        """Plain decoding's time a token over drafting's, once both are measured (None before): a drafting round's median
+        time over the tokens a row of *these* rows' drafted rounds emitted (``tau_prior``, the
+        policy's tokens a row over every bucket's drafted rounds, standing in for PRIOR_ROUNDS
+        rounds), against a plain round's one token. Not the median of each round's seconds per
+        token: a drafting round's time is steady while its tokens range from 1 to K + 1, so that
+        median sits near the typical rejection and overstates drafting's cost by half (dflash,
+        tau 3.8); and not the history alone, which one request's hard stretch would turn
+        against the next request."""
         if not (self.on.known and self.off.known):
             return None
-        tau = (drafted.tokens + PRIOR_ROUNDS * self.on.tokens_per_row) / (drafted.rounds + PRIOR_ROUNDS)
-        return self.on.seconds / max(tau, 1e-9) <= self.off.seconds / self.off.tokens_per_row
+        tau = (drafted.tokens + PRIOR_ROUNDS * tau_prior) / (drafted.rounds + PRIOR_ROUNDS)
+        return (self.off.seconds / self.off.tokens_per_row) / max(self.on.seconds / max(tau, 1e-9), 1e-12)
 
 
 @dataclass
 class DraftPolicy:
     """``limit``: "always", "auto", or the largest batch that drafts. ``auto`` measures both
     choices at each batch bucket (a few rounds each, drafting first), then takes the faster for
-    the rows at hand, re-measuring the other one round in ``probe_every`` of that bucket's rounds."""
+    the rows at hand, re-measuring the other one round in ``probe_every`` of that bucket's
+    rounds (in 4 x ``probe_every`` where one is CLEAR_GAIN times faster: a probe there costs
+    most and is least likely to change the choice). A bucket not yet measured follows its measured neighbours where they settle it
+    (drafting pays less as the batch grows: a larger bucket that drafts means this one drafts
+    too, a smaller one that does not means this one does not), so a batch shrinking through
+    new buckets at the end of its requests does not spend its rounds measuring each."""
 
     limit: int | str = "auto"
     probe_every: int = 16
     buckets: dict[int, Bucket] = field(default_factory=dict)
+    drafting: Arm = field(default_factory=Arm)  # tokens a row of drafted rounds, every bucket's: the rows' prior
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -89,24 +101,43 @@ class DraftPolicy:
             return True
         if isinstance(self.limit, int):
             return batch_size <= self.limit
-        b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
+        size = self.bucket(batch_size)
+        b = self.buckets.setdefault(size, Bucket())
         b.decisions += 1
-        best = b.choice(drafted)
+        best = self._choice(size, drafted)
         if best is None:  # measuring: whichever has fewer rounds, drafting first
             return b.on.rounds <= b.off.rounds
-        return (not best) if b.decisions % self.probe_every == 0 else best
+        gain = b.gain(self.drafting.tokens_per_row, drafted)
+        clear = gain is not None and max(gain, 1 / max(gain, 1e-12)) >= CLEAR_GAIN
+        return (not best) if b.decisions % (self.probe_every * (4 if clear else 1)) == 0 else best
+
+    def _choice(self, size: int, drafted: Drafted = Drafted()) -> bool | None:
+        """The bucket's own choice once it is measured, else its neighbours' where they settle it."""
+        own = self.buckets[size].choice(self.drafting.tokens_per_row, drafted)
+        if own is not None:
+            return own
+        others = {s: b.choice(self.drafting.tokens_per_row) for s, b in self.buckets.items() if s != size}
+        if any(chosen for s, chosen in others.items() if s > size):
+            return True
+        if any(chosen is False for s, chosen in others.items() if s < size):
+            return False
+        return None
 
     def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
         b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
         (b.on if drafted else b.off).record(seconds, tokens / batch_size)
+        if drafted:
+            self.drafting.record(seconds, tokens / batch_size)
 
     def table(self) -> list[dict]:
-        """Per batch bucket: each choice's measured ms per token and rounds, and the current choice."""
+        """Per batch bucket: each choice's measured ms per token and rounds, and the current
+        choice (measured or inferred; None while measuring)."""
         out = []
         for size, b in sorted(self.buckets.items()):
-            choice = b.choice()
+            choice = self._choice(size)
             for drafting, arm in ((False, b.off), (True, b.on)):
+                per_row = self.drafting.tokens_per_row if drafting else arm.tokens_per_row
                 out.append({"batch_bucket": size, "drafting": drafting,
-                            "ms_per_token": round(arm.seconds / arm.tokens_per_row * 1e3, 3), "rounds": arm.rounds,
+                            "ms_per_token": round(arm.seconds / per_row * 1e3, 3), "rounds": arm.rounds,
                             "chosen": None if choice is None else choice == drafting})
         return out
