@@ -24,6 +24,7 @@ class Capacity:
     max_batch: int  # requests running at once (server.max_batch_size)
     max_model_len: int  # prompt + output tokens of one request
     graphs: bool = True  # capture CUDA graphs where the backend can
+    invariant: bool = False  # a target row's results independent of the rows beside it (model.batch_invariant)
 
 
 @dataclass(frozen=True)

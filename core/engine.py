@@ -112,7 +112,8 @@ class Engine:
         self.chat_template = load_chat_template(spec.model.tokenizer or spec.model.path)  # None: the checkpoint has none
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
-        capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager)
+        capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager,
+                            invariant=spec.model.batch_invariant)
         self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype, capacity)
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
         self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue

@@ -57,6 +57,9 @@ class ModelSpec(Strict):
     max_model_len: int = Field(2048, ge=2)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     enforce_eager: bool = False  # cuda backend: run every step eagerly instead of replaying CUDA graphs
+    # cuda backend: the target's decode and verify rows take one kernel path whose reductions are
+    # fixed by the weights' shapes, so a row's tokens do not depend on the rows beside it
+    batch_invariant: bool = False
 
     @model_validator(mode="after")
     def _source(self) -> "ModelSpec":

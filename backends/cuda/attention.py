@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
-from .matvec import interpreted
+from .matvec import interpreted, summed, tile_dot
 
 
 @triton.jit
@@ -74,7 +74,8 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
                    HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, so_n, so_h, so_t, count, least,
                    CAUSAL: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1,
+                   SUMMED: tl.constexpr = False):
     """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
     [s*split, (s+1)*split) ∩ [0, kv_len), split from _split_keys; writes the normalized partial
     output and its log-sum-exp (-inf where the split saw no key). With MERGE the last of (n, h)'s
@@ -106,7 +107,8 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
         j = start + tl.arange(0, BLOCK_N)
         inside = j < hi
         k_tile = tl.load(k_cache + base + j[:, None] * sc_pos + d[None, :], mask=inside[:, None], other=0.0)
-        scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
+        scores = tile_dot(q_tile, tl.trans(k_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), PRECISION,
+                          SUMMED) * scale  # [BLOCK_M, BLOCK_N] fp32
         visible = inside[None, :]
         if CAUSAL:
             visible = visible & (j[None, :] <= own[:, None])
@@ -117,7 +119,8 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_tile = tl.load(v_cache + base + j[:, None] * sc_pos + d[None, :], mask=inside[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v_tile.dtype), v_tile, tl.zeros((BLOCK_M, D), tl.float32),
+                                              PRECISION, SUMMED)
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -203,6 +206,7 @@ class Splits:
     least: int
     merge: bool = False  # the last split of a (row, kv head) to finish merges them: no combine launch
     widest: int = 64  # keys per step inside a split, at most
+    rows: int = 0  # query rows a program's tile holds whatever the window (0: sized by the call)
 
     @property
     def block(self) -> int:
@@ -218,6 +222,26 @@ def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
         whole = triton.next_power_of_2(max_len)
         return Splits(1, whole, merge=True, widest=whole)
     return device_split_plan(max_len, rows, kv_heads)
+
+
+INVARIANT_SPLIT = 64  # keys per split of the batch-invariant plan, at fixed offsets 0, 64, 128, ...
+INVARIANT_QUERY_ROWS = 64  # query rows per (row, kv head) tile in that plan: G x W up to 64 (Qwen3-8B: 4 x 16)
+
+
+def invariant_split_plan(max_len: int) -> Splits:
+    """The batch-invariant plan: every row's keys split at the same absolute offsets
+    (INVARIANT_SPLIT keys each, whatever the row's length or the batch), stepped through in the
+    same blocks, merged by the same path and warps, with queries in one tile shape
+    (INVARIANT_QUERY_ROWS, whatever the method): a query reduces its keys exactly alike as a
+    decode row, inside a verify window, or beside any other rows. Keys past a query's own position are masked, which adds exact zeros. Under the
+    interpreter, one split over the whole cache, which is as fixed, in 64-key steps (its summed
+    tile products, tile_dot, stay small)."""
+    rows = INVARIANT_QUERY_ROWS
+    if interpreted():
+        return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=rows)
+    split = min(INVARIANT_SPLIT, triton.next_power_of_2(max_len))
+    count = triton.cdiv(max_len, split)
+    return Splits(count, split, merge=count <= 4, rows=rows)
 
 
 def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
@@ -255,7 +279,9 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
     n, hq, w, d = q.shape
     hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    block_m = max(16, triton.next_power_of_2(g * w))
+    block_m = splits.rows or max(16, triton.next_power_of_2(g * w))
+    if g * w > block_m:
+        raise ValueError(f"attend: {g * w} query rows per kv head do not fit the plan's {block_m}-row tile")
     padded = triton.next_power_of_2(splits.count)
     if q.stride(3) != 1:
         q = q.contiguous()
@@ -280,13 +306,13 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
         CAUSAL=causal, SPLITS=padded, MERGE=splits.merge, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False),
-        PREFETCH=overlap.enabled(), LINES=max(1, d * k_cache.element_size() // 128))
+        PREFETCH=overlap.enabled(), LINES=max(1, d * k_cache.element_size() // 128), SUMMED=summed(splits.rows > 0))
     if splits.merge:
         return out
     _combine_kernel[(n * hkv, g * w)](o_part, lse_part, kv_len, out, hq, hkv, w, g, out.stride(0),
                                       out.stride(1), out.stride(2), *plan, SPLITS=padded,
                                       BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
-                                      num_warps=_combine_warps(padded * d, g * w),
+                                      num_warps=_combine_warps(padded * d, splits.rows or g * w),
                                       **overlap.launch(release=False))
     return out
 

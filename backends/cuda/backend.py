@@ -44,6 +44,7 @@ from .buffers import (DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, Fe
                       inverse_temperature)
 from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
+from .attention import INVARIANT_QUERY_ROWS
 from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
 from .penalties import SlotPenalties
@@ -152,7 +153,11 @@ class CudaBackend:
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
-                              cfg.head_dim, dtype, device)
+                              cfg.head_dim, dtype, device, invariant=capacity.invariant)
+        if capacity.invariant and cfg.num_heads // cfg.num_kv_heads * width > INVARIANT_QUERY_ROWS:
+            raise ConfigError(f"model.batch_invariant: a verify window of {width} tokens x {cfg.num_heads // cfg.num_kv_heads} "
+                              f"query heads per kv head exceeds the invariant attention tile ({INVARIANT_QUERY_ROWS} rows); "
+                              "draft fewer tokens or set model.batch_invariant: false")
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         for model in (target, getattr(self.drafter, "model", None)):  # before any capture: fusing frees the
@@ -467,10 +472,10 @@ class CudaBackend:
         logits = None
         if decide:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
             draw = Draw(b.row(SEED, bucket), b.row(START, bucket), b.fmeta[INV_TEMP, :bucket], width, shift=1)
-            logits = head_draw(self.target.lm_head, hidden, b.argmax, draw)
+            logits = head_draw(self.target.lm_head, hidden, b.argmax, draw, self.cache.invariant)
         drawn = logits is not None
-        if not drawn:
-            logits = lm_logits(self.target.lm_head, hidden)  # [bucket, W, V] float32, as target.logits
+        if not drawn:  # [bucket, W, V] float32, as target.logits
+            logits = lm_logits(self.target.lm_head, hidden, self.cache.invariant)
         packed = self._decide(bucket, width, logits, drawn) if decide else None
         self.branch.join()
         return logits, packed

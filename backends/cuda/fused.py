@@ -30,7 +30,8 @@ from draftline.core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, matvec, matvec_argmax, matvec_draw
+from .matvec import (MAX_ROWS, ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, invariant_tiling, matvec,
+                     matvec_argmax, matvec_draw)
 from .sliding import Window, attend_window
 
 if TYPE_CHECKING:
@@ -138,11 +139,12 @@ def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(out + r * I + cols, silu * u, mask=inside)
 
 
-def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tensor | None = None
-             ) -> tuple[Tensor, Tensor]:
+def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
+             invariant: bool = False) -> tuple[Tensor, Tensor]:
     """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h)).
     ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read. The
-    sum goes to ``out`` [rows, H] when given (rows may be strided, as h's may), else a new tensor."""
+    sum goes to ``out`` [rows, H] when given (rows may be strided, as h's may), else a new tensor.
+    ``invariant``: the warps (and so the reduction's tree) fixed, not chosen by the row count."""
     flat = h.reshape(-1, h.shape[-1])  # a view: a 2-D h keeps its row stride
     rows, width = flat.shape
     parts = 1 if a is None else a.numel() // flat.numel()
@@ -153,9 +155,13 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tenso
     _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows,
                               flat.stride(0), total.stride(0), HAS_ADD=a is not None, HAS_H=True, PARTS=parts,
                               BLOCK=triton.next_power_of_2(width),
-                              num_warps=16 if rows > 1 else 4,  # rows of partial sums: more loads in flight
-                              **overlap.launch(release=True))
+                              num_warps=_norm_warps(rows, invariant), **overlap.launch(release=True))
     return total.view(h.shape), normed.view(h.shape)
+
+
+def _norm_warps(rows: int, invariant: bool) -> int:
+    """More loads in flight for rows of partial sums; one row's norm is quicker with 4."""
+    return 16 if rows > 1 or invariant else 4
 
 
 def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
@@ -169,27 +175,31 @@ def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
     return out
 
 
-def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtype | None = None,
+           invariant: bool = False) -> Tensor:
     """x [M, K] @ weight.T through the decode matvec when it applies (the result may then be
     float32 partial sums [parts, M, N]: add_norm and the q/k/v kernel take those), else the
     matrix library. ``gated``: weight is [gate; up] and the result silu(gate) * up. Whole
-    results are rounded to x's dtype, then stored as ``out_dtype`` when given."""
-    tiling = choose_tiling(x.shape[0], weight.shape[0] // (2 if gated else 1), weight.shape[1], gated)
+    results are rounded to x's dtype, then stored as ``out_dtype`` when given. ``invariant``:
+    the matvec at every M, its reductions fixed by the weight's shape (matvec.invariant_tiling),
+    where the matrix library's algorithm would change with M."""
+    n, k = weight.shape[0] // (2 if gated else 1), weight.shape[1]
+    tiling = invariant_tiling(n, k, gated) if invariant else choose_tiling(x.shape[0], n, k, gated)
     if tiling is not None:
-        return matvec(x, weight, tiling, gated, out_dtype)
+        return matvec(x, weight, tiling, gated, out_dtype, invariant=invariant)
     y = F.linear(x, weight)
     if gated:
         y = silu_mul(y)
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor) -> Tensor:
+def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor, invariant: bool = False) -> Tensor:
     """hidden [..., H] -> float32 logits [..., V], rounded through the model dtype as the
     target's own logits() are (draftline.core.models.target)."""
     if lm_head.bias is not None:
         return lm_head(hidden).float()
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = linear(flat, lm_head.weight, out_dtype=torch.float32)
+    out = linear(flat, lm_head.weight, out_dtype=torch.float32, invariant=invariant)
     if out.dim() == 3:  # partial sums
         out = out.sum(0).to(hidden.dtype)
     return out.float().view(*hidden.shape[:-1], -1)
@@ -206,25 +216,27 @@ def head_argmax(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch | 
     return matvec_argmax(flat, head.weight, tiling, scratch).view(hidden.shape[:-1])
 
 
-def head_draw(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch, draw: Draw) -> Tensor | None:
+def head_draw(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch, draw: Draw,
+              invariant: bool = False) -> Tensor | None:
     """hidden [N, W, H] -> float32 logits [N, W, V], as lm_logits gives them, in one launch
     that also leaves each row's draw from them (as sampling.accept_matching makes it) and its
     count of non-finite logits in ``scratch`` for the next kernel (matvec.take_draws); None
     where the head is not one whole-sum matvec (the caller then draws from lm_logits)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    tiling = _head_tiling(head, flat)
+    tiling = _head_tiling(head, flat, invariant)
     if tiling is None:
         return None
-    return matvec_draw(flat, head.weight, tiling, scratch, draw).view(*hidden.shape[:-1], -1)
+    return matvec_draw(flat, head.weight, tiling, scratch, draw, invariant).view(*hidden.shape[:-1], -1)
 
 
-def _head_tiling(head: torch.nn.Linear, flat: Tensor) -> Tiling | None:
+def _head_tiling(head: torch.nn.Linear, flat: Tensor, invariant: bool = False) -> Tiling | None:
     """The tiling of an LM head over rows flat [M, H] when one whole-sum matvec launch can fold
     its readout (no bias, the decode matvec applies), else None. The K split a small head
     would get is dropped: a fold needs whole sums, and one launch serves where the matrix
     library's product and a separate reduction took two (a tiny pair's 4096-token head)."""
-    tiling = choose_tiling(flat.shape[0], head.weight.shape[0], flat.shape[1])
-    if head.bias is not None or tiling is None:
+    n, k = head.weight.shape
+    tiling = invariant_tiling(n, k) if invariant else choose_tiling(flat.shape[0], n, k)
+    if head.bias is not None or tiling is None or flat.shape[0] > MAX_ROWS:  # a fold takes one row tile
         return None
     return replace(tiling, split=1)
 
@@ -280,12 +292,14 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
     done = max(taps, default=-1) + 1  # the add+norm opening this layer writes the last tapped output
     pending = None
     for i, layer in enumerate(layers):
-        h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps, out=tap_out.get(i - 1))
+        h, x = add_norm(pending, h, layer.input_layernorm.weight, layer.input_layernorm.eps, out=tap_out.get(i - 1),
+                        invariant=cache.invariant)
         if i == done:
             _all_tapped(features, cols, taps, tap_out, tapped, n, w)
         h, pending = layer_body(layer, h, x, positions, rotary, cache, i, slots, kv_len, causal,
                                 (windows or {}).get(i))
-    h, x = add_norm(pending, h, final_norm.weight, final_norm.eps, out=tap_out.get(len(layers) - 1))
+    h, x = add_norm(pending, h, final_norm.weight, final_norm.eps, out=tap_out.get(len(layers) - 1),
+                    invariant=cache.invariant)
     if done == len(layers):
         _all_tapped(features, cols, taps, tap_out, tapped, n, w)
     return x.view(n, w, -1), None if features is None else features.view(n, w, -1)
@@ -299,22 +313,25 @@ def layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, c
     add_norm makes. Keys go to layer ``i`` of the cache; a sliding ``window`` replaces causal."""
     n, w = positions.shape
     qkv_w, gate_up_w = fused_weights(layer)
-    q = _qkv(layer, linear(x, qkv_w), positions, rotary, cache, i, slots, kv_len, n, w)  # [N, Hq, W, D] view
+    q = _qkv(layer, linear(x, qkv_w, invariant=cache.invariant), positions, rotary, cache, i, slots, kv_len, n, w)
     if window is not None:
         out = attend_window(q, cache.k[i], cache.v[i], slots, kv_len, window)  # [N, Hq, W, D] view
     else:
         out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
                      tickets=cache.tickets)  # [N, Hq, W, D] view
-    return _out_and_mlp(layer, out, h, gate_up_w)
+    return _out_and_mlp(layer, out, h, gate_up_w, cache.invariant)
 
 
-def _out_and_mlp(layer, out: Tensor, h: Tensor, gate_up_w: Tensor) -> tuple[Tensor, Tensor]:
+def _out_and_mlp(layer, out: Tensor, h: Tensor, gate_up_w: Tensor, invariant: bool = False
+                 ) -> tuple[Tensor, Tensor]:
     """A layer's tail after attention out [N, Hq, W, D] (a view of [N, W, Hq, D] memory): the
     output matvec, add+RMSNorm onto h, the gated MLP -> (h after attention, the MLP's output)."""
     n, _, w, _ = out.shape
-    a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight)
-    h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-    return h, linear(linear(x, gate_up_w, gated=True), layer.mlp.down_proj.weight)
+    a = linear(out.transpose(1, 2).reshape(n * w, -1), layer.self_attn.o_proj.weight, invariant=invariant)
+    h, x = add_norm(a, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                    invariant=invariant)
+    gated = linear(x, gate_up_w, gated=True, invariant=invariant)
+    return h, linear(gated, layer.mlp.down_proj.weight, invariant=invariant)
 
 
 def query_layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention import CacheAttention, Splits, attend, split_plan, store_kv
+from .attention import CacheAttention, Splits, attend, invariant_split_plan, split_plan, store_kv
 from .fused import add_norm, layer_body, norm, project_kv_stack, query_layer_body, run_stack
 from .sliding import Window, attend_window, layer_windows, window_mask
 
@@ -51,14 +51,17 @@ class SlotPool:
 
 
 class StaticKV:
-    """Per layer K and V [slots + 1, Hkv, max_len, D] and the pool of slots."""
+    """Per layer K and V [slots + 1, Hkv, max_len, D] and the pool of slots. ``invariant``: the
+    rows attending through it, and the matvecs of the stack it serves, take the batch-invariant
+    kernel forms (model.batch_invariant)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, invariant: bool = False):
         shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len, self.kv_heads, self.scratch = max_len, num_kv_heads, num_slots
+        self.invariant = invariant
         # [(slots + 1) * Hkv] arrival counts of attention's splits, one per (row, kv head) (attend)
         self.tickets = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
         self.slots = SlotPool(num_slots, "KV")
@@ -70,7 +73,10 @@ class StaticKV:
         self.slots.release(slot)
 
     def splits(self, rows: int) -> Splits:
-        """How attention splits a row's keys for a batch of ``rows`` (attention.split_plan)."""
+        """How attention splits a row's keys for a batch of ``rows`` (attention.split_plan; the
+        invariant plan ignores ``rows``)."""
+        if self.invariant:
+            return invariant_split_plan(self.max_len)
         return split_plan(self.max_len, rows, self.kv_heads)
 
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:

@@ -57,6 +57,7 @@ class Tiling:
 
 
 MAX_ROWS = 64  # past this many rows a linear layer turns arithmetic-bound: the matrix library's turn
+ROW_TILE = 64  # rows a program takes in the batch-invariant form, whatever M is: one matrix-unit shape for every row
 PROGRAMS = 256  # about two per multiprocessor of an H200 (132): enough loads in flight to stream
 
 
@@ -80,6 +81,14 @@ def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
     return Tiling(min(512, max(tiling.block_n, triton.next_power_of_2(n))), block_k, tiling.split, tiling.warps, 1)
 
 
+def invariant_tiling(n: int, k: int, gated: bool = False) -> Tiling | None:
+    """The batch-invariant form's tiling: choose_tiling's at one row, so chosen by (N, K) alone
+    (K steps, split, column blocks); rows go in ROW_TILE tiles at any M. None for a K the
+    matvec cannot step through (the matrix library then serves, without the guarantee). The
+    device's tiling under the interpreter too: its summed tile products (tile_dot) stay small."""
+    return device_tiling(1, n, k, gated)
+
+
 def device_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
     """From a sweep on an H200 (bench/matvec_sweep.py): 128-wide K steps, three stages; 64
     output columns per program (32 for the gated form, which streams two rows per column);
@@ -93,6 +102,23 @@ def device_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
     while triton.cdiv(n, 64) * split < PROGRAMS and split < 4 and k % (2 * split * block_k) == 0:
         split *= 2
     return Tiling(64, block_k, split, 4, 3)
+
+
+@triton.jit
+def tile_dot(a, b, acc, PRECISION: tl.constexpr, SUMMED: tl.constexpr):
+    """acc + a @ b for tiles a [M, K], b [K, N]: the matrix units' product, or with SUMMED the
+    products summed along K one after another, the same for every row of the tile. The
+    batch-invariant forms use SUMMED under the interpreter, whose matrix product (numpy's)
+    rounds a row differently by where it sits in the tile; on the GPU every row of a tile meets
+    the same matrix-unit instruction, which the GPU tests hold."""
+    if SUMMED:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+def summed(invariant: bool) -> bool:
+    """tile_dot's SUMMED: the invariant forms under the interpreter."""
+    return invariant and interpreted()
 
 
 @triton.jit
@@ -121,24 +147,24 @@ def _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_tem
 def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, K, CHUNK, W, SHIFT,
              GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr, DRAW: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-             PDL: tl.constexpr):
-    """Program (column block, K chunk): BLOCK_N outputs of rows [0, M) over K [pk*CHUNK, +CHUNK)."""
-    pn, pk = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
+             PDL: tl.constexpr, SUMMED: tl.constexpr = False):
+    """Program (column block, K chunk, row tile): BLOCK_N outputs of rows [pm*BLOCK_M, +BLOCK_M) ∩
+    [0, M) over K [pk*CHUNK, +CHUNK)."""
+    pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = pk * CHUNK + tl.arange(0, BLOCK_K)
     overlap.gate(PDL)
-    xp = x + rm[:, None] * K + rk[None, :]
+    xp = x + rm[:, None].to(tl.int64) * K + rk[None, :]
     wp = w + rn[:, None].to(tl.int64) * K + rk[None, :]
     up = wp + N.to(tl.int64) * K  # GATED: the up rows sit N rows below the gate rows
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for _ in range(0, CHUNK, BLOCK_K):
         xt = tl.load(xp, mask=rm[:, None] < M, other=0.0)
-        acc_g = tl.dot(xt, tl.trans(tl.load(wp, mask=rn[:, None] < N, other=0.0)), acc_g, input_precision=PRECISION)
+        acc_g = tile_dot(xt, tl.trans(tl.load(wp, mask=rn[:, None] < N, other=0.0)), acc_g, PRECISION, SUMMED)
         if GATED:
-            acc_u = tl.dot(xt, tl.trans(tl.load(up, mask=rn[:, None] < N, other=0.0)), acc_u,
-                           input_precision=PRECISION)
+            acc_u = tile_dot(xt, tl.trans(tl.load(up, mask=rn[:, None] < N, other=0.0)), acc_u, PRECISION, SUMMED)
         xp += BLOCK_K
         wp += BLOCK_K
         up += BLOCK_K
@@ -210,23 +236,30 @@ class ArgmaxScratch:
 
 
 def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tiling, gated: bool,
-            scratch: ArgmaxScratch | None = None, tokens: Tensor | None = None, draw: Draw | None = None) -> None:
+            scratch: ArgmaxScratch | None = None, tokens: Tensor | None = None, draw: Draw | None = None,
+            invariant: bool = False) -> None:
+    """``invariant``: rows in ROW_TILE tiles (a grid axis), so each row meets the same
+    matrix-unit shape and K order at any M; else one tile of all rows (M <= MAX_ROWS)."""
     m, k = x.shape
+    block_m = ROW_TILE if invariant else max(16, triton.next_power_of_2(m))
+    grid = (*grid, triton.cdiv(m, block_m))
     best, ticket, bad = (out, out, out) if scratch is None else (scratch.best, scratch.ticket, scratch.bad)
     d = draw or Draw(out, out, out, 1)  # read only by a draw
     _mv_rows[grid](x, w, out, best, out if tokens is None else tokens, ticket, bad, d.seed, d.start, d.inv_temp, m,
                    n, k, chunk, d.width, d.shift, GATED=gated, SPLIT=tiling.split,
                    ARGMAX=draw is None and tokens is not None, DRAW=draw is not None,
-                   BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+                   BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact for tests
-                   num_warps=tiling.warps, num_stages=tiling.stages, **overlap.launch(release=True))
+                   num_warps=tiling.warps, num_stages=tiling.stages, SUMMED=summed(invariant),
+                   **overlap.launch(release=True))
 
 
-def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None
-           ) -> Tensor:
+def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None,
+           invariant: bool = False) -> Tensor:
     """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype (rounded to it,
     stored as ``out_dtype`` when given), or float32 partial sums [split, M, N] when
-    tiling.split > 1 (the consumer adds them)."""
+    tiling.split > 1 (the consumer adds them). ``invariant``: any M, each row's result
+    independent of the others (_launch)."""
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     if w.shape[1] != k:
@@ -241,11 +274,12 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, n, chunk, tiling, gated)
+    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, n, chunk, tiling, gated, invariant=invariant)
     return out
 
 
-def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch | None = None) -> Tensor:
+def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch | None = None,
+                  invariant: bool = False) -> Tensor:
     """argmax over N of x [M, K] @ w.T rounded to x's dtype (the first on ties) -> [M] int64,
     in one launch, without writing the [M, N] products. ``scratch`` is the caller's persistent
     ArgmaxScratch (a graph replays it); without one a fresh one is made."""
@@ -256,11 +290,13 @@ def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch |
                          f"{tiling.block_k}-wide steps and at most {MAX_ROWS} rows")
     scratch = scratch or ArgmaxScratch(x.device)
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, tokens, n, k, tiling, False, scratch, tokens)
+    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, tokens, n, k, tiling, False, scratch, tokens,
+            invariant=invariant)
     return tokens
 
 
-def matvec_draw(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch, draw: Draw) -> Tensor:
+def matvec_draw(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch, draw: Draw,
+                invariant: bool = False) -> Tensor:
     """x [M, K] @ w.T rounded to x's dtype -> those values as float32 [M, N], in one launch
     that also folds each row's draw (sampling.accept_matching's, for row m = request * width
     + t at position start + shift + t) and its count of non-finite values into ``scratch``,
@@ -271,5 +307,6 @@ def matvec_draw(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch, dr
         raise ValueError(f"matvec_draw: x [{m}, {k}] and weight {tuple(w.shape)} need whole sums in "
                          f"{tiling.block_k}-wide steps, at most {MAX_ROWS} rows, whole windows of {draw.width}")
     values = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, values, n, k, tiling, False, scratch, draw=draw)
+    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, values, n, k, tiling, False, scratch, draw=draw,
+            invariant=invariant)
     return values

@@ -1,0 +1,63 @@
+"""Does drafting change a single output token on the GPU? The shipped trained pair, `backend:
+cuda`, bf16, greedy: for each method and batch size, how many prompts' outputs with drafting
+equal `none`'s in the same engine, and how many equal the same prompt run alone, with
+``model.batch_invariant`` off and on.
+
+`python bench/identity.py [--batches 1,4,16] [--prompts 32] [--tokens 128] [--invariant off,on]`
+(CUDA machine)."""
+
+from __future__ import annotations
+
+import argparse
+
+from draftline.core.engine import Engine
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import load_spec
+from draftline.core.training.corpus import read_prompts
+
+SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
+
+
+def _spec(path: str, invariant: bool, max_batch: int):
+    data = load_spec(path).model_dump(mode="python")
+    data["backend"] = "cuda"
+    data["model"].update(device="cuda", dtype="bfloat16", batch_invariant=invariant)
+    data["server"]["max_batch_size"] = max_batch
+    return type(load_spec(path)).model_validate(data)
+
+
+def _outputs(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> list[list[int]]:
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += [c.output_ids for c in engine.generate(prompts[i : i + batch], params)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
+    ap.add_argument("--invariant", default="off,on", help="model.batch_invariant settings to run")
+    args = ap.parse_args()
+    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: args.prompts]
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"{'method':<11}{'invariant':>10}{'batch':>6}{'= none':>9}{'= alone':>9}{'none = alone':>14}")
+    for name in args.methods.split(","):
+        for invariant in (m == "on" for m in args.invariant.split(",")):
+            engine = Engine(_spec(SPECS[name], invariant, max(batches)), draft_policy="always")
+            base = engine.with_method({"method": "none"})
+            alone = _outputs(base, prompts, 1, params)
+            for batch in batches:
+                spec, plain = _outputs(engine, prompts, batch, params), _outputs(base, prompts, batch, params)
+                same = sum(a == b for a, b in zip(spec, plain))
+                lone = sum(a == b for a, b in zip(spec, alone))
+                plain_lone = sum(a == b for a, b in zip(plain, alone))
+                print(f"{name:<11}{invariant!s:>10}{batch:>6}{same:>5}/{len(prompts):<3}{lone:>5}/{len(prompts):<3}"
+                      f"{plain_lone:>10}/{len(prompts):<3}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""model.batch_invariant: a target row's results do not depend on the rows beside it. For each
+kernel of the target's step, and for the whole step, a row computed inside windows and batches
+is bit-equal to the same row alone (and a verify window to the decode steps it replaces).
+Without a GPU the kernels run in the Triton interpreter (float32); on the GPU in bfloat16 with
+the device's split plan."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+pytest.importorskip("triton")
+
+from draftline.backends.cuda.attention import attend, invariant_split_plan  # noqa: E402
+from draftline.backends.cuda.matvec import invariant_tiling, matvec  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
+
+
+@pytest.mark.parametrize("n,k,gated", [(96, 256, False), (32, 1024, False), (48, 256, True)])
+def test_a_matvec_row_is_the_same_alone_and_in_any_batch(n, k, gated):
+    """(32, 1024): K split into partial sums; the gated form; batches past one row tile."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, k, generator=gen).to(DEV, DTYPE)
+    w = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(DEV, DTYPE)
+    tiling = invariant_tiling(n, k, gated)
+    alone = [matvec(x[r : r + 1], w, tiling, gated, invariant=True) for r in (0, 2, 70, 255)]
+    for m in (3, 8, 16, 80, 256):
+        batch = matvec(x[:m], w, tiling, gated, invariant=True)  # [M, N], or partials [split, M, N]
+        for r, want in zip((0, 2, 70, 255), alone):
+            if r < m:
+                assert torch.equal(batch[..., r : r + 1, :], want), (m, r)
+
+
+@pytest.mark.parametrize("max_len", [200, 1100])  # on the GPU: 4 splits merged in place; 18 and a combine
+def test_a_query_attends_alike_alone_in_a_window_and_beside_other_rows(max_len):
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, d = 8, 2, 32
+    k = torch.randn(9, hkv, max_len, d, generator=gen).to(DEV, DTYPE)
+    v = torch.randn(9, hkv, max_len, d, generator=gen).to(DEV, DTYPE)
+    splits = invariant_split_plan(max_len)
+    q_star = torch.randn(hq, d, generator=gen).to(DEV, DTYPE)
+    pos, slot = max_len // 2 + 17, 4  # the query's position (as many keys before it) and cache slot
+
+    def run(width: int, t: int, others: int) -> torch.Tensor:
+        """q_star at window slot t of a ``width``-token window, first of 1 + others rows."""
+        n = 1 + others
+        q = torch.randn(n, hq, width, d, generator=gen).to(DEV, DTYPE)
+        q[0, :, t] = q_star
+        slots = torch.tensor([slot] + [(slot + 1 + i) % 9 for i in range(others)], dtype=torch.int32, device=DEV)
+        lengths = [pos + 1 + (width - 1 - t)] + [int(x) for x in torch.randint(width, max_len, (others,), generator=gen)]
+        kv_len = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+        tickets = torch.zeros(n * hkv, dtype=torch.int32, device=DEV)
+        return attend(q, k, v, slots, kv_len, True, splits, tickets=tickets)[0, :, t]
+
+    alone = run(1, 0, 0)
+    for width, t, others in [(5, 2, 0), (16, 0, 0), (16, 15, 2), (5, 4, 7), (1, 0, 7)]:
+        assert torch.equal(run(width, t, others), alone), (width, t, others)
+
+
+def test_a_verify_window_equals_the_decode_steps_it_replaces_inside_any_batch():
+    """The whole target step (fused stack and LM head) over a row's five tokens in one window,
+    beside two other rows, against five one-token steps of that row alone: every position's
+    hidden state and logits, and the keys and values it cached, are bit-equal."""
+    from draftline.backends.cuda.fused import lm_logits
+    from draftline.backends.cuda.kv import Rows, RowsAttention, StaticKV
+    from draftline.core.models.loader import random_target
+
+    target = random_target("tiny-qwen3", 0, DEV, DTYPE)
+    cfg = target.config
+    gen = torch.Generator().manual_seed(2)
+    caches = [StaticKV(cfg.num_layers, 3, cfg.num_kv_heads, 96, cfg.head_dim, DTYPE, torch.device(DEV),
+                       invariant=True) for _ in range(2)]
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        a.copy_(torch.randn(a.shape, generator=gen))
+        b.copy_(a)
+    ids = torch.randint(0, cfg.vocab_size, (3, 5), generator=gen).to(DEV)
+    start = torch.tensor([40, 7, 61], device=DEV)  # row 0 is the one compared
+    slots = torch.tensor([1, 0, 2], device=DEV)
+    with torch.no_grad():
+        window, _ = target(ids, start[:, None] + torch.arange(5, device=DEV), RowsAttention(caches[0], Rows(slots, start), True))
+        steps = [target(ids[:1, t : t + 1], start[:1, None] + t, RowsAttention(caches[1], Rows(slots[:1], start[:1] + t), True))[0]
+                 for t in range(5)]
+        for t, hidden in enumerate(steps):
+            assert torch.equal(window[0, t], hidden[0, 0]), t
+            assert torch.equal(lm_logits(target.lm_head, window[:, t : t + 1], True)[0],
+                               lm_logits(target.lm_head, hidden, True)[0]), t
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.equal(a[1, :, :45], b[1, :, :45])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-dflash", "tiny-eagle3", "tiny-gemma4-mtp"])
+def test_drafting_never_changes_a_token_with_invariant_kernels(name):
+    """The shipped trained pair in bf16 on the GPU, greedy, drafting forced on, batches of 1, 4
+    and 16 mixed prompts: every prompt's output equals `none`'s, token for token."""
+    from conftest import respec
+    from draftline.core.engine import Engine
+    from draftline.core.sampling import SamplingParams
+    from draftline.core.spec import load_spec
+    from draftline.core.training.corpus import read_prompts
+
+    spec = respec(load_spec(f"specs/{name}.yaml"), "cuda", device="cuda", dtype="bfloat16", batch_invariant=True,
+                  max_batch_size=16)
+    engine = Engine(spec, draft_policy="always")
+    base = engine.with_method({"method": "none"})
+    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[:16]
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    for batch in (1, 4, 16):
+        for i in range(0, len(prompts), batch):
+            got = engine.generate(prompts[i : i + batch], params, trace=True)
+            want = base.generate(prompts[i : i + batch], params)
+            assert [c.output_ids for c in got] == [c.output_ids for c in want], (batch, i)
+            assert sum(r.accepted for c in got for r in c.rounds) > 0  # drafts were accepted
