@@ -155,10 +155,11 @@ def test_seeded_sampling_repeats_and_batches_alike():
 def test_slots_are_reused_after_requests_finish():
     eng = _engine("dflash", "cuda", slots=2)  # two slots: each is used twice by four requests
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    first = eng.generate(PROMPTS, params)  # 4 requests through 2 slots
+    prompts = [PROMPTS[0], PROMPTS[2]] * 2  # short prompts: each prefill is interpreted too
+    first = eng.generate(prompts, params)  # 4 requests through 2 slots
     assert len(first) == 4 and all(len(c.output_ids) == 4 for c in first)
     assert sorted(eng.backend.cache.slots.free) == [0, 1]
-    assert eng.generate(PROMPTS[:1], params)[0].output_ids == first[0].output_ids
+    assert eng.generate(prompts[:1], params)[0].output_ids == first[0].output_ids
 
 
 def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
