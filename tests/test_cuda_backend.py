@@ -92,8 +92,8 @@ def test_rows_that_stop_while_rounds_are_in_flight(method):
     admitted into the running batch (its prefill still in flight) joins the batch's rounds:
     each step launches one round for every request that can take one, never a group of its
     own that would stay apart."""
-    # lengths: the shortest ends at its first round, one may stop at EOS, one admitted late outlives
-    # the first wave
+    # lengths: the first ends early and frees a slot while the longest (7) still runs, so the
+    # fifth joins its rounds; the one of length 5 may stop at EOS
     params = [SamplingParams(max_new_tokens=n, ignore_eos=n != 5) for n in (3, 7, 4, 5, 2, 4)]
     ref = _engine(method, "reference").generate(PROMPTS + PROMPTS[:2], params)
     eng = _engine(method, "cuda", depth=2)
