@@ -59,6 +59,13 @@ def z_lab_sliding_dflash(folder: Path) -> Path:
     return folder
 
 
+def pytest_collection_finish(session):
+    """The test modules that run kernels have loaded the Triton interpreter by now."""
+    import interpreter
+
+    interpreter.skip_nested_patches()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -31,9 +31,9 @@ METHODS = {"none": {"method": "none"},
                           "num_speculative_tokens": 3}}
 
 
-def _engine(method: str, backend: str, depth: int | str = "auto", **model) -> Engine:
+def _engine(method: str, backend: str, depth: int | str = "auto", slots: int = 4, **model) -> Engine:
     model = {"max_model_len": 128, **model}  # short caches: fewer attention splits to interpret on a CPU
-    spec = tiny_spec(METHODS[method], max_batch_size=4, backend=backend, device=DEV, dtype="float32", **model)
+    spec = tiny_spec(METHODS[method], max_batch_size=slots, backend=backend, device=DEV, dtype="float32", **model)
     return Engine(with_depth(spec, depth))
 
 
@@ -54,7 +54,9 @@ def _same_rounds(ref, got) -> None:
 def test_greedy_tokens_equal_reference(method, batch):
     """float32: identical greedy tokens and identical accepted counts, mixed prompt lengths,
     with two rounds in flight behind the one the host books."""
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    # 6 tokens: the random drafter's drafts are rarely accepted, so about 5 rounds, each of the
+    # later ones launched with two ahead (every round is interpreted kernel by kernel on a CPU)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     ref = _engine(method, "reference").generate(PROMPTS[:batch], params, trace=True)
     eng = _engine(method, "cuda", depth=2)
     _same_rounds(ref, eng.generate(PROMPTS[:batch], params, trace=True))
@@ -62,15 +64,16 @@ def test_greedy_tokens_equal_reference(method, batch):
 
 
 @pytest.mark.parametrize("method_name", ["eagle3", "gemma4_mtp"])
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("draft", ["greedy", "probabilistic"])
+@pytest.mark.parametrize("draft, batch", [("greedy", 1), ("probabilistic", 4)])
 def test_chain_methods_equal_reference(method_name, batch, draft):
     """EAGLE-3 (its head entries written by position: the window's in the verify step, the last
     verified one in the draft step) and the frozen-KV MTP drafter (reading the target's static
     cache and the backend's last verified features): identical tokens and accepted counts,
-    greedy (the graph-captured path) and with sampled drafts (drafted eagerly, seeded), both
-    launched ahead of the host."""
-    params = [SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.0 if draft == "greedy" else 1.0,
+    greedy (the graph-captured path) and with sampled drafts (drafted eagerly, seeded, rows of
+    different lengths and seeds), both launched ahead of the host. Greedy rounds over several
+    rows are the trained drafters' and the in-flight stops' tests below (depths 0, 1 and 2)."""
+    # 6 tokens: about 5 rounds at depth 1 (the random drafters' drafts are rarely accepted)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0 if draft == "greedy" else 1.0,
                              seed=7 + i) for i in range(batch)]
     method = {**METHODS[method_name], "draft_sample_method": draft}
     specs = [tiny_spec(method, max_batch_size=4, backend=b, device=DEV, dtype="float32", max_model_len=128)
@@ -89,7 +92,9 @@ def test_rows_that_stop_while_rounds_are_in_flight(method):
     admitted into the running batch (its prefill still in flight) joins the batch's rounds:
     each step launches one round for every request that can take one, never a group of its
     own that would stay apart."""
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=n != 7) for n in (3, 9, 5, 7, 2, 6)]
+    # lengths: the first ends early and frees a slot while the longest (7) still runs, so the
+    # fifth joins its rounds; the one of length 5 may stop at EOS
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=n != 5) for n in (3, 7, 4, 5, 2, 4)]
     ref = _engine(method, "reference").generate(PROMPTS + PROMPTS[:2], params)
     eng = _engine(method, "cuda", depth=2)
     reqs = [eng.add_request(p, s) for p, s in zip(PROMPTS + PROMPTS[:2], params)]  # six through four slots
@@ -110,13 +115,14 @@ TRAINED = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml
            "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 TRAINED_PROMPTS = ["import os\nclass A:\n    def run(self, n):", "def add(a, b):\n    ",
                    "for i in range(10):\n    print(i)", "def __init__(self, name):\n"]
+TRAINED_LENGTHS = (8, 5, 6, 4)  # a few rounds each: the trained drafters' runs are long
 
 
 @functools.cache
 def _trained_reference(method: str, batch: int) -> tuple:
     spec = respec(load_spec(TRAINED[method]), "reference", max_batch_size=4, device=DEV, dtype="float32",
                   max_model_len=128)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 6, 8, 5)][:batch]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS][:batch]
     return tuple(Engine(spec, draft_policy="always").generate(TRAINED_PROMPTS[:batch], params, trace=True))
 
 
@@ -130,7 +136,7 @@ def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
     ref = _trained_reference(method, batch)
     assert sum(x.accepted for c in ref for x in c.rounds) >= 2 * batch  # drafts were accepted: the check has teeth
     spec = respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32", max_model_len=128)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 6, 8, 5)][:batch]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS][:batch]
     eng = Engine(with_depth(spec, depth), draft_policy="always")
     _same_rounds(ref, eng.generate(TRAINED_PROMPTS[:batch], params, trace=True))
     assert eng.machine.depth == depth
@@ -138,23 +144,23 @@ def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
 
 def test_seeded_sampling_repeats_and_batches_alike():
     """Sampling keyed by (seed, position): a request gives the same tokens alone, in a batch
-    and run again."""
-    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=8, ignore_eos=True) for s in (3, 4)]
+    and run again (each run alone is the batch's request run again, in another slot)."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=4, ignore_eos=True) for s in (3, 4)]
     eng = _engine("dflash", "cuda")
     batch = eng.generate(PROMPTS[:2], params)
     alone = [eng.generate([p], s)[0] for p, s in zip(PROMPTS[:2], params)]
     assert [c.output_ids for c in batch] == [c.output_ids for c in alone]
-    assert eng.generate(PROMPTS[:1], params[:1])[0].output_ids == batch[0].output_ids
     assert batch[0].output_ids != batch[1].output_ids  # seeds matter
 
 
 def test_slots_are_reused_after_requests_finish():
-    eng = _engine("dflash", "cuda")
+    eng = _engine("dflash", "cuda", slots=2)  # two slots: each is used twice by four requests
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    first = eng.generate(PROMPTS * 2, params)  # 8 requests through 4 slots
-    assert len(first) == 8 and all(len(c.output_ids) == 4 for c in first)
-    assert sorted(eng.backend.cache.slots.free) == [0, 1, 2, 3]
-    assert eng.generate(PROMPTS[:1], params)[0].output_ids == first[0].output_ids
+    prompts = [PROMPTS[0], PROMPTS[2]] * 2  # short prompts: each prefill is interpreted too
+    first = eng.generate(prompts, params)  # 4 requests through 2 slots
+    assert len(first) == 4 and all(len(c.output_ids) == 4 for c in first)
+    assert sorted(eng.backend.cache.slots.free) == [0, 1]
+    assert eng.generate(prompts[:1], params)[0].output_ids == first[0].output_ids
 
 
 def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
@@ -163,12 +169,12 @@ def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
     spec = {**METHODS["dflash"], "draft_sample_method": "probabilistic"}
     engines = [Engine(tiny_spec(spec, max_batch_size=2, backend=backend, device=DEV, dtype="float32", max_model_len=128))
                for backend in ("reference", "cuda")]
-    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)  # about 4 rounds: each is interpreted
     ref, got = (e.generate(PROMPTS[:2], greedy) for e in engines)
     assert [c.output_ids for c in got] == [c.output_ids for c in ref]
-    sampled = [SamplingParams(temperature=1.0, seed=9, max_new_tokens=8, ignore_eos=True)] * 2
-    first = [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)]
-    assert [c.output_ids for c in engines[1].generate(PROMPTS[:2], sampled)] == first
+    sampled = [SamplingParams(temperature=1.0, seed=9, max_new_tokens=5, ignore_eos=True)]
+    first = [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)]
+    assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first
 
 
 @pytest.mark.gpu  # the trained pair's 16-token windows take the interpreter past 20 minutes here
@@ -321,23 +327,24 @@ def test_branch_work_is_done_at_the_join_eagerly_and_in_a_graph():
 
 def test_simulated_acceptance_gives_the_profiles_tau():
     """bench --acceptance on a tiny random pair (whose own drafts are never accepted): with
-    drafts replaced inside the draft step, the measured tau is the profile's, within 0.5
-    (about two standard errors over these ~28 rounds; the draws are keyed, so the run is
-    deterministic), and tokens stay the target's."""
+    drafts replaced inside the draft step, the measured tau is the profile's, within 0.7
+    (about two standard errors over these ~16 rounds, where drafts left as the random
+    drafter's give tau near 1, 1.8 below; the draws are keyed, so the run is deterministic),
+    and tokens stay the target's."""
     from draftline.core.simulated import SimulatedAcceptance, expected_tau
 
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = PROMPTS[:2]
     # the reference's continuation: the cuda backend's own, as the differential tests hold
-    longer = _engine("none", "reference").generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    longer = _engine("none", "reference").generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
     eng = _engine("dflash", "cuda", depth=2)
     eng.backend.set_draft_override(SimulatedAcceptance(
         0.7, {tuple(eng.encode(p)): c.output_ids for p, c in zip(prompts, longer)}, 4, eng.backend.cache.max_len,
         eng.target.config.vocab_size, eng.device))
     got = eng.generate(prompts, params)
-    assert [c.output_ids for c in got] == [c.output_ids[:40] for c in longer]
+    assert [c.output_ids for c in got] == [c.output_ids[:24] for c in longer]
     tau = sum(c.meta_info["completion_tokens"] - 1 for c in got) / sum(c.meta_info["spec_verify_ct"] for c in got)
-    assert abs(tau - expected_tau(0.7, 4)) < 0.5, tau
+    assert abs(tau - expected_tau(0.7, 4)) < 0.7, tau
 
 
 @pytest.mark.parametrize("field, value, feature", [

@@ -140,13 +140,15 @@ def test_sampled_tokens_follow_target_distribution(baseline, method):
     """Chi-square: the 2nd token (decided by the first accept/reject round) follows the target."""
     engine = Engine(tiny_spec(method, max_batch_size=512), baseline.target, baseline.tokenizer)
     prompt = engine.encode("def ")
-    n = 3000
+    # a correct sampler fails the 1e-3 threshold 0.1% of the time whatever n is; 1500 draws
+    # keep most of the second token's cells at 5+ expected (the rest are pooled)
+    n = 1500
     params = [SamplingParams(temperature=1.0, top_k=8, max_new_tokens=2, seed=s, ignore_eos=True) for s in range(n)]
     out = engine.generate([prompt] * n, params)
     second = torch.tensor([c.output_ids[1] for c in out])
     law = _second_token_law(engine, prompt, params[0])
     rate = sum(c.meta_info["spec_accept_rate"] for c in out) / n
-    assert 0.01 < rate < 0.95  # both the accept and the reject path were exercised (30+ draws each way)
+    assert 0.02 < rate < 0.98  # both the accept and the reject path were exercised (30+ draws each way)
     assert chi_square_p(torch.bincount(second, minlength=law.numel()), law) > 1e-3
 
 
