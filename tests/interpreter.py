@@ -22,7 +22,10 @@ def _languages(fn, tl) -> frozenset:
 def skip_nested_patches() -> None:
     """Install once, if the interpreter is loaded (the tests that run kernels import it)."""
     interpreter = sys.modules.get("triton.runtime.interpreter")
-    if interpreter is None or getattr(interpreter.GridExecutor, "_nested_patches_skipped", False):
+    needs = ("_patch_lang", "_LangPatchScope", "GridExecutor")
+    if interpreter is None or not all(hasattr(interpreter, name) for name in needs):
+        return  # not loaded, or another Triton than constraints.txt pins: interpreted as it comes
+    if getattr(interpreter.GridExecutor, "_nested_patches_skipped", False):
         return
     import triton.language as tl
 
