@@ -77,13 +77,15 @@ def test_n_and_list_prompts(client):
     assert len(best.choices) == 1 and best.usage.completion_tokens == 24
 
 
-def test_logprobs_are_the_targets_and_echo_gives_the_prompts(client, engine):
+def test_logprobs_are_the_targets_and_echo_gives_the_prompts(client, engine, url):
     r = client.completions.create(model="m", prompt="def f(x):\n", max_tokens=6, logprobs=3, echo=True, temperature=0)
     lp = r.choices[0].logprobs
     ids = engine.encode("def f(x):\n")
     n = len(ids)
     assert r.choices[0].text.startswith("def f(x):\n") and lp.token_logprobs[0] is None and len(lp.tokens) == n + 6
-    out = engine.generate(["def f(x):\n"], engine.spec.sampling.params(max_new_tokens=6))[0].output_ids
+    # the greedy ids through the server: the test never steps the engine its loop thread steps
+    out = httpx.post(url + "/generate", json={"text": "def f(x):\n", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0}}, timeout=120).json()["output_ids"]
     with torch.no_grad():
         hidden, _ = full_forward(engine.target, torch.tensor([ids + out]))
         want = torch.log_softmax(engine.target.logits(hidden[0]).float(), -1)  # [n+6, V]
