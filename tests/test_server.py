@@ -224,7 +224,7 @@ fuzzed = schemathesis.pytest.from_fixture("api_schema")
 
 
 @fuzzed.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 def test_fuzzed_requests_never_break_the_server(case, url):
     """Schema-driven fuzzing, a bounded number of cases per operation: never a 5xx (bar 503
     for a full queue), and the server stays healthy."""
