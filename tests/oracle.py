@@ -44,31 +44,35 @@ class OracleDrafter(Drafter):
         pass
 
     def propose(self, reqs, rows):
-        batch = rows.batch
-        k, v = self.plan.num_speculative_tokens, self.target.config.vocab_size
-        rows = [self._one(r, batch, i, k, v) for i, r in enumerate(reqs)]
-        tokens = torch.stack([t for t, _ in rows])
-        probs = None if rows[0][1] is None else torch.stack([q for _, q in rows])
-        return Proposal(tokens=tokens, probs=probs)
-
-    def _one(self, req, batch, row, k, v):
-        seq, toks, qs = list(req.token_ids), [], []
+        """Every row's k drafts, one draft position at a time for all rows: rows whose
+        sequences have the same length share one forward (the target's, uncached)."""
+        batch, k, v = rows.batch, self.plan.num_speculative_tokens, self.target.config.vocab_size
+        seqs = [list(r.token_ids) for r in reqs]
+        toks = torch.zeros(len(reqs), k, dtype=torch.long)
+        qs = torch.zeros(len(reqs), k, v) if self.plan.draft_sample_method != "greedy" else None
         for i in range(k):
-            hidden, _ = full_forward(self.target, torch.tensor([seq]))
-            logits = self.target.logits(hidden[:, -1])  # [1, V]
-            if self.plan.draft_sample_method == "greedy" or float(batch.temperature[row]) == 0:
-                tok = int(logits.argmax())
-            else:
-                p = probs_from_logits(logits, _row(batch, row))
-                q = 0.5 * p + 0.5 / v
-                tok = int(sample(q, batch.seed[row:row + 1], torch.tensor([len(seq)]), Stream.DRAFT))
-                qs.append(q[0])
-            if i in self.corrupt_at:
-                tok = (tok + 1) % v
-            toks.append(tok)
-            seq.append(tok)
-        return torch.tensor(toks), (torch.stack(qs) if qs else None)
+            logits = self._last_logits(seqs)  # [N, V]
+            for n, tok in enumerate(self._draws(logits, batch, seqs, qs, i)):
+                tok = (tok + 1) % v if i in self.corrupt_at else tok
+                toks[n, i] = tok
+                seqs[n].append(tok)
+        return Proposal(tokens=toks, probs=qs)
 
+    def _last_logits(self, seqs):
+        out = torch.empty(len(seqs), self.target.config.vocab_size)
+        for length in {len(s) for s in seqs}:
+            rows = [n for n, s in enumerate(seqs) if len(s) == length]
+            hidden, _ = full_forward(self.target, torch.tensor([seqs[n] for n in rows]))
+            out[rows] = self.target.logits(hidden[:, -1]).float()
+        return out
 
-def _row(batch, i):
-    return SamplingBatch(batch.temperature[i:i + 1], batch.top_k[i:i + 1], batch.top_p[i:i + 1], batch.seed[i:i + 1])
+    def _draws(self, logits, batch, seqs, qs, i):
+        """Greedy rows: argmax; sampled rows: a keyed draw from q = (p + uniform) / 2, kept in qs."""
+        if qs is None:
+            return logits.argmax(-1).tolist()
+        p = probs_from_logits(logits, batch)
+        q = 0.5 * p + 0.5 / logits.shape[-1]
+        drawn = sample(q, batch.seed, torch.tensor([len(s) for s in seqs]), Stream.DRAFT)
+        qs[:, i] = q
+        greedy = batch.temperature == 0
+        return torch.where(greedy, logits.argmax(-1), drawn).tolist()
