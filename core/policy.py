@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 16  # the latest rounds an estimate is made of
-PRIOR_ROUNDS = 16  # how many drafted rounds the history counts for beside the rows' own: a request's hard start must not turn drafting off for the rest of it
+PRIOR_ROUNDS = 16  # drafted rounds the history counts for beside the rows' own (a hard start must not turn drafting off)
 TOKENS_HORIZON = 256  # rounds the drafted tokens a row are averaged over
 CLEAR_GAIN = 1.5  # one choice this many times faster a token than the other: probe it less
 
@@ -62,8 +62,9 @@ class Bucket:
         return None if gain is None else gain >= 1.0
 
     def gain(self, tau_prior: float, drafted: Drafted = Drafted()) -> float | None:
-        """Plain decoding's time a token over drafting's, once both are measured (None before): a drafting round's median
-        time over the tokens a row of *these* rows' drafted rounds emitted (``tau_prior``, the
+        """Plain decoding's time a token over drafting's, once both are measured (None before):
+        a drafting round's median time over the tokens a row of *these* rows' drafted rounds
+        emitted (``tau_prior``, the
         policy's tokens a row over every bucket's drafted rounds, standing in for PRIOR_ROUNDS
         rounds), against a plain round's one token. Not the median of each round's seconds per
         token: a drafting round's time is steady while its tokens range from 1 to K + 1, so that
@@ -82,10 +83,11 @@ class DraftPolicy:
     choices at each batch bucket (a few rounds each, drafting first), then takes the faster for
     the rows at hand, re-measuring the other one round in ``probe_every`` of that bucket's
     rounds (in 4 x ``probe_every`` where one is CLEAR_GAIN times faster: a probe there costs
-    most and is least likely to change the choice). A bucket not yet measured follows its measured neighbours where they settle it
-    (drafting pays less as the batch grows: a larger bucket that drafts means this one drafts
-    too, a smaller one that does not means this one does not), so a batch shrinking through
-    new buckets at the end of its requests does not spend its rounds measuring each."""
+    most and is least likely to change the choice). A bucket not yet measured follows its
+    measured neighbours where they settle it (drafting pays less as the batch grows: a larger
+    bucket that drafts means this one drafts too, a smaller one that does not means this one
+    does not), so a batch shrinking through new buckets at the end of its requests does not
+    spend its rounds measuring each."""
 
     limit: int | str = "auto"
     probe_every: int = 16
@@ -104,18 +106,20 @@ class DraftPolicy:
         size = self.bucket(batch_size)
         b = self.buckets.setdefault(size, Bucket())
         b.decisions += 1
-        best = self._choice(size, drafted)
+        gain = b.gain(self.drafting.tokens_per_row, drafted)
+        best = self._neighbours(size) if gain is None else gain >= 1.0
         if best is None:  # measuring: whichever has fewer rounds, drafting first
             return b.on.rounds <= b.off.rounds
-        gain = b.gain(self.drafting.tokens_per_row, drafted)
         clear = gain is not None and max(gain, 1 / max(gain, 1e-12)) >= CLEAR_GAIN
         return (not best) if b.decisions % (self.probe_every * (4 if clear else 1)) == 0 else best
 
-    def _choice(self, size: int, drafted: Drafted = Drafted()) -> bool | None:
+    def _choice(self, size: int) -> bool | None:
         """The bucket's own choice once it is measured, else its neighbours' where they settle it."""
-        own = self.buckets[size].choice(self.drafting.tokens_per_row, drafted)
-        if own is not None:
-            return own
+        own = self.buckets[size].choice(self.drafting.tokens_per_row)
+        return self._neighbours(size) if own is None else own
+
+    def _neighbours(self, size: int) -> bool | None:
+        """What the measured buckets settle for an unmeasured one of ``size`` (None: nothing)."""
         others = {s: b.choice(self.drafting.tokens_per_row) for s, b in self.buckets.items() if s != size}
         if any(chosen for s, chosen in others.items() if s > size):
             return True

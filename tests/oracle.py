@@ -49,7 +49,8 @@ class OracleDrafter(Drafter):
         batch, k, v = rows.batch, self.plan.num_speculative_tokens, self.target.config.vocab_size
         seqs = [list(r.token_ids) for r in reqs]
         toks = torch.zeros(len(reqs), k, dtype=torch.long)
-        qs = torch.zeros(len(reqs), k, v) if self.plan.draft_sample_method != "greedy" else None
+        sampled = self.plan.draft_sample_method != "greedy" and bool((batch.temperature > 0).any())
+        qs = torch.zeros(len(reqs), k, v) if sampled else None  # greedy rows' drafts have no q
         for i in range(k):
             logits = self._last_logits(seqs)  # [N, V]
             for n, tok in enumerate(self._draws(logits, batch, seqs, qs, i)):

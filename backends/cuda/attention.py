@@ -233,15 +233,15 @@ def invariant_split_plan(max_len: int) -> Splits:
     (INVARIANT_SPLIT keys each, whatever the row's length or the batch), stepped through in the
     same blocks, merged by the same path and warps, with queries in one tile shape
     (INVARIANT_QUERY_ROWS, whatever the method): a query reduces its keys exactly alike as a
-    decode row, inside a verify window, or beside any other rows. Keys past a query's own position are masked, which adds exact zeros. Under the
-    interpreter, one split over the whole cache, which is as fixed, in 64-key steps (its summed
-    tile products, tile_dot, stay small)."""
-    rows = INVARIANT_QUERY_ROWS
+    decode row, inside a verify window, or beside any other rows. Keys past a query's own
+    position are masked, which adds exact zeros. Under the interpreter, one split over the
+    whole cache, which is as fixed, in 64-key steps (its summed tile products, tile_dot, stay
+    small)."""
     if interpreted():
-        return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=rows)
+        return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=INVARIANT_QUERY_ROWS)
     split = min(INVARIANT_SPLIT, triton.next_power_of_2(max_len))
     count = triton.cdiv(max_len, split)
-    return Splits(count, split, merge=count <= 4, rows=rows)
+    return Splits(count, split, merge=count <= 4, rows=INVARIANT_QUERY_ROWS)
 
 
 def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:

@@ -40,11 +40,11 @@ from draftline.core.sampling import SamplingBatch, SamplingParams, Stream, probs
 from . import logprobs as target_logprobs
 from . import overlap
 from . import sampling as kernels
+from .attention import INVARIANT_QUERY_ROWS
 from .buffers import (DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, draft_slot,
                       inverse_temperature)
 from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
-from .attention import INVARIANT_QUERY_ROWS
 from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
 from .penalties import SlotPenalties
@@ -154,9 +154,10 @@ class CudaBackend:
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
                               cfg.head_dim, dtype, device, invariant=capacity.invariant)
-        if capacity.invariant and cfg.num_heads // cfg.num_kv_heads * width > INVARIANT_QUERY_ROWS:
-            raise ConfigError(f"model.batch_invariant: a verify window of {width} tokens x {cfg.num_heads // cfg.num_kv_heads} "
-                              f"query heads per kv head exceeds the invariant attention tile ({INVARIANT_QUERY_ROWS} rows); "
+        group = cfg.num_heads // cfg.num_kv_heads
+        if capacity.invariant and group * width > INVARIANT_QUERY_ROWS:
+            raise ConfigError(f"model.batch_invariant: a verify window of {width} tokens x {group} query heads per "
+                              f"kv head exceeds the invariant attention tile ({INVARIANT_QUERY_ROWS} rows); "
                               "draft fewer tokens or set model.batch_invariant: false")
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)

@@ -160,7 +160,8 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tenso
 
 
 def _norm_warps(rows: int, invariant: bool) -> int:
-    """More loads in flight for rows of partial sums; one row's norm is quicker with 4."""
+    """More loads in flight for rows of partial sums; one row's norm is quicker with 4, except
+    in the invariant form, where a row's reduction tree must not depend on the row count."""
     return 16 if rows > 1 or invariant else 4
 
 

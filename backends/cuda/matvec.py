@@ -82,10 +82,11 @@ def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
 
 
 def invariant_tiling(n: int, k: int, gated: bool = False) -> Tiling | None:
-    """The batch-invariant form's tiling: choose_tiling's at one row, so chosen by (N, K) alone
+    """The batch-invariant form's tiling: the device's at one row, so chosen by (N, K) alone
     (K steps, split, column blocks); rows go in ROW_TILE tiles at any M. None for a K the
     matvec cannot step through (the matrix library then serves, without the guarantee). The
-    device's tiling under the interpreter too: its summed tile products (tile_dot) stay small."""
+    device's tiling under the interpreter too, not choose_tiling's wider one: its summed tile
+    products (tile_dot) stay small."""
     return device_tiling(1, n, k, gated)
 
 
@@ -278,8 +279,7 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
     return out
 
 
-def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch | None = None,
-                  invariant: bool = False) -> Tensor:
+def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch | None = None) -> Tensor:
     """argmax over N of x [M, K] @ w.T rounded to x's dtype (the first on ties) -> [M] int64,
     in one launch, without writing the [M, N] products. ``scratch`` is the caller's persistent
     ArgmaxScratch (a graph replays it); without one a fresh one is made."""
@@ -290,8 +290,7 @@ def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch |
                          f"{tiling.block_k}-wide steps and at most {MAX_ROWS} rows")
     scratch = scratch or ArgmaxScratch(x.device)
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, tokens, n, k, tiling, False, scratch, tokens,
-            invariant=invariant)
+    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, tokens, n, k, tiling, False, scratch, tokens)
     return tokens
 
 
