@@ -25,6 +25,7 @@ class Capacity:
     max_model_len: int  # prompt + output tokens of one request
     graphs: bool = True  # capture CUDA graphs where the backend can
     invariant: bool = False  # a target row's results independent of the rows beside it (model.batch_invariant)
+    invariant_required: bool = False  # the spec set it: a backend that cannot keep it refuses to start
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,8 @@ class Engine:
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
         capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager,
-                            invariant=spec.model.batch_invariant)
+                            invariant=spec.model.batch_invariant is not False,
+                            invariant_required=spec.model.batch_invariant is True)
         self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype, capacity)
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
         self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue

@@ -19,9 +19,22 @@ SPECS = {
 }
 
 
+INTERPRETED = not torch.cuda.is_available()  # the cuda backend's kernels run in Triton's interpreter
+
+
+def _kernels(backend: str, model_overrides: dict) -> dict:
+    """Under the interpreter a cuda spec takes the plain kernels unless the test asks for
+    model.batch_invariant: the invariant forms about double an interpreted test's time, and
+    they have tests of their own (test_batch_invariance.py, the trained DFlash differential
+    case). On the GPU the spec's default (invariant) holds everywhere."""
+    if backend == "cuda" and INTERPRETED:
+        model_overrides.setdefault("batch_invariant", False)
+    return model_overrides
+
+
 def tiny_spec(method: dict | None = None, max_batch_size: int = 8, backend: str = "reference", **model_overrides):
     data = {**SPECS["dflash"], "server": {"max_batch_size": max_batch_size}, "backend": backend}
-    data["model"] = {**data["model"], **model_overrides}
+    data["model"] = {**data["model"], **_kernels(backend, model_overrides)}
     if method is not None:
         data["speculative"] = {"max_draft_batch": "always", **method}
     return parse_spec(data)
@@ -31,7 +44,7 @@ def respec(spec, backend: str, max_batch_size: int | None = None, **model_overri
     """The same spec on another backend, with model fields (device, dtype, ...) overridden."""
     data = spec.model_dump(mode="python")
     data["backend"] = backend
-    data["model"].update(model_overrides)
+    data["model"].update(_kernels(backend, model_overrides))
     if max_batch_size is not None:
         data["server"]["max_batch_size"] = max_batch_size
     return type(spec).model_validate(data)

@@ -92,6 +92,33 @@ def test_a_verify_window_equals_the_decode_steps_it_replaces_inside_any_batch():
         assert torch.equal(a[1, :, :43], b[1, :, :43])
 
 
+def test_a_prompt_prefills_alike_alone_and_beside_longer_prompts():
+    """The invariant prefill: a 5-token prompt alone (width 5) and as the middle row of three
+    prompts padded to 9 tokens: the keys and values it caches, its hidden states and its first
+    token's logits are bit-equal."""
+    from draftline.backends.cuda.fused import lm_logits
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.core.models.loader import random_target
+
+    target = random_target("tiny-qwen3", 0, DEV, DTYPE)
+    cfg = target.config
+    gen = torch.Generator().manual_seed(3)
+    caches = [StaticKV(cfg.num_layers, 4, cfg.num_kv_heads, 32, cfg.head_dim, DTYPE, torch.device(DEV),
+                       invariant=True) for _ in range(2)]
+    batch = torch.randint(0, cfg.vocab_size, (3, 9), generator=gen).to(DEV)
+    prompt = batch[1, :5].clone()
+    batch[1, 5:] = 0  # the padding after the prompt
+    with torch.no_grad():
+        alone, _ = target(prompt[None], torch.arange(5, device=DEV)[None],
+                          caches[0].prefill_attention(torch.tensor([2], device=DEV)))
+        beside, _ = target(batch, torch.arange(9, device=DEV)[None].expand(3, -1),
+                           caches[1].prefill_attention(torch.tensor([0, 2, 3], device=DEV)))
+    assert torch.equal(alone[0], beside[1, :5])
+    assert torch.equal(lm_logits(target.lm_head, alone[:, 4], True), lm_logits(target.lm_head, beside[1:2, 4], True))
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.equal(a[2, :, :5], b[2, :, :5])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-dflash", "tiny-eagle3", "tiny-gemma4-mtp"])
 def test_drafting_never_changes_a_token_with_invariant_kernels(name):
@@ -115,3 +142,20 @@ def test_drafting_never_changes_a_token_with_invariant_kernels(name):
             want = base.generate(prompts[i : i + batch], params)
             assert [c.output_ids for c in got] == [c.output_ids for c in want], (batch, i)
             assert sum(r.accepted for c in got for r in c.rounds) > 0  # drafts were accepted
+
+
+def test_a_window_too_wide_for_the_invariant_tile_is_refused_only_when_the_spec_asks_for_it():
+    """model.batch_invariant unset: on where the verify window's query rows per kv head fit the
+    invariant attention tile, off (with a warning) where they do not; true: refused there."""
+    from types import SimpleNamespace
+
+    from draftline.backends.cuda.backend import _invariant
+    from draftline.core.contract import Capacity
+    from draftline.core.models.config import ConfigError
+
+    cfg = SimpleNamespace(num_heads=16, num_kv_heads=2)  # 8 query heads per kv head
+    assert _invariant(Capacity(4, 64, invariant=True), cfg, 8)  # 8 x 8 = 64 rows: fits
+    assert not _invariant(Capacity(4, 64, invariant=True), cfg, 9)
+    assert not _invariant(Capacity(4, 64, invariant=False), cfg, 1)
+    with pytest.raises(ConfigError, match="exceeds the invariant attention tile.*batch_invariant: false"):
+        _invariant(Capacity(4, 64, invariant=True, invariant_required=True), cfg, 9)

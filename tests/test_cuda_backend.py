@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from conftest import respec, tiny_spec  # noqa: E402
+from conftest import INTERPRETED, respec, tiny_spec  # noqa: E402
 from draftline.core.engine import Engine  # noqa: E402
 from draftline.core.sampling import SamplingParams  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
@@ -132,14 +132,18 @@ def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
     reference's rounds exactly (the drafter's static context, its graph-safe update, the
     target's KV past accepted runs, the state each round leaves). One case per method keeps
     the interpreter's time in bounds; together they cover batch 1 and 4 and depths 0, 1, 2
-    (the random-weight tests above run every method at depth 1 or 2 too)."""
+    (the random-weight tests above run every method at depth 1 or 2 too). The DFlash case
+    takes the spec's default kernels, the batch-invariant ones, also under the interpreter."""
     ref = _trained_reference(method, batch)
     assert sum(x.accepted for c in ref for x in c.rounds) >= 2 * batch  # drafts were accepted: the check has teeth
-    spec = respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32", max_model_len=128)
+    default = {"batch_invariant": None} if method == "dflash" else {}
+    spec = respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32", max_model_len=128,
+                  **default)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS][:batch]
     eng = Engine(with_depth(spec, depth), draft_policy="always")
     _same_rounds(ref, eng.generate(TRAINED_PROMPTS[:batch], params, trace=True))
     assert eng.machine.depth == depth
+    assert eng.backend.cache.invariant == (method == "dflash" or not INTERPRETED)
 
 
 def test_seeded_sampling_repeats_and_batches_alike():

@@ -224,14 +224,15 @@ def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
     return device_split_plan(max_len, rows, kv_heads)
 
 
-INVARIANT_SPLIT = 64  # keys per split of the batch-invariant plan, at fixed offsets 0, 64, 128, ...
+INVARIANT_SPLIT = 256  # keys per split of the batch-invariant plan, at fixed offsets 0, 256, 512, ...
 INVARIANT_QUERY_ROWS = 64  # query rows per (row, kv head) tile in that plan: G x W up to 64 (Qwen3-8B: 4 x 16)
 
 
 def invariant_split_plan(max_len: int) -> Splits:
     """The batch-invariant plan: every row's keys split at the same absolute offsets
-    (INVARIANT_SPLIT keys each, whatever the row's length or the batch), stepped through in the
-    same blocks, merged by the same path and warps, with queries in one tile shape
+    (INVARIANT_SPLIT keys each, whatever the row's length or the batch; 256 cost less than 64
+    at an 8B model's decode row: fewer programs and partials), stepped through in the same
+    blocks, merged by the same path and warps, with queries in one tile shape
     (INVARIANT_QUERY_ROWS, whatever the method): a query reduces its keys exactly alike as a
     decode row, inside a verify window, or beside any other rows. Keys past a query's own
     position are masked, which adds exact zeros. Under the interpreter, one split over the

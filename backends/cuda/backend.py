@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +50,8 @@ from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, Stat
 from .matvec import Draw, take_draws
 from .penalties import SlotPenalties
 from .windows import block_window, verify_window
+
+log = structlog.get_logger("draftline.cuda")
 
 MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it collects next
 PREFILL_WIDTHS = (16, 32, 64, 128, 256)  # prompt widths whose prefill is captured, for every batch bucket
@@ -153,12 +156,7 @@ class CudaBackend:
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
-                              cfg.head_dim, dtype, device, invariant=capacity.invariant)
-        group = cfg.num_heads // cfg.num_kv_heads
-        if capacity.invariant and group * width > INVARIANT_QUERY_ROWS:
-            raise ConfigError(f"model.batch_invariant: a verify window of {width} tokens x {group} query heads per "
-                              f"kv head exceeds the invariant attention tile ({INVARIANT_QUERY_ROWS} rows); "
-                              "draft fewer tokens or set model.batch_invariant: false")
+                              cfg.head_dim, dtype, device, invariant=_invariant(capacity, cfg, width))
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         for model in (target, getattr(self.drafter, "model", None)):  # before any capture: fusing frees the
@@ -330,6 +328,8 @@ class CudaBackend:
         if self.drafter is not None:
             self.drafter.prefill_rows(self._prefill_rows(rows), features, p.ids[:rows, :width])
         last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
+        if self.cache.invariant:  # the first token as a verify row would draw it, whatever the batch
+            return lm_logits(self.target.lm_head, last, True), features
         return self.target.logits(last), features
 
     def _prefill_rows(self, rows: int) -> DraftRows:
@@ -537,6 +537,21 @@ class CudaBackend:
             if req.draft_state is not None and hasattr(req.draft_state, "index"):
                 self.kv.release(req.draft_state)
             self.drafter.release(req)
+
+
+def _invariant(capacity: Capacity, cfg, width: int) -> bool:
+    """Whether the target's rows take the batch-invariant kernels: as the spec asks, where the
+    verify window's query rows per kv head fit the invariant attention tile. Unset in the spec,
+    a window that does not fit runs without the guarantee, with a warning; set, it is refused."""
+    rows = cfg.num_heads // cfg.num_kv_heads * width
+    if not capacity.invariant or rows <= INVARIANT_QUERY_ROWS:
+        return capacity.invariant
+    why = (f"model.batch_invariant: a verify window of {width} tokens x {rows // width} query heads per kv head "
+           f"exceeds the invariant attention tile ({INVARIANT_QUERY_ROWS} rows)")
+    if capacity.invariant_required:
+        raise ConfigError(f"{why}; draft fewer tokens or set model.batch_invariant: false")
+    log.warning("batch_invariant_off", reason=why, effect="drafting may change a bf16 token on the GPU")
+    return False
 
 
 def _filtered(reqs: list[Request]) -> bool:

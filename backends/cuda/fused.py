@@ -160,9 +160,10 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tenso
 
 
 def _norm_warps(rows: int, invariant: bool) -> int:
-    """More loads in flight for rows of partial sums; one row's norm is quicker with 4, except
-    in the invariant form, where a row's reduction tree must not depend on the row count."""
-    return 16 if rows > 1 or invariant else 4
+    """More loads in flight for rows of partial sums; one row's norm is quicker with 4. The
+    invariant form keeps 4 at any row count (a row's reduction tree must not depend on it),
+    so a decode row costs what it does without the guarantee."""
+    return 4 if rows == 1 or invariant else 16
 
 
 def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
@@ -273,15 +274,20 @@ def fused_weights(layer: torch.nn.Module) -> tuple[Tensor, Tensor]:
     return layer.fused_qkv, fused_gate_up(layer)
 
 
+AttendFn = Callable[[Tensor, int], Tensor]  # (rotated q [N, Hq, W, D], layer) -> its output [N, Hq, W, D]
+
+
 def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor, cache: StaticKV,
               slots: Tensor, kv_len: Tensor, causal: bool, taps: tuple[int, ...] = (),
-              tapped: Callable[[Tensor], None] | None = None, windows: dict[int, Window] | None = None
-              ) -> tuple[Tensor, Tensor | None]:
+              tapped: Callable[[Tensor], None] | None = None, windows: dict[int, Window] | None = None,
+              attention: AttendFn | None = None) -> tuple[Tensor, Tensor | None]:
     """Decoder layers over a static cache: h [N, W, H] at positions [N, W] -> (final-normed
     hidden [N, W, H], the tapped layers' outputs [N, W, len(taps)*H] or None). ``tapped`` is
     called with those outputs as soon as the last tapped layer's is written, while the layers
     after it are still to be launched (work that reads only the taps can start there).
-    ``windows``: the layers that attend through a sliding window (a drafter's; sliding.py)."""
+    ``windows``: the layers that attend through a sliding window (a drafter's; sliding.py).
+    ``attention``: what each layer attends with, over the keys just stored (the invariant
+    prefill's whole-prompt attention), instead of the decode kernel."""
     n, w = positions.shape
     h = h.reshape(n * w, -1)
     width = h.shape[1]
@@ -298,7 +304,7 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
         if i == done:
             _all_tapped(features, cols, taps, tap_out, tapped, n, w)
         h, pending = layer_body(layer, h, x, positions, rotary, cache, i, slots, kv_len, causal,
-                                (windows or {}).get(i))
+                                (windows or {}).get(i), attention)
     h, x = add_norm(pending, h, final_norm.weight, final_norm.eps, out=tap_out.get(len(layers) - 1),
                     invariant=cache.invariant)
     if done == len(layers):
@@ -307,15 +313,19 @@ def run_stack(layers, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions:
 
 
 def layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, cache: StaticKV, i: int,
-               slots: Tensor, kv_len: Tensor, causal: bool, window: Window | None = None) -> tuple[Tensor, Tensor]:
+               slots: Tensor, kv_len: Tensor, causal: bool, window: Window | None = None,
+               attention: AttendFn | None = None) -> tuple[Tensor, Tensor]:
     """One decoder layer after its input norm: residual h [N*W, H] and normed input x [N*W, In]
     (In may differ from H: an EAGLE-3 head reads 2H) -> (h after attention [N*W, H], the MLP's
     output, maybe float32 partial sums): the layer's output is their sum, which the next
-    add_norm makes. Keys go to layer ``i`` of the cache; a sliding ``window`` replaces causal."""
+    add_norm makes. Keys go to layer ``i`` of the cache; a sliding ``window`` replaces causal,
+    and ``attention`` (run_stack) replaces the decode kernel."""
     n, w = positions.shape
     qkv_w, gate_up_w = fused_weights(layer)
     q = _qkv(layer, linear(x, qkv_w, invariant=cache.invariant), positions, rotary, cache, i, slots, kv_len, n, w)
-    if window is not None:
+    if attention is not None:
+        out = attention(q, i)
+    elif window is not None:
         out = attend_window(q, cache.k[i], cache.v[i], slots, kv_len, window)  # [N, Hq, W, D] view
     else:
         out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention import CacheAttention, Splits, attend, invariant_split_plan, split_plan, store_kv
+from .attention import INVARIANT_QUERY_ROWS, CacheAttention, Splits, attend, invariant_split_plan, split_plan, store_kv
 from .fused import add_norm, layer_body, norm, project_kv_stack, query_layer_body, run_stack
 from .sliding import Window, attend_window, layer_windows, window_mask
 
@@ -83,6 +83,8 @@ class StaticKV:
         return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets)
 
     def prefill_attention(self, slots: Tensor, windows: dict[int, Window] | None = None) -> "PrefillAttention":
+        if self.invariant and not windows:
+            return InvariantPrefill(self, slots)
         return PrefillAttention(self, slots, windows or {})
 
 
@@ -105,6 +107,38 @@ class PrefillAttention:
             return causal_sdpa(q, k, v)
         at = torch.arange(n, device=k.device)
         return causal_sdpa(q, k, v, window_mask(at[:, None], at[None, :], window))
+
+
+@dataclass(frozen=True)
+class InvariantPrefill(PrefillAttention):
+    """Whole prompts through the batch-invariant kernels (StaticKV.invariant), so a request's
+    keys, values and first token do not depend on the prompts prefilled beside it or on the
+    width they are padded to: the linear layers and norms are the decode step's invariant
+    forms (fused.run_stack), and attention is the decode kernel's invariant plan over the
+    prompt in windows that fit its query tile (a window's queries see the keys up to their own
+    position): each prompt token attends exactly as a decode row at its position would.
+    (The library's whole-prompt attention kernels change a row's reduction with the padded
+    width or the batch.)"""
+
+    def decoder_stack(self, layers, final_norm, rotary, h: Tensor, positions: Tensor, taps: tuple[int, ...] = ()
+                      ) -> tuple[Tensor, Tensor | None]:
+        n, w = positions.shape
+        kv_len = torch.full((n,), w, dtype=torch.int32, device=h.device)
+        return run_stack(layers, final_norm, rotary, h, positions.contiguous(), self.cache, self.slots, kv_len,
+                         True, taps, attention=self._attend)
+
+    def _attend(self, q: Tensor, layer: int) -> Tensor:
+        """q [N, Hq, W, D] over the W keys just stored -> [N, Hq, W, D], window by window."""
+        n, hq, w, d = q.shape
+        chunk = max(1, INVARIANT_QUERY_ROWS // (hq // self.cache.kv_heads))
+        out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+        k, v, splits = self.cache.k[layer], self.cache.v[layer], self.cache.splits(n)
+        for start in range(0, w, chunk):
+            end = min(w, start + chunk)
+            kv_len = torch.full((n,), end, dtype=torch.int32, device=q.device)  # the window's last position + 1
+            attend(q[:, :, start:end], k, v, self.slots, kv_len, True, splits, out=out[:, :, start:end],
+                   tickets=self.cache.tickets)
+        return out
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:

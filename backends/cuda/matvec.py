@@ -57,7 +57,7 @@ class Tiling:
 
 
 MAX_ROWS = 64  # past this many rows a linear layer turns arithmetic-bound: the matrix library's turn
-ROW_TILE = 64  # rows a program takes in the batch-invariant form, whatever M is: one matrix-unit shape for every row
+ROW_TILE = 128  # rows a program takes at most in the batch-invariant form (tiles of 16 to 128 rows, by M)
 PROGRAMS = 256  # about two per multiprocessor of an H200 (132): enough loads in flight to stream
 
 
@@ -83,7 +83,7 @@ def choose_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
 
 def invariant_tiling(n: int, k: int, gated: bool = False) -> Tiling | None:
     """The batch-invariant form's tiling: the device's at one row, so chosen by (N, K) alone
-    (K steps, split, column blocks); rows go in ROW_TILE tiles at any M. None for a K the
+    (K steps, split, column blocks); rows go in tiles of up to ROW_TILE at any M. None for a K the
     matvec cannot step through (the matrix library then serves, without the guarantee). The
     device's tiling under the interpreter too, not choose_tiling's wider one: its summed tile
     products (tile_dot) stay small."""
@@ -149,9 +149,10 @@ def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, 
              GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr, DRAW: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
              PDL: tl.constexpr, SUMMED: tl.constexpr = False):
-    """Program (column block, K chunk, row tile): BLOCK_N outputs of rows [pm*BLOCK_M, +BLOCK_M) ∩
-    [0, M) over K [pk*CHUNK, +CHUNK)."""
-    pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (row tile, column block, K chunk): BLOCK_N outputs of rows [pm*BLOCK_M, +BLOCK_M) ∩
+    [0, M) over K [pk*CHUNK, +CHUNK). Row tiles vary fastest, so the programs reading one
+    weight tile run side by side and all but the first find it in L2."""
+    pm, pn, pk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = pk * CHUNK + tl.arange(0, BLOCK_K)
@@ -197,7 +198,8 @@ def _fold(v, mask, best, tokens, ticket, rm, M, rn, N, bad, count=0, DRAW: tl.co
         tl.atomic_add(bad + rm, count, mask=(rm < M) & (count > 0), sem="relaxed", scope="gpu")
     else:
         tl.debug_barrier()  # every thread's atomic above comes before this program's arrival (a release)
-        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == programs - 1:
             tl.store(tokens + rm, _taken(best, rm, rm < M), mask=rm < M)
             tl.store(ticket, 0)
 
@@ -236,14 +238,22 @@ class ArgmaxScratch:
         return drawn
 
 
+def row_tile(m: int, most: int = ROW_TILE) -> int:
+    """Rows per program for M rows: the next power of two from 16, at most ``most``."""
+    return min(most, max(16, triton.next_power_of_2(m)))
+
+
 def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tiling, gated: bool,
             scratch: ArgmaxScratch | None = None, tokens: Tensor | None = None, draw: Draw | None = None,
-            invariant: bool = False) -> None:
-    """``invariant``: rows in ROW_TILE tiles (a grid axis), so each row meets the same
-    matrix-unit shape and K order at any M; else one tile of all rows (M <= MAX_ROWS)."""
+            invariant: bool = False, most: int = ROW_TILE) -> None:
+    """``invariant``: any M, rows in tiles of up to ``most`` rows (the grid's first axis), every
+    tile stepping through K in the same order (the tiling is chosen by N and K alone). The
+    matrix units round a row alike in tiles of 16, 64 and 128 rows (bench/invariance_probe.py
+    and the GPU tests check it on the H200), so a row's result does not depend on M. Else one
+    tile of all rows (M <= MAX_ROWS)."""
     m, k = x.shape
-    block_m = ROW_TILE if invariant else max(16, triton.next_power_of_2(m))
-    grid = (*grid, triton.cdiv(m, block_m))
+    block_m = row_tile(m, most if invariant else MAX_ROWS)
+    grid = (triton.cdiv(m, block_m), *grid)
     best, ticket, bad = (out, out, out) if scratch is None else (scratch.best, scratch.ticket, scratch.bad)
     d = draw or Draw(out, out, out, 1)  # read only by a draw
     _mv_rows[grid](x, w, out, best, out if tokens is None else tokens, ticket, bad, d.seed, d.start, d.inv_temp, m,
@@ -256,11 +266,12 @@ def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, n: int, ch
 
 
 def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None,
-           invariant: bool = False) -> Tensor:
+           invariant: bool = False, most: int = ROW_TILE) -> Tensor:
     """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype (rounded to it,
     stored as ``out_dtype`` when given), or float32 partial sums [split, M, N] when
     tiling.split > 1 (the consumer adds them). ``invariant``: any M, each row's result
-    independent of the others (_launch)."""
+    independent of the others, in tiles of at most ``most`` rows (_launch; a smaller bound is
+    for bench/invariance_probe.py, which checks that tiles of every height round alike)."""
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     if w.shape[1] != k:
@@ -275,7 +286,8 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, n, chunk, tiling, gated, invariant=invariant)
+    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, n, chunk, tiling, gated, invariant=invariant,
+            most=most)
     return out
 
 
