@@ -1,10 +1,12 @@
 """Does drafting change a single output token on the GPU? The shipped trained pair, `backend:
 cuda`, bf16, greedy: for each method and batch size, how many prompts' outputs with drafting
-equal `none`'s in the same engine, and how many equal the same prompt run alone, with
-``model.batch_invariant`` off and on.
+equal `none`'s in the same engine, how many equal the same prompt run alone, and how many
+equal `none`'s with the draft policy `auto` (which turns drafting on and off by batch size),
+with ``model.batch_invariant`` off and on. ``--temperature`` above 0 samples instead, each
+prompt with its own seed: the same counts for seeded sampled requests.
 
-`python bench/identity.py [--batches 1,4,16] [--prompts 32] [--tokens 128] [--invariant off,on]`
-(CUDA machine)."""
+`python bench/identity.py [--batches 1,4,16] [--prompts 32] [--tokens 128] [--invariant off,on]
+[--temperature 0]` (CUDA machine)."""
 
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ def _spec(path: str, invariant: bool, max_batch: int):
     return type(load_spec(path)).model_validate(data)
 
 
-def _outputs(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> list[list[int]]:
+def _outputs(engine: Engine, prompts: list[str], batch: int, params: list[SamplingParams]) -> list[list[int]]:
     out = []
     for i in range(0, len(prompts), batch):
-        out += [c.output_ids for c in engine.generate(prompts[i : i + batch], params)]
+        out += [c.output_ids for c in engine.generate(prompts[i : i + batch], params[i : i + batch])]
     return out
 
 
@@ -40,23 +42,29 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
     ap.add_argument("--invariant", default="off,on", help="model.batch_invariant settings to run")
+    ap.add_argument("--temperature", type=float, default=0.0, help="above 0: seeded sampling, a seed per prompt")
     args = ap.parse_args()
     prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: args.prompts]
-    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=args.temperature, seed=1000 + i)
+              for i in range(len(prompts))]
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"{'method':<11}{'invariant':>10}{'batch':>6}{'= none':>9}{'= alone':>9}{'none = alone':>14}")
+    n = len(prompts)
+    print(f"temperature {args.temperature}")
+    print(f"{'method':<11}{'invariant':>10}{'batch':>6}{'= none':>9}{'= alone':>9}{'none = alone':>14}{'auto = none':>13}")
     for name in args.methods.split(","):
         for invariant in (m == "on" for m in args.invariant.split(",")):
             engine = Engine(_spec(SPECS[name], invariant, max(batches)), draft_policy="always")
             base = engine.with_method({"method": "none"})
+            auto = Engine(engine.spec, target=engine.target, tokenizer=engine.tokenizer, draft_policy="auto")
             alone = _outputs(base, prompts, 1, params)
             for batch in batches:
                 spec, plain = _outputs(engine, prompts, batch, params), _outputs(base, prompts, batch, params)
-                same = sum(a == b for a, b in zip(spec, plain))
-                lone = sum(a == b for a, b in zip(spec, alone))
-                plain_lone = sum(a == b for a, b in zip(plain, alone))
-                print(f"{name:<11}{invariant!s:>10}{batch:>6}{same:>5}/{len(prompts):<3}{lone:>5}/{len(prompts):<3}"
-                      f"{plain_lone:>10}/{len(prompts):<3}", flush=True)
+                policy = _outputs(auto, prompts, batch, params)
+                counts = [sum(a == b for a, b in zip(x, y)) for x, y in
+                          ((spec, plain), (spec, alone), (plain, alone), (policy, plain))]
+                print(f"{name:<11}{invariant!s:>10}{batch:>6}{counts[0]:>5}/{n:<3}{counts[1]:>5}/{n:<3}"
+                      f"{counts[2]:>10}/{n:<3}{counts[3]:>9}/{n:<3}", flush=True)
+            del engine, base, auto
 
 
 if __name__ == "__main__":

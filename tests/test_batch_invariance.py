@@ -159,3 +159,29 @@ def test_a_window_too_wide_for_the_invariant_tile_is_refused_only_when_the_spec_
     assert not _invariant(Capacity(4, 64, invariant=False), cfg, 1)
     with pytest.raises(ConfigError, match="exceeds the invariant attention tile.*batch_invariant: false"):
         _invariant(Capacity(4, 64, invariant=True, invariant_required=True), cfg, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-dflash", "tiny-eagle3", "tiny-gemma4-mtp"])
+def test_seeded_sampled_requests_are_the_same_with_drafting_on_off_and_auto(name):
+    """The spec's default kernels (batch-invariant) in bf16 on the GPU: seeded sampled requests
+    emit the same tokens with drafting forced on, with `none`, and with the `auto` policy,
+    alone and in a batch of 8 (greedy drafts are accepted against the target's own keyed draw,
+    which plain decoding makes too)."""
+    from conftest import respec
+    from draftline.core.engine import Engine
+    from draftline.core.sampling import SamplingParams
+    from draftline.core.spec import load_spec
+    from draftline.core.training.corpus import read_prompts
+
+    spec = respec(load_spec(f"specs/{name}.yaml"), "cuda", device="cuda", dtype="bfloat16", max_batch_size=8)
+    engine = Engine(spec, draft_policy="always")
+    assert engine.backend.cache.invariant  # the default
+    engines = [engine, engine.with_method({"method": "none"}),
+               Engine(spec, target=engine.target, tokenizer=engine.tokenizer, draft_policy="auto")]
+    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[:8]
+    params = [SamplingParams(temperature=0.8, seed=100 + i, max_new_tokens=48, ignore_eos=True) for i in range(8)]
+    for batch in (1, 8):
+        outs = [[c.output_ids for i in range(0, 8, batch) for c in e.generate(prompts[i : i + batch], params[i : i + batch])]
+                for e in engines]
+        assert outs[0] == outs[1] == outs[2], batch
