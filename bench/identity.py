@@ -6,11 +6,13 @@ with ``model.batch_invariant`` off and on. ``--temperature`` above 0 samples ins
 prompt with its own seed: the same counts for seeded sampled requests.
 
 `python bench/identity.py [--batches 1,4,16] [--prompts 32] [--tokens 128] [--invariant off,on]
-[--temperature 0]` (CUDA machine)."""
+[--temperature 0] [--depths 2]` (CUDA machine). ``--depths``: the pipeline depths (rounds in
+flight) of the drafting engines, each measured in turn."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from draftline.core.engine import Engine
 from draftline.core.sampling import SamplingParams
@@ -20,11 +22,11 @@ from draftline.core.training.corpus import read_prompts
 SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 
 
-def _spec(path: str, invariant: bool, max_batch: int):
+def _spec(path: str, invariant: bool, max_batch: int, depth: int = 2):
     data = load_spec(path).model_dump(mode="python")
     data["backend"] = "cuda"
     data["model"].update(device="cuda", dtype="bfloat16", batch_invariant=invariant)
-    data["server"]["max_batch_size"] = max_batch
+    data["server"].update(max_batch_size=max_batch, pipeline_depth=depth)
     return type(load_spec(path)).model_validate(data)
 
 
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
     ap.add_argument("--invariant", default="off,on", help="model.batch_invariant settings to run")
     ap.add_argument("--temperature", type=float, default=0.0, help="above 0: seeded sampling, a seed per prompt")
+    ap.add_argument("--depths", default="2", help="pipeline depths of the drafting engines (0, 1, 2)")
     args = ap.parse_args()
     prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: args.prompts]
     params = [SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=args.temperature, seed=1000 + i)
@@ -50,21 +53,22 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     n = len(prompts)
     print(f"temperature {args.temperature}")
-    print(f"{'method':<11}{'invariant':>10}{'batch':>6}{'= none':>9}{'= alone':>9}{'none = alone':>14}{'auto = none':>13}")
-    for name in args.methods.split(","):
-        for invariant in (m == "on" for m in args.invariant.split(",")):
-            engine = Engine(_spec(SPECS[name], invariant, max(batches)), draft_policy="always")
-            base = engine.with_method({"method": "none"})
-            auto = Engine(engine.spec, target=engine.target, tokenizer=engine.tokenizer, draft_policy="auto")
-            alone = _outputs(base, prompts, 1, params)
-            for batch in batches:
-                spec, plain = _outputs(engine, prompts, batch, params), _outputs(base, prompts, batch, params)
-                policy = _outputs(auto, prompts, batch, params)
-                counts = [sum(a == b for a, b in zip(x, y)) for x, y in
-                          ((spec, plain), (spec, alone), (plain, alone), (policy, plain))]
-                print(f"{name:<11}{invariant!s:>10}{batch:>6}{counts[0]:>5}/{n:<3}{counts[1]:>5}/{n:<3}"
-                      f"{counts[2]:>10}/{n:<3}{counts[3]:>9}/{n:<3}", flush=True)
-            del engine, base, auto
+    print(f"{'method':<11}{'invariant':>10}{'depth':>6}{'batch':>6}{'= none':>9}{'= alone':>9}{'none = alone':>14}"
+          f"{'auto = none':>13}")
+    for name, invariant, depth in itertools.product(args.methods.split(","), [m == "on" for m in args.invariant.split(",")],
+                                                [int(d) for d in args.depths.split(",")]):
+        engine = Engine(_spec(SPECS[name], invariant, max(batches), depth), draft_policy="always")
+        base = engine.with_method({"method": "none"})
+        auto = Engine(engine.spec, target=engine.target, tokenizer=engine.tokenizer, draft_policy="auto")
+        alone = _outputs(base, prompts, 1, params)
+        for batch in batches:
+            spec, plain = _outputs(engine, prompts, batch, params), _outputs(base, prompts, batch, params)
+            policy = _outputs(auto, prompts, batch, params)
+            counts = [sum(a == b for a, b in zip(x, y)) for x, y in
+                      ((spec, plain), (spec, alone), (plain, alone), (policy, plain))]
+            print(f"{name:<11}{invariant!s:>10}{depth:>6}{batch:>6}{counts[0]:>5}/{n:<3}{counts[1]:>5}/{n:<3}"
+                  f"{counts[2]:>10}/{n:<3}{counts[3]:>9}/{n:<3}", flush=True)
+        del engine, base, auto
 
 
 if __name__ == "__main__":
