@@ -243,23 +243,33 @@ def row_tile(m: int, most: int = ROW_TILE) -> int:
     return min(most, max(16, triton.next_power_of_2(m)))
 
 
-def _launch(grid: tuple[int, int], x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tiling, gated: bool,
+def _interpreted_columns(tiling: Tiling, block_m: int, n: int) -> int:
+    """Output columns per program of the invariant form under the interpreter: as many as
+    keep a summed tile product (block_m x block_k x columns) within Triton's largest tensor.
+    A column's sum never meets another column's, so the block's width changes no result; the
+    interpreter pays per program, and the device's 64 columns made most of an interpreted
+    test's time."""
+    return max(tiling.block_n, min(triton.next_power_of_2(n), (1 << 20) // (block_m * tiling.block_k)))
+
+
+def _launch(x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tiling, gated: bool,
             scratch: ArgmaxScratch | None = None, tokens: Tensor | None = None, draw: Draw | None = None,
             invariant: bool = False, most: int = ROW_TILE) -> None:
-    """``invariant``: any M, rows in tiles of up to ``most`` rows (the grid's first axis), every
-    tile stepping through K in the same order (the tiling is chosen by N and K alone). The
-    matrix units round a row alike in tiles of 16, 64 and 128 rows (bench/invariance_probe.py
-    and the GPU tests check it on the H200), so a row's result does not depend on M. Else one
-    tile of all rows (M <= MAX_ROWS)."""
+    """Grid (row tiles, column blocks, K chunks). ``invariant``: any M, rows in tiles of up to
+    ``most`` rows, every tile stepping through K in the same order (the tiling is chosen by N
+    and K alone). The matrix units round a row alike in tiles of 16, 64 and 128 rows
+    (bench/invariance_probe.py and the GPU tests check it on the H200), so a row's result does
+    not depend on M. Else one tile of all rows (M <= MAX_ROWS)."""
     m, k = x.shape
     block_m = row_tile(m, most if invariant else MAX_ROWS)
-    grid = (triton.cdiv(m, block_m), *grid)
+    block_n = _interpreted_columns(tiling, block_m, n) if summed(invariant) else tiling.block_n
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), tiling.split)
     best, ticket, bad = (out, out, out) if scratch is None else (scratch.best, scratch.ticket, scratch.bad)
     d = draw or Draw(out, out, out, 1)  # read only by a draw
     _mv_rows[grid](x, w, out, best, out if tokens is None else tokens, ticket, bad, d.seed, d.start, d.inv_temp, m,
                    n, k, chunk, d.width, d.shift, GATED=gated, SPLIT=tiling.split,
                    ARGMAX=draw is None and tokens is not None, DRAW=draw is not None,
-                   BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tiling.block_k,
                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact for tests
                    num_warps=tiling.warps, num_stages=tiling.stages, SUMMED=summed(invariant),
                    **overlap.launch(release=True))
@@ -286,8 +296,7 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), tiling.split), x, w, out, n, chunk, tiling, gated, invariant=invariant,
-            most=most)
+    _launch(x, w, out, n, chunk, tiling, gated, invariant=invariant, most=most)
     return out
 
 
@@ -302,7 +311,7 @@ def matvec_argmax(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch |
                          f"{tiling.block_k}-wide steps and at most {MAX_ROWS} rows")
     scratch = scratch or ArgmaxScratch(x.device)
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, tokens, n, k, tiling, False, scratch, tokens)
+    _launch(x.contiguous(), w, tokens, n, k, tiling, False, scratch, tokens)
     return tokens
 
 
@@ -318,6 +327,6 @@ def matvec_draw(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch, dr
         raise ValueError(f"matvec_draw: x [{m}, {k}] and weight {tuple(w.shape)} need whole sums in "
                          f"{tiling.block_k}-wide steps, at most {MAX_ROWS} rows, whole windows of {draw.width}")
     values = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    _launch((triton.cdiv(n, tiling.block_n), 1), x.contiguous(), w, values, n, k, tiling, False, scratch, draw=draw,
+    _launch(x.contiguous(), w, values, n, k, tiling, False, scratch, draw=draw,
             invariant=invariant)
     return values
