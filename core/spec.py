@@ -61,8 +61,8 @@ class ModelSpec(Strict):
     # fixed by the weights' shapes, so a row's tokens do not depend on the rows beside it (drafting
     # and batching never change a bf16 token). Unset: on wherever the method's verify window fits
     # the invariant attention tile (every shipped spec), with a warning where it does not; true:
-    # required (start-up refuses a window that does not fit); false: off (about 3-5% faster at
-    # batch 1 on an 8B model, docs/RESULTS.md).
+    # required (start-up refuses a window that does not fit); false: off (2-4% faster at batch 1
+    # on an 8B model, docs/RESULTS.md).
     batch_invariant: bool | None = None
 
     @model_validator(mode="after")

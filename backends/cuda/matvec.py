@@ -85,8 +85,9 @@ def invariant_tiling(n: int, k: int, gated: bool = False) -> Tiling | None:
     """The batch-invariant form's tiling: the device's at one row, so chosen by (N, K) alone
     (K steps, split, column blocks); rows go in tiles of up to ROW_TILE at any M. None for a K the
     matvec cannot step through (the matrix library then serves, without the guarantee). The
-    device's tiling under the interpreter too, not choose_tiling's wider one: its summed tile
-    products (tile_dot) stay small."""
+    device's K steps under the interpreter too, not choose_tiling's wider ones: its summed tile
+    products (tile_dot) must stay within Triton's largest tensor (its column blocks widen
+    instead, _interpreted_columns)."""
     return device_tiling(1, n, k, gated)
 
 
