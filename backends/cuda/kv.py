@@ -8,6 +8,7 @@ padding rows of a graph bucket.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -123,20 +124,22 @@ class InvariantPrefill(PrefillAttention):
     def decoder_stack(self, layers, final_norm, rotary, h: Tensor, positions: Tensor, taps: tuple[int, ...] = ()
                       ) -> tuple[Tensor, Tensor | None]:
         n, w = positions.shape
-        kv_len = torch.full((n,), w, dtype=torch.int32, device=h.device)
-        return run_stack(layers, final_norm, rotary, h, positions.contiguous(), self.cache, self.slots, kv_len,
-                         True, taps, attention=self._attend)
+        attn = layers[0].self_attn
+        chunk = max(1, INVARIANT_QUERY_ROWS // (attn.num_heads // attn.num_kv_heads))  # tokens a window
+        ends = torch.arange(chunk, w + chunk, chunk, device=h.device).clamp(max=w)  # each window's last position + 1
+        kv_lens = ends.to(torch.int32)[:, None].expand(-1, n).contiguous()  # [windows, N], once for every layer
+        return run_stack(layers, final_norm, rotary, h, positions.contiguous(), self.cache, self.slots, kv_lens[-1],
+                         True, taps, attention=functools.partial(self._attend, kv_lens, chunk))
 
-    def _attend(self, q: Tensor, layer: int) -> Tensor:
-        """q [N, Hq, W, D] over the W keys just stored -> [N, Hq, W, D], window by window."""
+    def _attend(self, kv_lens: Tensor, chunk: int, q: Tensor, layer: int) -> Tensor:
+        """q [N, Hq, W, D] over the W keys just stored -> [N, Hq, W, D], ``chunk`` tokens a
+        window, window i's keys up to kv_lens[i]."""
         n, hq, w, d = q.shape
-        chunk = max(1, INVARIANT_QUERY_ROWS // (hq // self.cache.kv_heads))
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
         k, v, splits = self.cache.k[layer], self.cache.v[layer], self.cache.splits(n)
-        for start in range(0, w, chunk):
-            end = min(w, start + chunk)
-            kv_len = torch.full((n,), end, dtype=torch.int32, device=q.device)  # the window's last position + 1
-            attend(q[:, :, start:end], k, v, self.slots, kv_len, True, splits, out=out[:, :, start:end],
+        for i, start in enumerate(range(0, w, chunk)):
+            window = slice(start, start + chunk)
+            attend(q[:, :, window], k, v, self.slots, kv_lens[i], True, splits, out=out[:, :, window],
                    tickets=self.cache.tickets)
         return out
 
