@@ -5,7 +5,7 @@ Sources: text files (``.txt``, ``.md``, ``.rst``, ``.py``), JSONL files whose re
 with the target's chat template (``tokenizer_config.json``), so the drafter learns the text
 the target sees when served; each record's prompt end (where the assistant's turn starts) is
 kept, and distillation prompts end there. Records are split deterministically: one in ten
-(by a hash of file and record) is held out.
+(by a hash of its text, wherever the data lives) is held out.
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ def _record(record: Any, where: str, template: ChatTemplate | None) -> Document:
 
 
 def is_held_out(doc: Document) -> bool:
-    return hashlib.sha1(doc.source.encode()).digest()[0] % 10 == 0
+    """By the record's text: the same split wherever the data lives and whatever its files are
+    called, and a record repeated in the data never lands on both sides."""
+    return hashlib.sha1(doc.text.encode()).digest()[0] % 10 == 0
 
 
 def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
