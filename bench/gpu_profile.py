@@ -1,9 +1,10 @@
 """Where the GPU's time goes in `Engine.generate` with the shipped trained pair (CUDA machine):
 torch.profiler over one warm pass, kernels summed by name, against the pass's wall time.
 
-`python bench/gpu_profile.py [SPEC] [BATCH] [DEPTH] [--none]`: prints wall ms, rounds, host
-work per round, GPU kernel ms in all (their sum: what a fully busy GPU would take) and the
-kernels with the most GPU time. --none runs the spec's target with method `none`."""
+`python bench/gpu_profile.py [SPEC] [BATCH] [DEPTH] [--none] [--plain]`: prints wall ms, rounds,
+host work per round, GPU kernel ms in all (their sum: what a fully busy GPU would take) and the
+kernels with the most GPU time. --none runs the spec's target with method `none`; --plain turns
+the batch-invariant kernels off (`model.batch_invariant: false`)."""
 import sys
 import time
 
@@ -26,6 +27,8 @@ def main():
     data["server"].update(max_batch_size=max(batch, 2), pipeline_depth=depth)
     if "--none" in sys.argv:
         data["speculative"] = {"method": "none"}
+    if "--plain" in sys.argv:
+        data["model"]["batch_invariant"] = False
     engine = Engine(type(load_spec(path)).model_validate(data), draft_policy="always")
     prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: 2 * batch]
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
@@ -44,7 +47,8 @@ def main():
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     gpu_us = sum(e.self_device_time_total for e in events)
     name = "none" if "--none" in sys.argv else engine.plan.method
-    print(f"{path} ({name}) batch {batch} depth {depth}: wall {1e3 * wall:.1f} ms, {rounds} rounds, "
+    kernels = "plain" if "--plain" in sys.argv else "default"
+    print(f"{path} ({name}, {kernels} kernels) batch {batch} depth {depth}: wall {1e3 * wall:.1f} ms, {rounds} rounds, "
           f"{tokens} tokens, {1e3 * wall / max(1, rounds):.3f} ms/round wall, kernels {gpu_us / 1e3:.1f} ms "
           f"({gpu_us / max(1, rounds):.0f} us/round), host work {host:.0f} us/round")
     events.sort(key=lambda e: -e.self_device_time_total)

@@ -1,7 +1,8 @@
 """What a GPU user gets with the shipped trained pair: `Engine.generate` on prompts the engine
 has not seen, each method against `none` in the same process, greedy, 128 new tokens.
 
-`python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N] [--feed static|continuous]`
+`python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N] [--feed static|continuous]
+[--policy always|auto] [--plain]`
 (CUDA machine). Every (method, batch) pass takes prompts no pass before it ran, then runs them
 again: the first pass shows what one-time costs are left on the request path, the second the
 steady state. Triton compilations after start-up are counted (none should happen).
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from draftline.core.benchmark import idle_ms
 from draftline.core.engine import Engine
 from draftline.core.sampling import SamplingParams
 from draftline.core.spec import load_spec
@@ -44,19 +46,26 @@ def _count_compiles() -> None:
         COMPILES[0] = -1
 
 
-def _cuda(path: str, depth: int, max_batch: int):
+def _cuda(path: str, depth: int, max_batch: int, plain: bool = False):
     data = load_spec(path).model_dump(mode="python")
     data["backend"], data["model"]["device"] = "cuda", "cuda"
+    if plain:
+        data["model"]["batch_invariant"] = False
     data["server"].update(max_batch_size=max_batch, pipeline_depth=depth)
     return type(load_spec(path)).model_validate(data)
 
 
 def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
-         ) -> tuple[float, int, float, float, float]:
-    """(seconds, tokens, tau, tail, drafted) over the prompts in generate calls of ``batch``
-    prompts. tail: each call's slowest request's rounds over its mean request's, averaged (a
-    static batch runs as long as its slowest request; `none` always reads 1). drafted: the
-    share of rounds that drafted (the draft policy may run plain ones)."""
+         ) -> tuple[float, int, float, float, float, tuple[float, float, float]]:
+    """(seconds, tokens, tau, tail, drafted, where) over the prompts in generate calls of
+    ``batch`` prompts. tail: each call's slowest request's rounds over its mean request's,
+    averaged (a static batch runs as long as its slowest request; `none` always reads 1).
+    drafted: the share of rounds that drafted (the draft policy may run plain ones). where:
+    (host us a round outside prefills, host us a prefill, GPU idle us a round: the gaps between
+    rounds on the stream, prefills' device time included)."""
+    clock, timeline = engine.machine.clock, []
+    engine.backend.timeline = timeline
+    step0, wait0, pre0, pres0, rounds0 = clock.step_s, clock.wait_s, clock.prefill_s, clock.prefills, clock.rounds
     torch.cuda.synchronize()
     start, tokens, rounds, round_tokens, tails, drafted = time.perf_counter(), 0, 0, 0, [], 0
     for i in range(0, len(prompts), batch):
@@ -69,8 +78,14 @@ def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
         rounds += sum(counts)
         tails.append(max(counts) * len(counts) / max(1, sum(counts)))
     torch.cuda.synchronize()
-    return (time.perf_counter() - start, tokens, round_tokens / max(1, rounds), sum(tails) / len(tails),
-            drafted / max(1, rounds))
+    seconds = time.perf_counter() - start
+    engine.backend.timeline = None
+    batch_rounds, prefill_s = clock.rounds - rounds0, clock.prefill_s - pre0
+    host = (clock.step_s - step0) - (clock.wait_s - wait0) - prefill_s
+    where = (1e6 * host / max(1, batch_rounds), 1e6 * prefill_s / max(1, clock.prefills - pres0),
+             1e3 * idle_ms(timeline) / max(1, batch_rounds))
+    return (seconds, tokens, round_tokens / max(1, rounds), sum(tails) / len(tails), drafted / max(1, rounds),
+            where)
 
 
 def main() -> None:
@@ -81,6 +96,7 @@ def main() -> None:
     ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
     ap.add_argument("--feed", choices=["static", "continuous"], default="static")
     ap.add_argument("--policy", default="always", help="draft policy: always (the method itself) or auto")
+    ap.add_argument("--plain", action="store_true", help="model.batch_invariant: false (default: the spec's, on)")
     args = ap.parse_args()
     _count_compiles()
     pool = read_prompts("specs/tiny/eval_prompts.jsonl")
@@ -89,7 +105,7 @@ def main() -> None:
         for name in args.methods.split(","):
             slots = [max(batches)] if args.feed == "static" else batches  # one engine, or one per batch size
             for size in slots:
-                engine = Engine(_cuda(SPECS[name], depth, size), draft_policy=args.policy)
+                engine = Engine(_cuda(SPECS[name], depth, size, args.plain), draft_policy=args.policy)
                 base = engine.with_method({"method": "none"})
                 print(f"{name} depth {depth} slots {size}: start-up {engine.startup}, none {base.startup}", flush=True)
                 for batch in batches if args.feed == "static" else [size]:
@@ -105,10 +121,14 @@ def main() -> None:
                 del engine, base
                 torch.cuda.empty_cache()
     print(f"{'method':<11}{'depth':>6}{'batch':>6}{'prompts':>8}{'tau':>6}{'tok/s':>9}{'none':>9}{'speedup':>9}"
-          f"{'ms/req':>8}{'none':>8}{'compiles':>9}{'tail':>6}{'drafted':>8}")
+          f"{'ms/req':>8}{'none':>8}{'compiles':>9}{'tail':>6}{'drafted':>8}{'host us':>8}{'prefill':>8}{'idle us':>8}"
+          f"{'none host':>10}{'idle':>6}")
     for r in rows:
         print(f"{r[0]:<11}{r[1]:>6}{r[2]:>6}{r[3]:>8}{r[4]:>6.2f}{r[5]:>9.0f}{r[6]:>9.0f}{r[7]:>8.2f}x"
-              f"{r[8]:>8.1f}{r[9]:>8.1f}{r[10]:>9}{r[11]:>6.2f}{r[12]:>8.2f}")
+              f"{r[8]:>8.1f}{r[9]:>8.1f}{r[10]:>9}{r[11]:>6.2f}{r[12]:>8.2f}{r[13][0]:>8.0f}{r[13][1]:>8.0f}"
+              f"{r[13][2]:>8.0f}{r[14][0]:>10.0f}{r[14][2]:>6.0f}")
+    print("host us: the engine's host work a round outside prefills; prefill: host us a prefill launch; idle us: "
+          "GPU time between rounds (prefills' device time included); none: the same for `none`")
 
 
 def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, prompts: list[str], per_call: int
@@ -122,8 +142,9 @@ def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, pro
     new = COMPILES[0] - compiles if compiles >= 0 else -1
     again = [_run(e, prompts, per_call, params) for e in (engine, base)]
     return [(name, depth, batch, label, tau, ns / ts, nb / tb, (ns / ts) / (nb / tb), 1e3 * ts / len(prompts),
-             1e3 * tb / len(prompts), new if label == "new" else 0, tail, drafted)
-            for label, ((ts, ns, tau, tail, drafted), (tb, nb, *_)) in (("new", first), ("again", again))]
+             1e3 * tb / len(prompts), new if label == "new" else 0, tail, drafted, where, base_where)
+            for label, ((ts, ns, tau, tail, drafted, where), (tb, nb, *_, base_where))
+            in (("new", first), ("again", again))]
 
 if __name__ == "__main__":
     main()

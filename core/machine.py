@@ -113,6 +113,8 @@ class HostClock:
     ahead: int = 0  # rows launched while an earlier round of theirs was still in flight
     step_s: float = 0.0  # inside step()
     wait_s: float = 0.0  # of which blocked in collect() on the device
+    prefills: int = 0
+    prefill_s: float = 0.0  # of which launching prefills
 
     @property
     def host_us_per_round(self) -> float:
@@ -154,10 +156,13 @@ class Machine:
     def _prefill(self, reqs: list[Request]) -> None:
         """Launch the admitted prompts' prefill; its first tokens are booked when it is
         collected, in order with the rounds launched behind it."""
+        begin = time.perf_counter()
         for req in reqs:
             advance(req, Phase.PREFILL)
             req.in_flight += 1
         self.flights.append(Flight(self.backend.prefill(reqs), tuple(reqs), False, time.perf_counter(), prefill=True))
+        self.clock.prefills += 1
+        self.clock.prefill_s += time.perf_counter() - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
             self._collect(self.flights.pop())
 
