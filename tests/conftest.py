@@ -77,6 +77,7 @@ def pytest_collection_finish(session):
     import interpreter
 
     interpreter.skip_nested_patches()
+    interpreter.table_dtypes()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,6 +8,9 @@ interpreter's time in the backend tests. Inside a launch whose patch already cov
 modules a nested function sees (its own, or a nested call's earlier in the launch: those are
 never restored), the second patch changes nothing, so it is skipped; any other call patches
 as before.
+
+It also looks a Triton dtype's NumPy storage type up in a table built once: the interpreter
+builds (and hashes the keys of) that table again for every tile op, a twentieth of its time.
 """
 
 import sys
@@ -51,3 +54,29 @@ def skip_nested_patches() -> None:
     interpreter._patch_lang = patch_once
     interpreter.GridExecutor.__call__ = tracked_launch
     interpreter.GridExecutor._nested_patches_skipped = True
+
+
+def table_dtypes() -> None:
+    """Install once, if the interpreter is loaded: _get_np_dtype from a table keyed by dtype
+    name, built from the interpreter's own answers, with the same result for every dtype."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if interpreter is None or getattr(interpreter._get_np_dtype, "_tabled", False):
+        return
+    import triton.language as tl
+
+    slow = interpreter._get_np_dtype
+    names = ("int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
+             "int64", "uint64", "bfloat16", "float8e5", "float8e5b16", "float8e4nv", "float8e4b8", "float8e4b15")
+    table = {getattr(tl, n).name: slow(getattr(tl, n)) for n in names if hasattr(tl, n)}
+    pointer, block = tl.pointer_type, tl.block_type
+
+    def tabled(tt_dtype):
+        if isinstance(tt_dtype, block):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, pointer):
+            return table["uint64"] if "uint64" in table else slow(tt_dtype)
+        found = table.get(getattr(tt_dtype, "name", None))
+        return found if found is not None else slow(tt_dtype)
+
+    tabled._tabled = True
+    interpreter._get_np_dtype = tabled

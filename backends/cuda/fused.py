@@ -75,56 +75,65 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, sh, so, HAS_ADD: tl.co
 
 @triton.jit
 def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cache, slots, kv_len,
-                HQ, HKV, W, eps, sc_slot, sc_head, sc_pos, part_stride,
+                HQ, HKV, W, eps, sc_slot, sc_head, sc_pos, part_stride, N_TOK,
                 QK_NORM: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-                PDL: tl.constexpr):
-    """Program (token, block of HEADS heads) of the fused QKV output (PARTS partial sums of
-    it): q heads are normed, rotated and written as [N, W, Hq, D]; k heads normed, rotated and
-    stored in the cache; v heads stored. Each head's math is the same whatever HEADS is."""
+                TOKENS: tl.constexpr, PDL: tl.constexpr):
+    """Program (block of TOKENS tokens, block of HEADS heads) of the fused QKV output (PARTS
+    partial sums of it), one tile row per (token, head): q heads are normed, rotated and written
+    as [N, W, Hq, D]; k heads normed, rotated and stored in the cache; v heads stored. Each
+    head's math is the same whatever TOKENS and HEADS are."""
     overlap.gate(PDL)
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+    r = tl.arange(0, TOKENS * HEADS)  # [R]: the tile's rows
+    tok = tl.program_id(0).to(tl.int64) * TOKENS + r // HEADS
+    head = tl.program_id(1) * HEADS + r % HEADS
+    real = tok < N_TOK
     n, t = tok // W, tok % W
     half = tl.arange(0, D // 2)
-    is_q = head < HQ
-    is_k = (head >= HQ) & (head < HQ + HKV)
-    is_v = (head >= HQ + HKV) & (head < HQ + 2 * HKV)
-    live = (is_q | is_k | is_v)[:, None] & (half < D)[None, :]  # [HEADS, D/2]
-    at = tok * (HQ + 2 * HKV) * D + head.to(tl.int64)[:, None] * D + half[None, :]
+    is_q = (head < HQ) & real
+    is_k = (head >= HQ) & (head < HQ + HKV) & real
+    is_v = (head >= HQ + HKV) & (head < HQ + 2 * HKV) & real
+    live = (is_q | is_k | is_v)[:, None] & (half < D)[None, :]  # [R, D/2]
+    at = tok[:, None] * (HQ + 2 * HKV) * D + head.to(tl.int64)[:, None] * D + half[None, :]
     dt = q_out.dtype.element_ty
     x1 = _summed(qkv, at, live, part_stride, dt, PARTS)
     x2 = _summed(qkv, at + D // 2, live, part_stride, dt, PARTS)
-    pos = tl.load(positions + tok)
-    slot = tl.load(slots + n).to(tl.int64)
-    cache_pos = (tl.load(kv_len + n) - W + t).to(tl.int64)
+    pos = tl.load(positions + tok, mask=real, other=0)
+    slot = tl.load(slots + n, mask=real, other=0).to(tl.int64)
+    cache_pos = (tl.load(kv_len + n, mask=real, other=0) - W + t).to(tl.int64)
     v1, v2 = x1, x2  # v heads: stored as they are
     if QK_NORM:  # q and k heads: per-head RMSNorm with their own weight
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)  # [HEADS]
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)  # [R]
         w1 = tl.where(is_q[:, None], tl.load(q_norm + half)[None, :], tl.load(k_norm + half)[None, :])
         w2 = tl.where(is_q[:, None], tl.load(q_norm + D // 2 + half)[None, :], tl.load(k_norm + D // 2 + half)[None, :])
         x1 = (w1 * (x1 * rstd[:, None]).to(dt)).to(tl.float32)
         x2 = (w2 * (x2 * rstd[:, None]).to(dt)).to(tl.float32)
-    freq = pos.to(tl.float32) * tl.load(inv_freq + half)  # RoPE, rotate-half
-    cos = tl.cos(freq).to(dt).to(tl.float32)[None, :]
-    sin = tl.sin(freq).to(dt).to(tl.float32)[None, :]
+    freq = pos.to(tl.float32)[:, None] * tl.load(inv_freq + half)[None, :]  # RoPE, rotate-half
+    cos = tl.cos(freq).to(dt).to(tl.float32)
+    sin = tl.sin(freq).to(dt).to(tl.float32)
     o1, o2 = (x1 * cos - x2 * sin).to(dt), (x2 * cos + x1 * sin).to(dt)
     row = head.to(tl.int64)[:, None]
-    q_dst = q_out + (tok * HQ + row) * D + half[None, :]
+    q_dst = q_out + (tok[:, None] * HQ + row) * D + half[None, :]
     tl.store(q_dst, o1, mask=live & is_q[:, None])
     tl.store(q_dst + D // 2, o2, mask=live & is_q[:, None])
-    k_dst = k_cache + slot * sc_slot + (row - HQ) * sc_head + cache_pos * sc_pos + half[None, :]
+    cached = slot[:, None] * sc_slot + cache_pos[:, None] * sc_pos + half[None, :]
+    k_dst = k_cache + cached + (row - HQ) * sc_head
     tl.store(k_dst, o1, mask=live & is_k[:, None])
     tl.store(k_dst + D // 2, o2, mask=live & is_k[:, None])
-    v_dst = v_cache + slot * sc_slot + (row - HQ - HKV) * sc_head + cache_pos * sc_pos + half[None, :]
+    v_dst = v_cache + cached + (row - HQ - HKV) * sc_head
     tl.store(v_dst, v1.to(dt), mask=live & is_v[:, None])
     tl.store(v_dst + D // 2, v2.to(dt), mask=live & is_v[:, None])
 
 
-def qkv_heads(heads: int) -> int:
-    """Heads per program of the q/k/v kernel: one on the GPU (a program per head spreads a
-    decode row over the multiprocessors); all of them under the interpreter, which runs
-    programs one after another and pays per tile op, not per element."""
-    return triton.next_power_of_2(heads) if interpreted() else 1
+def qkv_tiles(tokens: int, heads: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, TOKENS, HEADS) of the q/k/v kernel over ``tokens`` rows of ``heads`` heads: a
+    program per (token, head) on the GPU, which spreads a decode row over the multiprocessors;
+    under the interpreter, which runs programs one after another and pays per tile op, not per
+    element, every head of up to 64 tokens in one program."""
+    if not interpreted():
+        return (tokens, heads), 1, 1
+    per_head = triton.next_power_of_2(heads)
+    per_token = min(triton.next_power_of_2(tokens), max(1, 1024 // per_head))
+    return (triton.cdiv(tokens, per_token), 1), per_token, per_head
 
 
 @triton.jit
@@ -365,12 +374,12 @@ def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticK
     k_cache = cache.k[0]
     q = torch.empty(n, w, a.num_heads, a.head_dim, dtype=k_cache.dtype, device=q_proj.device)
     parts = q_proj.numel() // (n * w * a.num_heads * a.head_dim)
-    heads = qkv_heads(a.num_heads)
-    _qkv_kernel[(n * w, triton.cdiv(a.num_heads, heads))](
+    grid, tokens, heads = qkv_tiles(n * w, a.num_heads)
+    _qkv_kernel[grid](
         q_proj, a.q_norm.weight if qk_norm else q_proj, a.q_norm.weight if qk_norm else q_proj, rotary.inv_freq, positions, q, k_cache, cache.v[0],
         slots, kv_len, a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim,
-        HEADS=heads, **overlap.launch(release=True))
+        k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, n * w, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim,
+        HEADS=heads, TOKENS=tokens, **overlap.launch(release=True))
     return q.transpose(1, 2)
 
 
@@ -445,11 +454,11 @@ def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, ca
     k_cache = cache.k[i]
     q = torch.empty(n, w, hq, a.head_dim, dtype=k_cache.dtype, device=qkv.device) if with_q else k_cache
     parts = qkv.numel() // (n * w * (hq + 2 * a.num_kv_heads) * a.head_dim)
-    heads = qkv_heads(hq + 2 * a.num_kv_heads)
-    _qkv_kernel[(n * w, triton.cdiv(hq + 2 * a.num_kv_heads, heads))](
+    grid, tokens, heads = qkv_tiles(n * w, hq + 2 * a.num_kv_heads)
+    _qkv_kernel[grid](
         qkv, a.q_norm.weight if qk_norm else qkv, a.k_norm.weight if qk_norm else qkv, rotary.inv_freq, positions,
         q, k_cache, cache.v[i], slots, kv_len, hq, a.num_kv_heads, w,
         a.k_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        qkv.stride(0) if parts > 1 else 0, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads,
-        **overlap.launch(release=True))
+        qkv.stride(0) if parts > 1 else 0, n * w, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads,
+        TOKENS=tokens, **overlap.launch(release=True))
     return q.transpose(1, 2) if with_q else None
