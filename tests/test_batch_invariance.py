@@ -185,3 +185,18 @@ def test_seeded_sampled_requests_are_the_same_with_drafting_on_off_and_auto(name
         outs = [[c.output_ids for i in range(0, 8, batch) for c in e.generate(prompts[i : i + batch], params[i : i + batch])]
                 for e in engines]
         assert outs[0] == outs[1] == outs[2], batch
+
+
+@pytest.mark.gpu
+def test_eval_on_the_cuda_backend_reports_every_prompt_identical(capsys):
+    """`draftline eval` on the shipped GPU specs (the trained pair, bf16, batch-invariant
+    kernels by default), greedy: its lossless check prints N/N identical for every method."""
+    import json
+
+    from draftline.core.cli import main
+
+    specs = [f"specs/gpu-{m}.yaml" for m in ("dflash", "eagle3", "gemma4-mtp")]
+    assert main(["eval", *specs, "--num-prompts", "12", "--temperatures", "0", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert [r["lossless_check"] for r in results] == ["12/12 identical"] * 3
+    assert all(r["tau"] > 2 for r in results)  # drafts were accepted
