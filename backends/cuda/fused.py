@@ -128,7 +128,8 @@ def qkv_tiles(tokens: int, heads: int) -> tuple[tuple[int, int], int, int]:
     """(grid, TOKENS, HEADS) of the q/k/v kernel over ``tokens`` rows of ``heads`` heads: a
     program per (token, head) on the GPU, which spreads a decode row over the multiprocessors;
     under the interpreter, which runs programs one after another and pays per tile op, not per
-    element, every head of up to 64 tokens in one program."""
+    element, every head of as many tokens as fill 1024 tile rows (64 tokens of 16 heads) in one
+    program."""
     if not interpreted():
         return (tokens, heads), 1, 1
     per_head = triton.next_power_of_2(heads)
