@@ -27,7 +27,7 @@ MIN_SPLIT_TOKENS = 256  # a split shorter than this gives too few distillation w
 class Document:
     text: str  # the whole record as the target reads it
     prompt: str | None  # chat records: the rendered conversation up to the assistant's turn
-    source: str  # file:line, for messages and the split's hash
+    source: str  # file:line, for messages and the eval prompts it yields
 
 
 def source_files(paths: list[str], skip: Path | None = None) -> list[Path]:
@@ -97,7 +97,7 @@ def _record(record: Any, where: str, template: ChatTemplate | None) -> Document:
 
 def is_held_out(doc: Document) -> bool:
     """By the record's text: the same split wherever the data lives and whatever its files are
-    called, and a record repeated in the data never lands on both sides."""
+    called, and copies of one record hash alike (split_documents' fallbacks aside, one side)."""
     return hashlib.sha1(doc.text.encode()).digest()[0] % 10 == 0
 
 
