@@ -1,10 +1,11 @@
 """Where the GPU's time goes in `Engine.generate` with the shipped trained pair (CUDA machine):
 torch.profiler over one warm pass, kernels summed by name, against the pass's wall time.
 
-`python bench/gpu_profile.py [SPEC] [BATCH] [DEPTH] [--none] [--plain]`: prints wall ms, rounds,
+`python bench/gpu_profile.py [SPEC] [BATCH] [DEPTH] [--none] [--plain] [--prompts=N]`: prints wall ms, rounds,
 host work per round, GPU kernel ms in all (their sum: what a fully busy GPU would take) and the
 kernels with the most GPU time. --none runs the spec's target with method `none`; --plain turns
-the batch-invariant kernels off (`model.batch_invariant: false`)."""
+the batch-invariant kernels off (`model.batch_invariant: false`); --prompts=N feeds N prompts
+through BATCH slots (a continuous feed, prefills among the rounds) instead of one static batch."""
 import sys
 import time
 
@@ -30,15 +31,16 @@ def main():
     if "--plain" in sys.argv:
         data["model"]["batch_invariant"] = False
     engine = Engine(type(load_spec(path)).model_validate(data), draft_policy="always")
-    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: 2 * batch]
+    feed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--prompts=")), batch)
+    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: 2 * feed]
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
-    engine.generate(prompts[:batch], params)
+    engine.generate(prompts[:feed], params)
     torch.cuda.synchronize()
     clock = engine.machine.clock
-    rounds, step, wait = clock.rounds, clock.step_s, clock.wait_s
+    rounds, step, wait, prefills = clock.rounds, clock.step_s, clock.wait_s, clock.prefills
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        out = engine.generate(prompts[batch : 2 * batch], params)
+        out = engine.generate(prompts[feed : 2 * feed], params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     rounds = clock.rounds - rounds
@@ -49,7 +51,7 @@ def main():
     name = "none" if "--none" in sys.argv else engine.plan.method
     kernels = "plain" if "--plain" in sys.argv else "default"
     print(f"{path} ({name}, {kernels} kernels) batch {batch} depth {depth}: wall {1e3 * wall:.1f} ms, {rounds} rounds, "
-          f"{tokens} tokens, {1e3 * wall / max(1, rounds):.3f} ms/round wall, kernels {gpu_us / 1e3:.1f} ms "
+          f"{tokens} tokens, {clock.prefills - prefills} prefills, {1e3 * wall / max(1, rounds):.3f} ms/round wall, kernels {gpu_us / 1e3:.1f} ms "
           f"({gpu_us / max(1, rounds):.0f} us/round), host work {host:.0f} us/round")
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[:18]:

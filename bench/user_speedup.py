@@ -82,8 +82,10 @@ def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
     engine.backend.timeline = None
     batch_rounds, prefill_s = clock.rounds - rounds0, clock.prefill_s - pre0
     host = (clock.step_s - step0) - (clock.wait_s - wait0) - prefill_s
+    busy = sum(begin.elapsed_time(end) for begin, end in timeline)  # ms inside the rounds' spans
     where = (1e6 * host / max(1, batch_rounds), 1e6 * prefill_s / max(1, clock.prefills - pres0),
-             1e3 * idle_ms(timeline) / max(1, batch_rounds))
+             1e3 * idle_ms(timeline) / max(1, batch_rounds), 1e3 * busy / max(1, batch_rounds),
+             1e6 * seconds / max(1, batch_rounds), rounds / max(1, batch_rounds), batch_rounds, clock.prefills - pres0)
     return (seconds, tokens, round_tokens / max(1, rounds), sum(tails) / len(tails), drafted / max(1, rounds),
             where)
 
@@ -129,6 +131,14 @@ def main() -> None:
               f"{r[13][2]:>8.0f}{r[14][0]:>10.0f}{r[14][2]:>6.0f}")
     print("host us: the engine's host work a round outside prefills; prefill: host us a prefill launch; idle us: "
           "GPU time between rounds (prefills' device time included); none: the same for `none`")
+    print(f"{'method':<11}{'batch':>6}{'pass':>6}{'rounds':>8}{'rows':>6}{'prefills':>9}{'busy us':>9}{'wall us':>9}"
+          f"{'none rounds':>12}{'rows':>6}{'prefills':>9}{'busy us':>9}{'wall us':>9}")
+    for r in rows:
+        d, n = r[13], r[14]
+        print(f"{r[0]:<11}{r[2]:>6}{r[3]:>6}{d[6]:>8}{d[5]:>6.1f}{d[7]:>9}{d[3]:>9.0f}{d[4]:>9.0f}"
+              f"{n[6]:>12}{n[5]:>6.1f}{n[7]:>9}{n[3]:>9.0f}{n[4]:>9.0f}")
+    print("rounds: launches collected; rows: requests a round; busy us: GPU time inside a round's launch span; "
+          "wall us: the pass's wall time over its rounds")
 
 
 def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, prompts: list[str], per_call: int
