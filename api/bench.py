@@ -1,85 +1,209 @@
-"""`draftline bench-serve`: the real server under concurrent streaming load, drafting on and off."""
+"""`draftline bench-serve`: the real server under concurrent streaming load, drafting on and off.
+
+The workload is the shipped eval prompts (text), or random input-id prompts of a chosen length
+(``prompt_len``), optionally behind one shared prefix; ``long_prompt`` sends one long prompt
+halfway through each level, to show what its prefill does to the running requests' gaps.
+``acceptance`` replaces the drafts by each prompt's greedy continuation at a profile's rate
+(draftline.core.simulated), for weights whose own drafts are never accepted (the 8B-shaped
+random pairs): those numbers are simulated acceptance and are labelled so."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import httpx
+import torch
 
 from draftline.core.engine import Engine
+from draftline.core.models.config import ConfigError
 from draftline.core.spec import Spec
 from draftline.core.training.corpus import read_prompts
 
 from .server import background
 
 PROMPTS = Path(__file__).resolve().parent.parent / "specs" / "tiny" / "eval_prompts.jsonl"
+MODES = {"always": ("always", True), "auto": ("auto", True), "off": ("auto", False)}  # policy, speculative
 
 
-async def _one(client: httpx.AsyncClient, prompt: str, max_new: int, speculative: bool) -> dict:
-    body = {"text": prompt, "stream": True, "speculative": speculative,
-            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
-    start, first, last = time.perf_counter(), None, None
+@dataclass(frozen=True)
+class Options:
+    levels: list[int]
+    requests: int = 0  # per level; 0: max(8, 8 x concurrency)
+    max_new: int = 64
+    prompt_len: int = 0  # 0: the eval prompts' text; else random input ids of this many tokens
+    shared_prefix: int = 0  # tokens of one random prefix before every prompt (with prompt_len)
+    long_prompt: int = 0  # tokens of one prompt sent halfway through each level
+    acceptance: str = ""  # a draftline.core.simulated profile: simulated acceptance
+    modes: tuple[str, ...] = ("always", "auto", "off")
+    max_model_len: int = 0  # 0: the spec's
+
+    def count(self, concurrency: int) -> int:
+        return self.requests or max(8, 8 * concurrency)
+
+
+def _ids(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
+
+
+def workload(opts: Options, vocab: int) -> tuple[list[str | list[int]], list[int] | None]:
+    """(the prompts every level draws from in order, the long prompt or None)."""
+    if not opts.prompt_len:
+        return (read_prompts(PROMPTS) if PROMPTS.is_file() else ["def main():\n"]), None
+    prefix = _ids(vocab, 1, opts.shared_prefix, seed=1)[0] if opts.shared_prefix else []
+    count = max(opts.count(c) for c in opts.levels)
+    prompts = [prefix + p for p in _ids(vocab, count, opts.prompt_len, seed=2)]
+    return prompts, (_ids(vocab, 1, opts.long_prompt, seed=3)[0] if opts.long_prompt else None)
+
+
+def check(opts: Options, spec: Spec) -> None:
+    """Workloads the options cannot make, refused before any model loads."""
+    if opts.shared_prefix and not opts.prompt_len:
+        raise ConfigError("--shared-prefix needs --prompt-len (the unique part of each input-id prompt)")
+    if opts.acceptance and not opts.prompt_len:
+        raise ConfigError("--acceptance needs --prompt-len: continuations are keyed by input-id prompts")
+    if opts.acceptance and spec.speculative.method == "none":
+        raise ConfigError("--acceptance needs a spec with a drafting method")
+    longest = max(opts.shared_prefix + opts.prompt_len, opts.long_prompt) + opts.max_new
+    limit = opts.max_model_len or spec.model.max_model_len
+    if longest >= limit:
+        raise ConfigError(f"the workload's longest request ({longest} tokens with its new tokens) does not fit "
+                          f"max_model_len {limit}; raise --max-model-len or shorten the prompts")
+
+
+async def _one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, speculative: bool) -> dict:
+    body = {"stream": True, "speculative": speculative, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+    body |= {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+    start, arrivals, last = time.perf_counter(), [], None
     async with client.stream("POST", "/generate", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
-                if first is None and chunk["output_ids"]:
-                    first = time.perf_counter()
+                if chunk["output_ids"] and len(chunk["output_ids"]) > len((last or {}).get("output_ids", [])):
+                    arrivals.append(time.perf_counter())
                 last = chunk
     end = time.perf_counter()
     reason = (last or {}).get("meta_info", {}).get("finish_reason") or {}
-    if first is None or reason.get("type") == "abort":  # a benchmark of failed requests measures nothing
+    if not arrivals or reason.get("type") == "abort":  # a benchmark of failed requests measures nothing
         raise RuntimeError(f"bench-serve: a request failed ({reason.get('message', 'no tokens streamed')}); "
                            "the server's log names the cause")
     n = last["meta_info"]["completion_tokens"]
-    return {"ttft": first - start, "tpot": (end - first) / max(1, n - 1), "tokens": n,
-            "tau": last["meta_info"]["spec_accept_length"], "start": start, "end": end}
+    return {"ttft": arrivals[0] - start, "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tau": last["meta_info"]["spec_accept_length"]}
 
 
-async def _level(url: str, prompts: list[str], concurrency: int, count: int, max_new: int, speculative: bool) -> dict:
+async def _level(url: str, prompts: list, concurrency: int, count: int, max_new: int, speculative: bool,
+                 long_prompt: list[int] | None = None) -> dict:
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(count):
         queue.put_nowait(prompts[i % len(prompts)])
     results: list[dict] = []
+    long: list[dict] = []
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             results.append(await _one(client, queue.get_nowait(), max_new, speculative))
 
+    async def send_long(client: httpx.AsyncClient) -> None:  # once half the requests are done
+        while len(results) < count // 2:
+            await asyncio.sleep(0.005)
+        long.append(await _one(client, long_prompt, 1, speculative))
+
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)),
+                             *([send_long(client)] if long_prompt else []))
         wall = time.perf_counter() - t0
+    gaps = [g for r in results for g in r["gaps"]]
+    ratios = [max(r["gaps"]) / median(r["gaps"]) for r in results if len(r["gaps"]) >= 3 and median(r["gaps"]) > 0]
     return {"concurrency": concurrency, "requests": count, "req_per_s": round(count / wall, 2),
             "out_tok_per_s": round(sum(r["tokens"] for r in results) / wall, 1),
             "ttft_ms": round(1e3 * mean(r["ttft"] for r in results), 1),
+            "ttft_p50_ms": round(1e3 * median(r["ttft"] for r in results), 1),
             "tpot_ms": round(1e3 * mean(r["tpot"] for r in results), 2),
+            "itl_p50_ms": round(1e3 * median(gaps), 2) if gaps else 0.0,
+            "gap_ratio": round(max(ratios), 2) if ratios else 0.0,  # worst request: its longest gap / its median
+            "long_ttft_ms": round(1e3 * long[0]["ttft"], 1) if long else None,
             "tau": round(mean(r["tau"] for r in results), 2)}
 
 
-def run_bench(spec: Spec, levels: list[int], requests: int, max_new: int, as_json: bool) -> str:
-    prompts = read_prompts(PROMPTS) if PROMPTS.is_file() else ["def main():\n"]
-    spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_batch_size": max(levels)})})
-    modes = [("always", "always", True), ("auto", "auto", True), ("off", "auto", False)]
-    rows, target = [], None
-    for name, policy, speculative in modes:
-        engine = Engine(spec, target[0], target[1], draft_policy=policy) if target else Engine(spec, draft_policy=policy)
+def _continuations(engine: Engine, spec: Spec, opts: Options, prompts: list, long_prompt: list[int] | None
+                   ) -> dict[tuple[int, ...], list[int]]:
+    """Every prompt's greedy continuation, from a `none` engine over the same target."""
+    from draftline.core import benchmark
+
+    if engine.backend_name != "cuda":
+        raise ConfigError("--acceptance runs on the cuda backend (a GPU): set backend: cuda or auto on a GPU machine")
+    none = engine.with_method({"method": "none"})
+    ids = prompts + ([long_prompt] if long_prompt else [])
+    beyond = min(64, spec.model.max_model_len - opts.max_new - max(len(p) for p in ids))  # drafts past the end
+    return benchmark.greedy_continuations(none, ids, opts.max_new + beyond)
+
+
+def _simulate(engine: Engine, continuations: dict, prompts: list, opts: Options, rate: float) -> None:
+    from draftline.core import benchmark
+
+    sim = benchmark.simulate(engine, continuations)
+    if not engine.backend.cache.invariant:  # the invariant kernels make `none`'s output the method's own
+        benchmark.settle(engine, sim, prompts, opts.max_new, rate)
+    sim.set_rate(rate)
+
+
+def _serve(spec: Spec, engine: Engine, mode: str, opts: Options, prompts: list, long_prompt: list[int] | None
+           ) -> list[dict]:
+    speculative, rows = MODES[mode][1], []
+    with background(spec, engine) as url:
+        asyncio.run(_level(url, prompts, 1, 2, 8, speculative))  # warm-up
+        for c in opts.levels:
+            row = asyncio.run(_level(url, prompts, c, opts.count(c), opts.max_new, speculative, long_prompt))
+            rows.append({"drafting": mode, **row})
+    return rows
+
+
+def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
+    from draftline.core.simulated import profile_rate
+
+    check(opts, spec)
+    try:
+        rate = profile_rate(opts.acceptance) if opts.acceptance else None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if opts.acceptance and rate is None:
+        raise ConfigError("--acceptance random is the drafter's own drafts: leave --acceptance out for that")
+    model = spec.model.model_copy(update={"max_model_len": opts.max_model_len}) if opts.max_model_len else spec.model
+    spec = spec.model_copy(update={"model": model,
+                                   "server": spec.server.model_copy(update={"max_batch_size": max(opts.levels)})})
+    rows, target, continuations, prompts, long_prompt = [], (), None, None, None
+    for mode in opts.modes:
+        engine = Engine(spec, *target, draft_policy=MODES[mode][0])
         target = (engine.target, engine.tokenizer)
-        with background(spec, engine) as url:
-            asyncio.run(_level(url, prompts, 1, 2, 8, speculative))  # warm-up
-            for c in levels:
-                row = asyncio.run(_level(url, prompts, c, requests or max(8, 2 * c), max_new, speculative))
-                rows.append({"drafting": name, **row})
-    if as_json:
-        return json.dumps(rows)
-    head = f"{'drafting':>8} {'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'tau':>5}"
+        if prompts is None:
+            prompts, long_prompt = workload(opts, engine.target.config.vocab_size)
+        if rate is not None:
+            continuations = continuations or _continuations(engine, spec, opts, prompts, long_prompt)
+            _simulate(engine, continuations, prompts, opts, rate)
+        rows += _serve(spec, engine, mode, opts, prompts, long_prompt)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return json.dumps(rows) if as_json else _table(rows, opts)
+
+
+def _table(rows: list[dict], opts: Options) -> str:
+    head = (f"{'drafting':>8} {'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT ms':>8} {'p50':>7} "
+            f"{'TPOT ms':>8} {'ITL p50':>8} {'gap x':>6} {'tau':>5}" + (f" {'long TTFT':>9}" if opts.long_prompt else ""))
     lines = [head] + [
         f"{r['drafting']:>8} {r['concurrency']:>5} {r['requests']:>5} {r['req_per_s']:>7} {r['out_tok_per_s']:>10} "
-        f"{r['ttft_ms']:>8} {r['tpot_ms']:>8} {r['tau']:>5}" for r in rows
+        f"{r['ttft_ms']:>8} {r['ttft_p50_ms']:>7} {r['tpot_ms']:>8} {r['itl_p50_ms']:>8} {r['gap_ratio']:>6} "
+        f"{r['tau']:>5}" + (f" {r['long_ttft_ms']:>9}" if opts.long_prompt else "") for r in rows
     ]
-    return "\n".join(lines)
+    if opts.acceptance:
+        lines.insert(0, f"SIMULATED acceptance (--acceptance {opts.acceptance}): drafts replaced by each prompt's "
+                        "greedy continuation, wrong at one position a round")
+    return "\n".join(lines + ["gap x: the worst request's longest gap between streamed chunks over its median gap"])

@@ -135,8 +135,20 @@ def _serving_commands(sub, handlers: dict[str, Handler]) -> None:
     bs = sub.add_parser("bench-serve", help="requests/s, tokens/s, TTFT, TPOT at several concurrencies, drafting on and off")
     bs.add_argument("--spec", default=str(DEFAULT_SPEC), help="the spec file")
     bs.add_argument("--concurrency", type=flags.listed(POSITIVE), default="1,4,16", help="comma-separated concurrency levels")
-    bs.add_argument("--requests", type=NON_NEGATIVE, default=0, help="requests per level (0: max(8, 2 x concurrency))")
+    bs.add_argument("--requests", type=NON_NEGATIVE, default=0, help="requests per level (0: max(8, 8 x concurrency))")
     bs.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="tokens generated per request")
+    bs.add_argument("--prompt-len", type=NON_NEGATIVE, default=0,
+                    help="random input-id prompts of this many tokens (0: the shipped eval prompts' text)")
+    bs.add_argument("--shared-prefix", type=NON_NEGATIVE, default=0,
+                    help="tokens of one random prefix shared by every prompt (with --prompt-len)")
+    bs.add_argument("--long-prompt", type=NON_NEGATIVE, default=0,
+                    help="send one prompt of this many tokens halfway through each level (0: none)")
+    bs.add_argument("--acceptance", metavar="PROFILE",
+                    help="SIMULATED acceptance on the cuda backend, as `draftline bench --acceptance` (with --prompt-len)")
+    bs.add_argument("--modes", type=flags.listed(flags.choice("always", "auto", "off")), default="always,auto,off",
+                    help="drafting modes to run: always, auto (the spec's policy), off")
+    bs.add_argument("--max-model-len", type=NON_NEGATIVE, default=0,
+                    help="override the spec's model.max_model_len (0: the spec's): static slots are sized by it")
     bs.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bs.add_argument("--verbose", action="store_true", help="also log every request")
     bs.set_defaults(func=handlers["bench-serve"])

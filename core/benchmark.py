@@ -194,24 +194,20 @@ def bench_acceptance(base: Engine, specs: list, batches: list[int], prompt_len: 
                      rate: float) -> list[SimRow]:
     """Per method and batch: a round at tau = 1 (its own drafts, never accepted on random
     weights), then the same rounds with drafts replaced per draftline.core.simulated, against `none`."""
-    from .simulated import SimulatedAcceptance, expected_tau
+    from .simulated import expected_tau
 
     none = base if base.plan.method == "none" else base.with_method({"method": "none"})
     beyond = min(64, none.spec.model.max_model_len - prompt_len - new_tokens)  # drafts past the last token
     continuations, baseline = {}, {}
     for b in batches:
-        prompts = _prompts(none, b, prompt_len, seed=b)
-        outs = none.generate(prompts, SamplingParams(max_new_tokens=new_tokens + beyond, ignore_eos=True))
-        continuations.update({tuple(p): o.output_ids for p, o in zip(prompts, outs)})
+        continuations |= greedy_continuations(none, _prompts(none, b, prompt_len, seed=b), new_tokens + beyond)
         baseline[b] = bench_method(none, [b], prompt_len, new_tokens, 1.0)[0]
     rows = []
     for speculative in specs:
         engine = base.with_method(speculative)
         k = engine.plan.num_speculative_tokens
         plain = {r.batch: r for r in bench_method(engine, batches, prompt_len, new_tokens, 1.0)}
-        sim = SimulatedAcceptance(1.0, dict(continuations), engine.spec.server.max_batch_size,
-                                  engine.backend.cache.max_len, engine.target.config.vocab_size, engine.device)
-        engine.backend.set_draft_override(sim)
+        sim = simulate(engine, continuations)
         settled = _own_continuations(engine, sim, batches, prompt_len, new_tokens + beyond, rate)
         for r in bench_method(engine, batches, prompt_len, new_tokens, 1.0):
             none_row, one = baseline[r.batch], plain[r.batch]
@@ -223,30 +219,56 @@ def bench_acceptance(base: Engine, specs: list, batches: list[int], prompt_len: 
     return rows
 
 
+def greedy_continuations(none: Engine, prompts: list[list[int]], tokens: int) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's greedy continuation of ``tokens`` tokens from a `none` engine, run in
+    batches of its max_batch_size: what simulated acceptance replays as drafts."""
+    params, out, size = SamplingParams(max_new_tokens=tokens, ignore_eos=True), {}, none.spec.server.max_batch_size
+    for i in range(0, len(prompts), size):
+        group = prompts[i : i + size]
+        out |= {tuple(p): c.output_ids for p, c in zip(group, none.generate(group, params))}
+    return out
+
+
+def simulate(engine: Engine, continuations: dict[tuple[int, ...], list[int]]):
+    """Installs simulated acceptance (rate 1 until set_rate) over these continuations in the
+    engine's cuda backend, which captures its graphs again with it inside."""
+    from .simulated import SimulatedAcceptance
+
+    sim = SimulatedAcceptance(1.0, dict(continuations), engine.spec.server.max_batch_size,
+                              engine.backend.cache.max_len, engine.target.config.vocab_size, engine.device)
+    engine.backend.set_draft_override(sim)
+    return sim
+
+
 def _own_continuations(engine: Engine, sim, batches: list[int], prompt_len: int, tokens: int, rate: float,
                        passes: int = 8) -> dict[int, tuple[int, list[int]]]:
-    """Makes ``sim``'s continuations this method's own greedy output under the profile's
-    rounds. In bf16 the `none` run's continuation is not bit-identical to what a verify
-    window computes (reduction orders follow the row count and the window's offset), so
-    replayed verbatim its first near-tied argmax is rejected and tau falls to 1. Each pass
-    replays the known continuation and takes the method's (lossless) greedy output as the next
-    one, first with every draft kept (rate 1: most positions settle at once), then at the
-    profile's rate, until a pass changes nothing: every position a pass agrees on up to its
-    first change stays agreed, so each pass moves that point forward. The measured tau beside
-    the profile's shows any position that still moves. -> batch: (passes, the first changed
-    position of each row the last pass still changed)."""
-    settled = {}
-    for b in batches:
-        prompts = _prompts(engine, b, prompt_len, seed=b)
-        for i, p in enumerate([1.0] * 2 + [rate] * passes):
-            sim.set_rate(p)
-            outs = engine.generate(prompts, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
-            moved = [_first_change(sim.continuations[tuple(q)], o.output_ids) for q, o in zip(prompts, outs)]
-            sim.continuations.update({tuple(q): o.output_ids for q, o in zip(prompts, outs)})
-            settled[b] = (i + 1, [m for m in moved if m is not None])
-            if not settled[b][1] and p == rate:
-                break
-    return settled
+    """settle() over each batch's prompts -> batch: (passes, first changed positions)."""
+    return {b: settle(engine, sim, _prompts(engine, b, prompt_len, seed=b), tokens, rate, passes) for b in batches}
+
+
+def settle(engine: Engine, sim, prompts: list[list[int]], tokens: int, rate: float, passes: int = 8
+           ) -> tuple[int, list[int]]:
+    """Makes ``sim``'s continuations of ``prompts`` this method's own greedy output under the
+    profile's rounds. In bf16 without the batch-invariant kernels the `none` run's
+    continuation is not bit-identical to what a verify window computes (reduction orders
+    follow the row count and the window's offset), so replayed verbatim its first near-tied
+    argmax is rejected and tau falls to 1. Each pass replays the known continuation and takes
+    the method's (lossless) greedy output as the next one, first with every draft kept (rate
+    1: most positions settle at once), then at the profile's rate, until a pass changes
+    nothing: every position a pass agrees on up to its first change stays agreed, so each pass
+    moves that point forward. The measured tau beside the profile's shows any position that
+    still moves. -> (passes, the first changed position of each row the last pass still
+    changed)."""
+    done = (0, [])
+    for i, p in enumerate([1.0] * 2 + [rate] * passes):
+        sim.set_rate(p)
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+        moved = [_first_change(sim.continuations[tuple(q)], o.output_ids) for q, o in zip(prompts, outs)]
+        sim.continuations.update({tuple(q): o.output_ids for q, o in zip(prompts, outs)})
+        done = (i + 1, [m for m in moved if m is not None])
+        if not done[1] and p == rate:
+            break
+    return done
 
 
 def _first_change(before: list[int], after: list[int]) -> int | None:

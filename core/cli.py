@@ -377,13 +377,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from draftline.api.bench import run_bench
+    from draftline.api.bench import Options, run_bench
 
     from .spec import load_spec
 
-    spec, levels = load_spec(args.spec), args.concurrency
+    opts = Options(args.concurrency, args.requests, args.max_new_tokens, args.prompt_len, args.shared_prefix,
+                   args.long_prompt, args.acceptance or "", tuple(args.modes), args.max_model_len)
     with _quiet(not args.verbose):  # the table, not every request's log line
-        table = run_bench(spec, levels, args.requests, args.max_new_tokens, args.json)
+        table = run_bench(load_spec(args.spec), opts, args.json)
     print(table)
     return 0
 

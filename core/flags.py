@@ -83,6 +83,18 @@ def listed(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
+def choice(*names: str) -> Callable[[str], str]:
+    """One of ``names``."""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(names)}")
+        return text
+
+    parse.__name__ = "choice"
+    return parse
+
+
 TEMPERATURE = bounded(Temperature, float)
 NEW_TOKENS = bounded(NewTokens, int)
 SEED = bounded(Seed, int)

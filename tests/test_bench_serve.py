@@ -1,0 +1,56 @@
+"""`draftline bench-serve`'s workloads: input-id prompts, a shared prefix, a long prompt halfway
+through a level, and the options it refuses before loading anything."""
+
+import json
+
+import pytest
+
+from draftline.api.bench import Options, check, run_bench, workload
+from draftline.core.models.config import ConfigError
+from conftest import tiny_spec
+
+SPEC = tiny_spec(max_model_len=256)
+
+
+def test_input_id_prompts_share_exactly_the_prefix_and_are_reproducible():
+    opts = Options([2, 4], requests=0, max_new=4, prompt_len=8, shared_prefix=16, long_prompt=40)
+    prompts, long = workload(opts, vocab=512)
+    assert len(prompts) == max(opts.count(2), opts.count(4)) == 32  # 8 x the highest concurrency
+    assert all(len(p) == 24 and p[:16] == prompts[0][:16] for p in prompts)
+    assert len({tuple(p[16:]) for p in prompts}) == len(prompts)  # the rest is each prompt's own
+    assert all(0 <= t < 512 for p in prompts + [long] for t in p) and len(long) == 40
+    assert workload(opts, vocab=512) == (prompts, long)
+    text, none = workload(Options([1]), vocab=512)
+    assert none is None and all(isinstance(p, str) for p in text)
+
+
+@pytest.mark.parametrize("opts, needle", [
+    (Options([1], shared_prefix=8), "--shared-prefix needs --prompt-len"),
+    (Options([1], acceptance="dflash-paper"), "--acceptance needs --prompt-len"),
+    (Options([1], prompt_len=200, max_new=64), "does not fit max_model_len 256"),
+    (Options([1], prompt_len=8, long_prompt=300), "raise --max-model-len"),
+])
+def test_workloads_that_cannot_run_are_refused_up_front(opts, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check(opts, SPEC)
+    check(Options([1], prompt_len=200, max_new=64, max_model_len=512), SPEC)  # the override makes room
+
+
+def test_simulated_acceptance_needs_the_cuda_backend():
+    with pytest.raises(ConfigError, match="cuda backend"):
+        run_bench(SPEC, Options([1], prompt_len=8, acceptance="0.8"), as_json=True)
+    with pytest.raises(ConfigError, match="rate in"):
+        run_bench(SPEC, Options([1], prompt_len=8, acceptance="2"), as_json=True)
+
+
+def test_levels_report_ttft_gaps_and_the_long_prompt_through_http():
+    opts = Options([1, 2], requests=4, max_new=6, prompt_len=8, shared_prefix=16, long_prompt=64,
+                   modes=("always", "off"))
+    rows = json.loads(run_bench(SPEC, opts, as_json=True))
+    assert [(r["drafting"], r["concurrency"]) for r in rows] == [("always", 1), ("always", 2), ("off", 1), ("off", 2)]
+    for r in rows:
+        assert r["requests"] == 4 and r["out_tok_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
+        assert r["long_ttft_ms"] > 0 and r["gap_ratio"] >= 1.0
+    assert all(r["tau"] == 1.0 for r in rows if r["drafting"] == "off")  # no request drafted
+    table = run_bench(SPEC, Options([1], requests=2, max_new=4, modes=("off",)), as_json=False)
+    assert "TTFT ms" in table and "gap x" in table and "long TTFT" not in table
