@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,8 @@ def _serve(spec: Spec, engine: Engine, mode: str, opts: Options, prompts: list, 
         for c in opts.levels:
             row = asyncio.run(_level(url, prompts, c, opts.count(c), opts.max_new, speculative, long_prompt))
             rows.append({"drafting": mode, **row})
+            print(f"  {mode} at concurrency {c}: {row['out_tok_per_s']} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
+                  f"tau {row['tau']}", file=sys.stderr, flush=True)  # a long run's progress, as it goes
     return rows
 
 
