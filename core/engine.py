@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from .contract import Capacity
+from .detokenizer import TextStream
 from .logprobs import TokenLogprob
 from .machine import Machine, Plan
 from .policy import DraftPolicy
@@ -204,6 +205,11 @@ class Engine:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def text_stream(self) -> TextStream:
+        """An incremental decoder of a request's output, for streaming it (the final text is
+        ``text``'s)."""
+        return TextStream(self._decode)
 
     def text(self, req: Request) -> str:
         """The completion text, cut before a matched stop string (which it does not include)."""

@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from .engine import Completion, Engine
+from .detokenizer import TextStream
 from .request import Request
 from .sampling import SamplingParams
 
@@ -53,14 +54,19 @@ class Handle:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     req: Request | None = None
     sent_ids: int = 0
+    stream: TextStream | None = None  # the output's text, decoded as it grows
 
     def cancel(self) -> None:
         if self.req is not None:
             self.req.cancelled = True  # the loop frees the slot at its next step
 
     async def updates(self):
+        """Each update as it comes; a reader that fell behind gets the newest of those waiting
+        (updates are cumulative, so it says everything the older ones did)."""
         while True:
             update: Update = await self.queue.get()
+            while update.finished is None and not self.queue.empty():
+                update = self.queue.get_nowait()
             yield update
             if update.finished is not None:
                 return
@@ -70,6 +76,11 @@ class Handle:
             if update.finished is not None:
                 return update.finished
         raise RuntimeError("request ended without a result")
+
+
+def _deliver(batch: list[tuple[Handle, Update]]) -> None:
+    for handle, update in batch:
+        handle.queue.put_nowait(update)
 
 
 class EngineLoop:
@@ -96,7 +107,7 @@ class EngineLoop:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams, speculate: bool = True,
                stop: Sequence[str] = ()) -> Handle:
         """Validate and queue a request; RequestError, QueueFull or EngineDead are raised here."""
-        handle = Handle(aio=asyncio.get_running_loop())
+        handle = Handle(aio=asyncio.get_running_loop(), stream=self.engine.text_stream())
         with self.cond:
             if self.dead:
                 raise EngineDead("the engine loop has stopped; see the server log")
@@ -128,7 +139,7 @@ class EngineLoop:
             self.active += pending
             for handle in list(self.active):
                 handle.req.finish({"type": "abort", "message": f"engine stopped: {exc!r}"})
-                self._publish(handle)
+            self._publish_all()
 
     def _admit(self) -> None:
         with self.cond:
@@ -149,24 +160,31 @@ class EngineLoop:
             self.engine.abort_running(f"internal error: {exc!r}")
             if self.consecutive_failures >= 8:
                 raise
-        for handle in list(self.active):
-            self._publish(handle)
+        self._publish_all()
 
-    def _publish(self, handle: Handle) -> None:
+    def _publish_all(self) -> None:
+        """Every active request's progress since its last update, handed to each event loop in
+        one call: a wake-up per step, not per request."""
+        outbox: dict[asyncio.AbstractEventLoop, list[tuple[Handle, Update]]] = {}
+        try:
+            for handle in list(self.active):
+                self._publish(handle, outbox)
+        finally:  # what was made goes out even if a finish listener raised
+            for aio, batch in outbox.items():
+                aio.call_soon_threadsafe(_deliver, batch)
+
+    def _publish(self, handle: Handle, outbox: dict) -> None:
         req = handle.req
         done = req.finish_reason is not None
         if not done and len(req.output_ids) == handle.sent_ids:
             return
         handle.sent_ids = len(req.output_ids)
         finished = self.engine.completion(req) if done else None
-        text = finished.text if done else stable_text(self.engine.text(req), req.stop_strings)
-        update = Update(text, list(req.output_ids), finished)
-        try:
-            if done:  # metrics and logs first: a client that sees its answer then sees it counted
-                self.active.remove(handle)
-                self._log_finished(req, finished)
-        finally:  # a listener that raises must not cost the client its answer
-            handle.aio.call_soon_threadsafe(handle.queue.put_nowait, update)
+        text = finished.text if done else stable_text(handle.stream.update(req.output_ids), req.stop_strings)
+        outbox.setdefault(handle.aio, []).append((handle, Update(text, list(req.output_ids), finished)))
+        if done:  # metrics and logs before the client's event loop runs: it then sees its answer counted
+            self.active.remove(handle)
+            self._log_finished(req, finished)
 
     def _log_finished(self, req: Request, c: Completion) -> None:
         m = c.meta_info

@@ -4,4 +4,5 @@ import sys
 
 from draftline.core.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned worker (bench-serve's clients) imports this module again
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""bench-serve's clients: concurrent streaming requests to /generate, timed as a user sees
+them (time to first token, time per output token, gaps between streamed chunks). Imports
+nothing heavy: it runs in a process of its own, beside the server's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from statistics import mean, median
+
+import httpx
+
+
+def measure(url: str, prompts: list, concurrency: int, count: int, max_new: int, speculative: bool,
+            long_prompt: list[int] | None = None) -> dict:
+    """level() to its end (a process pool's entry point)."""
+    return asyncio.run(level(url, prompts, concurrency, count, max_new, speculative, long_prompt))
+
+
+async def one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, speculative: bool) -> dict:
+    body = {"stream": True, "speculative": speculative, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+    body |= {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+    start, arrivals, last = time.perf_counter(), [], None
+    async with client.stream("POST", "/generate", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["output_ids"] and len(chunk["output_ids"]) > len((last or {}).get("output_ids", [])):
+                    arrivals.append(time.perf_counter())
+                last = chunk
+    end = time.perf_counter()
+    reason = (last or {}).get("meta_info", {}).get("finish_reason") or {}
+    if not arrivals or reason.get("type") == "abort":  # a benchmark of failed requests measures nothing
+        raise RuntimeError(f"bench-serve: a request failed ({reason.get('message', 'no tokens streamed')}); "
+                           "the server's log names the cause")
+    n = last["meta_info"]["completion_tokens"]
+    return {"ttft": arrivals[0] - start, "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tau": last["meta_info"]["spec_accept_length"]}
+
+
+async def level(url: str, prompts: list, concurrency: int, count: int, max_new: int, speculative: bool,
+                 long_prompt: list[int] | None = None) -> dict:
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(count):
+        queue.put_nowait(prompts[i % len(prompts)])
+    results: list[dict] = []
+    long: list[dict] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            results.append(await one(client, queue.get_nowait(), max_new, speculative))
+
+    async def send_long(client: httpx.AsyncClient) -> None:  # once half the requests are done
+        while len(results) < count // 2:
+            await asyncio.sleep(0.005)
+        long.append(await one(client, long_prompt, 1, speculative))
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)),
+                             *([send_long(client)] if long_prompt else []))
+        wall = time.perf_counter() - t0
+    gaps = [g for r in results for g in r["gaps"]]
+    ratios = [max(r["gaps"]) / median(r["gaps"]) for r in results if len(r["gaps"]) >= 3 and median(r["gaps"]) > 0]
+    return {"concurrency": concurrency, "requests": count, "req_per_s": round(count / wall, 2),
+            "out_tok_per_s": round(sum(r["tokens"] for r in results) / wall, 1),
+            "ttft_ms": round(1e3 * mean(r["ttft"] for r in results), 1),
+            "ttft_p50_ms": round(1e3 * median(r["ttft"] for r in results), 1),
+            "tpot_ms": round(1e3 * mean(r["tpot"] for r in results), 2),
+            "itl_p50_ms": round(1e3 * median(gaps), 2) if gaps else 0.0,
+            "gap_ratio": round(max(ratios), 2) if ratios else 0.0,  # worst request: its longest gap / its median
+            "long_ttft_ms": round(1e3 * long[0]["ttft"], 1) if long else None,
+            "tau": round(mean(r["tau"] for r in results), 2)}
+
+
