@@ -48,15 +48,22 @@ def _split_keys(length, count, least, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_slot, sc_head, sc_pos,
-                    BLOCK_N: tl.constexpr, KEYS: tl.constexpr, LINES: tl.constexpr, D: tl.constexpr):
+                    num_slots, max_len, BLOCK_N: tl.constexpr, KEYS: tl.constexpr, LINES: tl.constexpr,
+                    D: tl.constexpr):
     """Ask L2 for the first KEYS cached keys and values of split s (128-byte lines). Issued
-    before the gate, while the kernel ahead still runs: nothing here is trusted afterwards (a
-    stale length or slot only fetches useless lines), the program reads everything again."""
+    before the gate, while the kernel ahead still runs, so the length and slot read here may
+    be stale: whatever memory held before a kernel ahead wrote it (a tensor just allocated).
+    Nothing here is trusted afterwards (the program reads everything again), and the slot and
+    key are clamped into the cache, so a stale value only fetches useless lines of it: a
+    prefetch of an address outside it faults like a load (an illegal memory access that ends
+    the process)."""
     length = tl.load(kv_len + n)
-    base = tl.load(slots + n).to(tl.int64) * sc_slot + h * sc_head
+    slot = tl.minimum(tl.maximum(tl.load(slots + n).to(tl.int64), 0), num_slots - 1)
+    base = slot * sc_slot + h * sc_head
     split = _split_keys(length, count, least, BLOCK_N)
     j = s * split + tl.arange(0, KEYS)
-    at = base + tl.where(j < tl.minimum(s * split + split, length), j, 0)[:, None] * sc_pos + \
+    j = tl.minimum(tl.maximum(tl.where(j < tl.minimum(s * split + split, length), j, 0), 0), max_len - 1)
+    at = base + j.to(tl.int64)[:, None] * sc_pos + \
         (tl.arange(0, LINES) * (D // LINES))[None, :]  # [KEYS, LINES]: a key's D elements are LINES lines
     _prefetch_l2(k_cache + at)
     _prefetch_l2(v_cache + at)
@@ -72,7 +79,7 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets, o, scale,
                    HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, so_n, so_h, so_t, count, least,
-                   CAUSAL: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
+                   num_slots, max_len, CAUSAL: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1,
                    SUMMED: tl.constexpr = False):
@@ -86,7 +93,7 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
     n, h = pid // HKV, pid % HKV
     if PREFETCH:
         _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_slot, sc_head, sc_pos,
-                        BLOCK_N, 128, LINES, D)
+                        num_slots, max_len, BLOCK_N, 128, LINES, D)
     overlap.gate(PDL)
     m = tl.arange(0, BLOCK_M)  # query row = g * W + t
     d = tl.arange(0, D)
@@ -303,7 +310,7 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
     _attend_kernel[(n * hkv, splits.count)](
         q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets, out, d**-0.5, hq, hkv, w, g,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), *plan,
+        out.stride(0), out.stride(1), out.stride(2), *plan, k_cache.shape[0], max_len,
         CAUSAL=causal, SPLITS=padded, MERGE=splits.merge, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False),
