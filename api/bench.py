@@ -108,10 +108,21 @@ def _serve(spec: Spec, engine: Engine, mode: str, opts: Options, prompts: list, 
         for c in opts.levels:
             row = clients.submit(load.measure, url, prompts, c, opts.count(c), opts.max_new, speculative,
                                  long_prompt).result()
-            rows.append({"drafting": mode, **row})
+            rows.append({"drafting": mode, **row} | ({"policy": _choices(engine)} if mode == "auto" else {}))
             print(f"  {mode} at concurrency {c}: {row['out_tok_per_s']} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
                   f"tau {row['tau']}", file=sys.stderr, flush=True)  # a long run's progress, as it goes
     return rows
+
+
+def _choices(engine: Engine) -> list[str]:
+    """What `auto` measured and chose so far, per batch bucket (as /spec shows it)."""
+    arms: dict[int, dict] = {}
+    for arm in engine.policy.table():
+        arms.setdefault(arm["batch_bucket"], {})[arm["drafting"]] = arm
+    return [f"batch {size}: drafting {a[True]['ms_per_token']} ms/token ({a[True]['rounds']} rounds), plain "
+            f"{a[False]['ms_per_token']} ({a[False]['rounds']}), "
+            f"{'drafts' if a[True]['chosen'] else 'plain' if a[True]['chosen'] is False else 'measuring'}"
+            for size, a in sorted(arms.items()) if True in a and False in a]
 
 
 def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
@@ -151,6 +162,7 @@ def _table(rows: list[dict], opts: Options) -> str:
         f"{r['ttft_ms']:>8} {r['ttft_p50_ms']:>7} {r['tpot_ms']:>8} {r['itl_p50_ms']:>8} {r['gap_ratio']:>6} "
         f"{r['tau']:>5}" + (f" {r['long_ttft_ms']:>9}" if opts.long_prompt else "") for r in rows
     ]
+    lines += [f"auto after concurrency {r['concurrency']}: " + "; ".join(r["policy"]) for r in rows if r.get("policy")]
     if opts.acceptance:
         lines.insert(0, f"SIMULATED acceptance (--acceptance {opts.acceptance}): drafts replaced by each prompt's "
                         "greedy continuation, wrong at one position a round")

@@ -52,5 +52,6 @@ def test_levels_report_ttft_gaps_and_the_long_prompt_through_http():
         assert r["requests"] == 4 and r["out_tok_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
         assert r["long_ttft_ms"] > 0 and r["gap_ratio"] >= 1.0
     assert all(r["tau"] == 1.0 for r in rows if r["drafting"] == "off")  # no request drafted
-    table = run_bench(SPEC, Options([1], requests=2, max_new=4, modes=("off",)), as_json=False)
+    table = run_bench(SPEC, Options([1], requests=2, max_new=8, modes=("auto",)), as_json=False)
     assert "TTFT ms" in table and "gap x" in table and "long TTFT" not in table
+    assert "auto after concurrency 1: batch 1: drafting " in table  # what the policy measured and chose
