@@ -118,7 +118,8 @@ class Engine:
                             invariant_required=spec.model.batch_invariant is True)
         self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype, capacity)
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
-        self.scheduler = Scheduler(spec.server.max_batch_size)  # the server loop bounds its queue
+        # the server loop bounds its queue
+        self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens)
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         depth = spec.server.pipeline_depth
         self.stops = Stops(self._decode)

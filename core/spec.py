@@ -119,6 +119,10 @@ class ServerSpec(Strict):
     port: int = Field(8000, ge=1, le=65535)
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_queue: int = Field(256, ge=1)
+    # prompt tokens one step prefills at most, across the requests it admits (vLLM's name): a
+    # burst of arrivals is prefilled over several steps, between the running requests' rounds.
+    # Whole prompts; one longer than this is prefilled alone.
+    max_num_batched_tokens: int = Field(8192, ge=1)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token
     # rounds a request may have in flight while the host books the one before: 0 launches and
     # collects each round in turn; 1 or 2 let the device run ahead of the host. "auto" takes the

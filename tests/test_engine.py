@@ -102,3 +102,25 @@ def test_interpreted_cuda_backend_computes_in_float32_or_refuses():
     for name in ("bfloat16", "float16"):
         with pytest.raises(ConfigError, match=f"model.dtype: {name} with backend: cuda on a CPU.*float32"):
             resolve_dtype(tiny_spec(backend="cuda", device="cpu", dtype=name), "cuda", cpu)
+
+
+def test_a_burst_is_prefilled_within_the_token_budget_and_outputs_do_not_change():
+    """server.max_num_batched_tokens bounds the prompt tokens a step admits: a burst of
+    arrivals is prefilled over several steps, each between the running requests' rounds."""
+    prompts = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota", "kappa", "lambda mu nu xi", "omicron"]
+    free = Engine(tiny_spec(max_batch_size=8))
+    data = free.spec.model_dump(mode="python")
+    data["server"]["max_num_batched_tokens"] = 10
+    bounded = Engine(type(free.spec).model_validate(data), free.target, free.tokenizer)
+    lengths = [len(bounded.encode(p)) for p in prompts]
+    reqs = [bounded.add_request(p, GREEDY) for p in prompts]
+    steps = []
+    while bounded.scheduler.has_work():
+        before = {r.rid for r in reqs if r.phase is Phase.WAITING}
+        bounded.step()
+        admitted = [n for r, n in zip(reqs, lengths) if r.rid in before and r.phase is not Phase.WAITING]
+        if admitted:
+            steps.append(admitted)
+    assert len(steps) > 1 and [n for s in steps for n in s] == lengths  # in arrival order, over several steps
+    assert all(sum(s) <= 10 or len(s) == 1 for s in steps)
+    assert [r.output_ids for r in reqs] == [c.output_ids for c in free.generate(prompts, GREEDY)]
