@@ -11,7 +11,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from draftline.backends.cuda.attention import attend, invariant_split_plan  # noqa: E402
 from draftline.backends.cuda.matvec import invariant_tiling, matvec  # noqa: E402
@@ -200,3 +200,29 @@ def test_eval_on_the_cuda_backend_reports_every_prompt_identical(capsys):
     results = json.loads(capsys.readouterr().out.splitlines()[0])
     assert [r["lossless_check"] for r in results] == ["12/12 identical"] * 3
     assert all(r["tau"] > 2 for r in results)  # drafts were accepted
+
+
+def test_prefill_windows_batched_into_one_launch_equal_one_launch_each(monkeypatch):
+    """The invariant prefill's attention takes a prompt's windows as rows of few launches; each
+    window's output is bit-equal to that window attended in a launch of its own (three whole
+    windows and a shorter one, two prompts, a launch holding two windows of both)."""
+    from draftline.backends.cuda import kv as kv_module
+    from draftline.backends.cuda.kv import InvariantPrefill, StaticKV
+
+    hq, hkv, d, chunk = 8, 2, 32, 16  # 4 query heads a kv head: 16 tokens fill a 64-row window
+    cache = StaticKV(1, 4, hkv, 128, d, DTYPE, torch.device(DEV), invariant=True)
+    gen = torch.Generator().manual_seed(5)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen).to(DTYPE))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen).to(DTYPE))
+    slots = torch.tensor([3, 1], device=DEV)
+    w = 3 * chunk + 5
+    q = torch.randn(2, hq, w, d, generator=gen).to(DEV, DTYPE)
+    ends = torch.arange(chunk, w + chunk, chunk, device=DEV).clamp(max=w)
+    kv_lens = ends.to(torch.int32)[:, None].expand(-1, 2).contiguous()
+    splits = cache.splits(2)
+    per_row = hkv * triton.next_power_of_2(splits.count) * (splits.rows or chunk) * d * 4
+    monkeypatch.setattr(kv_module, "PARTIALS_BYTES", per_row * 2 * 2)  # two windows of both prompts a launch
+    batched = InvariantPrefill(cache, slots)._attend(kv_lens, chunk, q, 0)
+    for i, start in enumerate(range(0, w, chunk)):
+        one = attend(q[:, :, start : start + chunk].contiguous(), cache.k[0], cache.v[0], slots, kv_lens[i], True, splits)
+        assert torch.equal(batched[:, :, start : start + chunk], one), f"window {i}"

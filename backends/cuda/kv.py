@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -23,6 +24,7 @@ from .sliding import Window, attend_window, layer_windows, window_mask
 
 
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+PARTIALS_BYTES = 256 << 20  # an invariant prefill launch's split outputs at most (windows go as rows)
 LONG_WINDOW = 64  # query rows (new tokens x heads per KV head) past which eager attention leaves the decode kernel
 
 
@@ -133,13 +135,25 @@ class InvariantPrefill(PrefillAttention):
 
     def _attend(self, kv_lens: Tensor, chunk: int, q: Tensor, layer: int) -> Tensor:
         """q [N, Hq, W, D] over the W keys just stored -> [N, Hq, W, D], ``chunk`` tokens a
-        window, window i's keys up to kv_lens[i]."""
+        window, window i's keys up to kv_lens[i]. Whole windows go as rows of one launch (a
+        window of a prompt is a row: its slot, its length), as many as keep the launch's
+        partial outputs within PARTIALS_BYTES: a long prompt's hundreds of windows take a few
+        launches a layer, not one each. Every program computes what it would alone."""
         n, hq, w, d = q.shape
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
         k, v, splits = self.cache.k[layer], self.cache.v[layer], self.cache.splits(n)
-        for i, start in enumerate(range(0, w, chunk)):
-            window = slice(start, start + chunk)
-            attend(q[:, :, window], k, v, self.slots, kv_lens[i], True, splits, out=out[:, :, window],
+        whole = w // chunk
+        per_row = k.shape[1] * triton.next_power_of_2(splits.count) * (splits.rows or chunk) * d * 4
+        per_launch = max(1, PARTIALS_BYTES // (per_row * n))  # windows a launch
+        for first in range(0, whole, per_launch):
+            m = min(whole, first + per_launch) - first
+            span = slice(first * chunk, (first + m) * chunk)
+            rows = q[:, :, span].reshape(n, hq, m, chunk, d).permute(2, 0, 1, 3, 4).reshape(m * n, hq, chunk, d)
+            done = attend(rows, k, v, self.slots.repeat(m), kv_lens[first : first + m].reshape(-1), True, splits)
+            out[:, :, span] = done.reshape(m, n, hq, chunk, d).permute(1, 2, 0, 3, 4).reshape(n, hq, m * chunk, d)
+        if w % chunk:  # the last window, shorter
+            tail = slice(whole * chunk, w)
+            attend(q[:, :, tail], k, v, self.slots, kv_lens[whole], True, splits, out=out[:, :, tail],
                    tickets=self.cache.tickets)
         return out
 
