@@ -73,9 +73,37 @@ def test_the_tokens_a_drafted_row_emits_are_learned_across_buckets():
     assert [r["ms_per_token"] for r in policy.table() if r["batch_bucket"] == 16 and r["drafting"]] == [250.0]
 
 
+def _timed(policy: DraftPolicy, rounds: int, on_round: float, off_round: float, tau: float, batch: int = 1
+           ) -> tuple[float, float, float]:
+    """Rounds of fixed cost (``on_round`` seconds a drafting round, whose rows emit ``tau``
+    tokens each; ``off_round`` a plain one) -> (seconds drafting, seconds plain, tokens a row)."""
+    spent, tokens = {True: 0.0, False: 0.0}, 0.0
+    for _ in range(rounds):
+        d = policy.should_draft(batch)
+        per_row = tau if d else 1.0
+        policy.record(batch, d, on_round if d else off_round, per_row * batch)
+        spent[d] += on_round if d else off_round
+        tokens += per_row
+    return spent[True], spent[False], tokens
+
+
+def test_a_probe_takes_a_share_of_the_time_not_of_the_rounds():
+    """A drafting round eight times a plain one's (64 rows verifying 16 tokens each), plain
+    1.27x faster a token: probing drafting one round in 16 spent a third of the time on it
+    (0.9 of plain decoding's speed); by time it spends about a sixteenth, within 5% of plain."""
+    policy = DraftPolicy("auto")
+    drafting, plain, tokens = _timed(policy, 4000, on_round=0.050, off_round=0.006, tau=6.6, batch=64)
+    assert drafting / (drafting + plain) <= 1 / 12  # the measuring rounds, then about a 16th
+    assert tokens / (drafting + plain) >= 0.95 / 0.006  # against plain decoding's tokens a second
+    fast = DraftPolicy("auto")  # the other way round: drafting faster, plain probed by its own (short) rounds
+    drafting, plain, tokens = _timed(fast, 400, on_round=0.026, off_round=0.006, tau=6.6, batch=32)
+    assert plain / (drafting + plain) <= 1 / 15 and tokens / (drafting + plain) >= 0.95 * 6.6 / 0.026
+
+
 def test_a_clear_winner_is_probed_less_often_than_a_close_one():
     clear, close = DraftPolicy("auto"), DraftPolicy("auto")
-    plain_clear = 256 - _run(clear, 256, on=1.0, off=2.0)
-    plain_close = 256 - _run(close, 256, on=1.0, off=1.2)
-    assert plain_clear <= 3 + 256 // 64 + 1  # the measuring rounds, then one probe in 64
-    assert plain_close >= 256 // 16 - 1  # one probe in 16
+    _, plain_clear, _ = _timed(clear, 2000, on_round=4.0, off_round=2.0, tau=4.0)  # drafting 2x faster a token
+    _, plain_close, _ = _timed(close, 2000, on_round=4.0, off_round=1.2, tau=4.0)  # 1.2x
+    total_clear, total_close = 2000 * 4.0, 2000 * 4.0  # about: nearly every round drafts
+    assert plain_clear / total_clear <= 1 / 60 + 0.002  # the measuring rounds, then about a 64th of the time
+    assert 1 / 20 <= plain_close / total_close <= 1 / 14  # about a 16th
