@@ -22,6 +22,9 @@ class Metrics:
         self.verify = Counter(f"{p}spec_decode_num_verify_steps", "Target verify steps (rounds)", registry=r)
         self.requests = Counter(f"{p}requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prefix_queries = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated", registry=r)
         self.rejected = Counter(f"{p}requests_rejected", "Requests refused before running", ["reason"], registry=r)
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
@@ -40,6 +43,8 @@ class Metrics:
                 self.accepted_pos.labels(position=str(i)).inc(n)
         self.requests.labels(finish_reason=(req.finish_reason or {}).get("type", "unknown")).inc()
         self.prompt_tokens.inc(len(req.prompt_ids))
+        self.prefix_queries.inc(len(req.prompt_ids))
+        self.prefix_hits.inc(req.cached_tokens)
         self.generation_tokens.inc(len(req.output_ids))
         end = req.t_finish or req.t_arrival
         self.e2e.observe(end - req.t_arrival)

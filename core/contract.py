@@ -26,6 +26,7 @@ class Capacity:
     graphs: bool = True  # capture CUDA graphs where the backend can
     invariant: bool = False  # a target row's results independent of the rows beside it (model.batch_invariant)
     invariant_required: bool = False  # the spec set it: a backend that cannot keep it refuses to start
+    prefix_block: int = 0  # tokens a prefix-cache block (server.block_size); 0: no prefix caching
 
 
 @dataclass(frozen=True)

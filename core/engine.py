@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import structlog
 import torch
 from tokenizers import Tokenizer
 
@@ -29,6 +30,7 @@ from .scheduler import Scheduler
 from .stops import Stops
 from .spec import Spec, SpeculativeSpec, device_problems, load_spec
 
+log = structlog.get_logger("draftline.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,9 +117,13 @@ class Engine:
         self.plan: Plan = method.plan(target.config)
         capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager,
                             invariant=spec.model.batch_invariant is not False,
-                            invariant_required=spec.model.batch_invariant is True)
+                            invariant_required=spec.model.batch_invariant is True,
+                            prefix_block=spec.server.block_size if spec.server.enable_prefix_caching else 0)
         self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype, capacity)
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
+        if capacity.prefix_block and getattr(self.backend, "prefix", None) is None:
+            log.info("prefix_caching.unavailable", backend=self.backend_name,
+                     detail="this backend does not cache prefixes yet: every prompt is prefilled whole")
         # the server loop bounds its queue
         self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens)
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
@@ -242,6 +248,7 @@ class Engine:
             "id": str(req.rid),
             "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.prompt_ids),
+            "cached_tokens": req.cached_tokens,  # prompt tokens whose KV the prefix cache gave
             "completion_tokens": len(req.output_ids),
             "seed": req.params.seed,  # replay a sampled request with this seed
             "spec_verify_ct": s.verify_ct,

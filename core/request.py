@@ -79,6 +79,8 @@ class Request:
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_blocks: list[Any] = field(default_factory=list)  # the prefix cache's blocks it pins
 
     @property
     def seq_len(self) -> int:

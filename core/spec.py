@@ -123,6 +123,10 @@ class ServerSpec(Strict):
     # burst of arrivals is prefilled over several steps, between the running requests' rounds.
     # Whole prompts; one longer than this is prefilled alone.
     max_num_batched_tokens: int = Field(8192, ge=1)
+    # prompts' full blocks of block_size tokens are kept after their requests and reused by
+    # later prompts that start alike (the backends that implement it: reference)
+    enable_prefix_caching: bool = True
+    block_size: int = Field(16, ge=1, le=1024)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token
     # rounds a request may have in flight while the host books the one before: 0 launches and
     # collects each round in turn; 1 or 2 let the device run ahead of the host. "auto" takes the

@@ -8,6 +8,8 @@ accept) and ``collect`` hands back what it decided.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draftline.core import logprobs
@@ -19,7 +21,19 @@ from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
 
+from draftline.core.prefix import Block, PrefixCache
+
 from .kv import FrozenTargetKV, ReferenceKV
+
+
+@dataclass(frozen=True)
+class BlockKV:
+    """What the prefix cache keeps of a block: the target's keys and values at its positions,
+    and the target's tapped features there (a drafter's state is rebuilt from them)."""
+
+    k: list[torch.Tensor]  # per layer [Hkv, B, D]
+    v: list[torch.Tensor]
+    features: torch.Tensor | None  # [B, taps*H]
 
 
 class ReferenceBackend:
@@ -33,6 +47,9 @@ class ReferenceBackend:
         self.kv = ReferenceKV()
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         self._last_features: dict[int, torch.Tensor] = {}  # rid -> [taps*H] at its last verified position
+        size = capacity.prefix_block if capacity is not None else 0
+        # the same tokens as the running requests could hold: max_batch x max_model_len
+        self.prefix = PrefixCache(size, capacity.max_batch * capacity.max_model_len // size) if size else None
 
     def prepare(self) -> dict:
         return {"graphs": 0, "seconds": 0.0}
@@ -61,20 +78,7 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request]) -> RoundResult:
-        last_logits = []
-        for req in reqs:
-            req.kv = self.kv.new(self.target.config.num_layers)
-            ids = torch.tensor([req.prompt_ids], device=self.device)  # [1, P]
-            positions = torch.arange(ids.shape[1], device=self.device)[None]  # [1, P]
-            attn = self.kv.attention([req.kv], causal=True, persist=True)
-            hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
-            if req.params.prompt_logprobs is not None:  # position t's logits predict the token at t + 1
-                logprobs.record(req.logprobs, 1, self.target.logits(hidden[0, :-1]), ids[0, 1:],
-                                req.params.prompt_logprobs)
-            last_logits.append(self.target.logits(hidden[0, -1]))
-            if self.drafter is not None:
-                self._keep_last(req, features[0, -1] if features is not None else None)
-                self.drafter.extend(req, None if features is None else features[0], 0)
+        last_logits = [self._prefill_one(req) for req in reqs]
         batch, logits = self._batch(reqs), torch.stack(last_logits)  # [N, V]
         finite = torch.isfinite(logits).all(dim=1).tolist()
         adjusted = adjust_logits(logits[:, None], reqs, None)[:, 0]  # [N, V]
@@ -87,6 +91,52 @@ class ReferenceBackend:
         tokens = tokens.tolist()
         return RoundResult(finite=finite, accepted=[0] * len(reqs), tokens=[[t] for t in tokens],
                            drafted=[[] for _ in reqs])
+
+    def _prefill_one(self, req: Request) -> torch.Tensor:
+        """The prompt through the target after the blocks the prefix cache holds of it (at
+        least its last token runs) -> the logits at its last token [V]; the drafter's state
+        from every prompt position's features, the cached ones included."""
+        req.kv = self.kv.new(self.target.config.num_layers)
+        blocks = self._cached(req)
+        for layer in range(self.target.config.num_layers):
+            if blocks:
+                self.kv.append(req.kv, layer, torch.cat([b.payload.k[layer] for b in blocks], dim=1),
+                               torch.cat([b.payload.v[layer] for b in blocks], dim=1))
+        start = req.cached_tokens = len(blocks) * (self.prefix.block_size if blocks else 0)
+        ids = torch.tensor([req.prompt_ids[start:]], device=self.device)  # [1, P - start]
+        positions = torch.arange(start, len(req.prompt_ids), device=self.device)[None]
+        attn = self.kv.attention([req.kv], causal=True, persist=True)
+        hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
+        if req.params.prompt_logprobs is not None:  # position t's logits predict the token at t + 1 (start is 0)
+            logprobs.record(req.logprobs, 1, self.target.logits(hidden[0, :-1]), ids[0, 1:], req.params.prompt_logprobs)
+        feats = None if features is None else torch.cat([b.payload.features for b in blocks] + [features[0]])
+        self._keep_blocks(req, blocks, feats)
+        if self.drafter is not None:
+            self._keep_last(req, None if feats is None else feats[-1])
+            self.drafter.extend(req, feats, 0)
+        return self.target.logits(hidden[0, -1])
+
+    def _cached(self, req: Request) -> list[Block]:
+        """The prefix cache's blocks this prompt starts with (pinned: free() releases them).
+        Not for prompt_logprobs, which need every position's logits."""
+        if self.prefix is None or req.params.prompt_logprobs is not None:
+            return []
+        req.prefix_blocks = self.prefix.lookup(req.prompt_ids, len(req.prompt_ids) - 1)
+        return list(req.prefix_blocks)
+
+    def _keep_blocks(self, req: Request, cached: list[Block], feats: torch.Tensor | None) -> None:
+        """Cache the prompt's full blocks past the ones it found (the KV just computed)."""
+        if self.prefix is None or req.params.prompt_logprobs is not None:
+            return
+        size, parent = self.prefix.block_size, cached[-1] if cached else None
+        for i in range(len(cached), len(req.prompt_ids) // size):
+            at = slice(i * size, (i + 1) * size)
+            payload = BlockKV([k[:, at].clone() for k in req.kv.k], [v[:, at].clone() for v in req.kv.v],
+                              None if feats is None else feats[at].clone())
+            parent = self.prefix.insert(parent, tuple(req.prompt_ids[at]), payload)
+            if parent is None:  # the cache is full of pinned blocks, or the block is cached already
+                return
+            req.prefix_blocks.append(parent)
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request]) -> Proposal:
@@ -150,6 +200,9 @@ class ReferenceBackend:
         return verdict
 
     def free(self, req: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.release(req.prefix_blocks)
+            req.prefix_blocks = []
         req.kv = None
         self._last_features.pop(req.rid, None)
         if self.drafter is not None:

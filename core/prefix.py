@@ -1,0 +1,87 @@
+"""Prefix caching: a prompt's full blocks of tokens, keyed by a hash of their tokens and all
+before them, kept after their request ends and shared by the next prompts that start alike.
+
+The cache holds whatever a backend stores for a block (its ``payload``: the block's keys and
+values, the target features a drafter's state is rebuilt from). A block in use by a running
+request is pinned (reference-counted); unpinned blocks are evicted least recently used first.
+A lookup compares each block's tokens and parent, not only the hash, so a collision can cost
+a miss but never a wrong hit."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Block:
+    key: int  # hash of (parent's key, tokens)
+    tokens: tuple[int, ...]
+    parent: "Block | None"
+    payload: Any
+    refs: int = 0  # running requests using it
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found cached
+
+
+@dataclass
+class PrefixCache:
+    """Up to ``capacity`` blocks of ``block_size`` tokens."""
+
+    block_size: int
+    capacity: int
+    blocks: "OrderedDict[int, Block]" = field(default_factory=OrderedDict)  # key -> block, least recent first
+    stats: PrefixStats = field(default_factory=PrefixStats)
+
+    @staticmethod
+    def key(parent: Block | None, tokens: tuple[int, ...]) -> int:
+        return hash((None if parent is None else parent.key, tokens))
+
+    def lookup(self, ids: list[int], limit: int) -> list[Block]:
+        """The cached blocks ``ids`` starts with, covering at most ``limit`` tokens, pinned for
+        the caller (release them when its request ends); counts the query."""
+        found, parent = [], None
+        for start in range(0, limit - self.block_size + 1, self.block_size):
+            tokens = tuple(ids[start : start + self.block_size])
+            block = self.blocks.get(self.key(parent, tokens))
+            if block is None or block.tokens != tokens or block.parent is not parent:
+                break
+            found.append(block)
+            parent = block
+        for block in found:
+            block.refs += 1
+            self.blocks.move_to_end(block.key)
+        self.stats.queries += len(ids)
+        self.stats.hits += len(found) * self.block_size
+        return found
+
+    def insert(self, parent: Block | None, tokens: tuple[int, ...], payload: Any) -> Block | None:
+        """Cache a full block after ``parent`` (None: the prompt's first), pinned for the caller;
+        None when every cached block is pinned (nothing to evict) or the key is taken."""
+        key = self.key(parent, tokens)
+        if key in self.blocks or (len(self.blocks) >= self.capacity and not self._evict()):
+            return None
+        block = Block(key, tokens, parent, payload, refs=1)
+        self.blocks[key] = block
+        return block
+
+    def release(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if block.refs <= 0:
+                raise RuntimeError("prefix cache: a block released more often than it was pinned")
+            block.refs -= 1
+
+    def _evict(self) -> bool:
+        """Drop the least recently used unpinned block whose children are gone (a chain is
+        evicted from its end, so every cached block's parent stays cached)."""
+        parents = {id(b.parent) for b in self.blocks.values() if b.parent is not None}
+        for key, block in self.blocks.items():
+            if block.refs == 0 and id(block) not in parents:
+                del self.blocks[key]
+                return True
+        return False
