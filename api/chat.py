@@ -59,7 +59,7 @@ class ChatRoute:
                 "seed": c.meta_info["seed"]}
                for ch, c in zip(choices, done)]
         return self.head | {"object": "chat.completion", "choices": out,
-                            "usage": usage(done[0].meta_info["prompt_tokens"], done)}
+                            "usage": usage(done[0].meta_info["prompt_tokens"], done, done[0].meta_info["cached_tokens"])}
 
     def stream(self):
         choices = self.start()
@@ -99,4 +99,5 @@ class ChatRoute:
                 yield self._chunk(choice, {}, None, finish_reason(u.finished), made)
         if self.body.include_usage():
             yield self.head | {"object": "chat.completion.chunk", "choices": [],
-                               "usage": usage(finished[0].meta_info["prompt_tokens"], finished)}
+                               "usage": usage(finished[0].meta_info["prompt_tokens"], finished,
+                                              finished[0].meta_info["cached_tokens"])}

@@ -27,9 +27,11 @@ def finish_reason(c: Completion | None) -> str | None:
     return {"length": "length", "stop": "stop"}.get(kind, "abort")
 
 
-def usage(prompt_tokens: int, completions: list[Completion]) -> dict[str, int]:
+def usage(prompt_tokens: int, completions: list[Completion], cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: the prompt tokens the prefix cache gave."""
     done = sum(c.meta_info["completion_tokens"] for c in completions)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def refuse_unimplemented(body: OpenAIBase) -> None:
@@ -91,9 +93,11 @@ class CompletionsRoute:
         choices = self.start()
         done = await fanout.results(choices)
         kept = self._best(done)
-        prompt_tokens = sum(c.meta_info["prompt_tokens"] for c in done[:: self.body.choices])  # each prompt once
+        firsts = done[:: self.body.choices]  # each prompt once
+        prompt_tokens = sum(c.meta_info["prompt_tokens"] for c in firsts)
         out = [self._choice(n, c) for n, c in enumerate(kept)]
-        return self.head | {"choices": out, "usage": usage(prompt_tokens, done)}
+        return self.head | {"choices": out,
+                            "usage": usage(prompt_tokens, done, sum(c.meta_info["cached_tokens"] for c in firsts))}
 
     def _best(self, done: list[Completion]) -> list[Completion]:
         """best_of > n: per prompt, the n choices with the highest sum of the target's logprobs."""
@@ -161,4 +165,5 @@ class CompletionsRoute:
             yield chunk
         if opts is not None and opts.include_usage:
             prompt_tokens = sum(n for i, n in prompts.items() if i % self.body.choices == 0)
-            yield self.head | {"choices": [], "usage": usage(prompt_tokens, finished)}
+            cached = sum(c.handle.req.cached_tokens for c in choices if c.index % self.body.choices == 0)
+            yield self.head | {"choices": [], "usage": usage(prompt_tokens, finished, cached)}

@@ -261,3 +261,18 @@ def test_template_variables_from_chat_template_kwargs():
     assert t.render(msgs, continue_final_message=True, style=None) == "<user>hi</>\n<assistant>he said "
     with pytest.raises(ChatTemplateError, match="does not render"):
         ChatTemplate("{{ messages | length }}").render(msgs, continue_final_message=True)
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_gave(client):
+    prompt = list(range(40, 80))  # 40 tokens: two full blocks of 16 to reuse
+    first = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="m", prompt=prompt, max_tokens=2, stream=True,
+                                      stream_options={"include_usage": True})
+    last = list(again)[-1]
+    messages = [{"role": "user", "content": "def read(path):\n    return open(path).read()\n"}]
+    client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens in (0, 32)  # an earlier test may have sent it
+    assert last.usage.prompt_tokens_details.cached_tokens == 32 and last.usage.prompt_tokens == 40
+    n = chat.usage.prompt_tokens  # every full block before the last token
+    assert n > 16 and chat.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
