@@ -41,6 +41,7 @@ class Options:
     acceptance: str = ""  # a draftline.core.simulated profile: simulated acceptance
     modes: tuple[str, ...] = ("always", "auto", "off")
     max_model_len: int = 0  # 0: the spec's
+    prefix_caching: bool = True  # False: server.enable_prefix_caching off
 
     def count(self, concurrency: int) -> int:
         return self.requests or max(8, 8 * concurrency)
@@ -136,8 +137,8 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
     if opts.acceptance and rate is None:
         raise ConfigError("--acceptance random is the drafter's own drafts: leave --acceptance out for that")
     model = spec.model.model_copy(update={"max_model_len": opts.max_model_len}) if opts.max_model_len else spec.model
-    spec = spec.model_copy(update={"model": model,
-                                   "server": spec.server.model_copy(update={"max_batch_size": max(opts.levels)})})
+    server = {"max_batch_size": max(opts.levels)} | ({} if opts.prefix_caching else {"enable_prefix_caching": False})
+    spec = spec.model_copy(update={"model": model, "server": spec.server.model_copy(update=server)})
     rows, target, continuations, prompts, long_prompt = [], (), None, None, None
     for mode in opts.modes:
         engine = Engine(spec, *target, draft_policy=MODES[mode][0])
@@ -156,14 +157,16 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
 
 def _table(rows: list[dict], opts: Options) -> str:
     head = (f"{'drafting':>8} {'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT ms':>8} {'p50':>7} "
-            f"{'TPOT ms':>8} {'ITL p50':>8} {'gap x':>6} {'tau':>5}" + (f" {'long TTFT':>9}" if opts.long_prompt else ""))
+            f"{'TPOT ms':>8} {'ITL p50':>8} {'gap x':>6} {'tau':>5} {'cached':>6}"
+            + (f" {'long TTFT':>9}" if opts.long_prompt else ""))
     lines = [head] + [
         f"{r['drafting']:>8} {r['concurrency']:>5} {r['requests']:>5} {r['req_per_s']:>7} {r['out_tok_per_s']:>10} "
         f"{r['ttft_ms']:>8} {r['ttft_p50_ms']:>7} {r['tpot_ms']:>8} {r['itl_p50_ms']:>8} {r['gap_ratio']:>6} "
-        f"{r['tau']:>5}" + (f" {r['long_ttft_ms']:>9}" if opts.long_prompt else "") for r in rows
+        f"{r['tau']:>5} {r['cached_share']:>6}" + (f" {r['long_ttft_ms']:>9}" if opts.long_prompt else "") for r in rows
     ]
     lines += [f"auto after concurrency {r['concurrency']}: " + "; ".join(r["policy"]) for r in rows if r.get("policy")]
     if opts.acceptance:
         lines.insert(0, f"SIMULATED acceptance (--acceptance {opts.acceptance}): drafts replaced by each prompt's "
                         "greedy continuation, wrong at one position a round")
-    return "\n".join(lines + ["gap x: the worst request's longest gap between streamed chunks over its median gap"])
+    return "\n".join(lines + ["gap x: the worst request's longest gap between streamed chunks over its median gap; "
+                              "cached: the share of prompt tokens the prefix cache gave"])

@@ -149,6 +149,7 @@ def _serving_commands(sub, handlers: dict[str, Handler]) -> None:
                     help="drafting modes to run: always, auto (the spec's policy), off")
     bs.add_argument("--max-model-len", type=NON_NEGATIVE, default=0,
                     help="override the spec's model.max_model_len (0: the spec's): static slots are sized by it")
+    bs.add_argument("--no-prefix-caching", action="store_true", help="serve with server.enable_prefix_caching off")
     bs.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bs.add_argument("--verbose", action="store_true", help="also log every request")
     bs.set_defaults(func=handlers["bench-serve"])
