@@ -143,10 +143,13 @@ class Backend(Protocol):
     def prepare(self) -> dict[str, Any]:
         """Start-up work (graph capture for every batch bucket); returns what it did and how long."""
 
-    def prefill(self, reqs: list[Request]) -> Any:
-        """Enqueue the target over each prompt and prime the drafter; returns at once with a
-        handle that ``collect`` turns into each first token (a RoundResult of one token per
-        row, nothing drafted). Rounds may be launched for the rows before it is collected."""
+    def prefill(self, reqs: list[Request], ends: list[int]) -> Any:
+        """Enqueue the target over each prompt from ``req.prefilled`` to its end this step and
+        prime the drafter; sets ``req.prefilled``; returns at once with a handle that
+        ``collect`` turns into each first token (a RoundResult of one token per row whose
+        prompt is done, none for a row part-way, nothing drafted). Rounds may be launched for
+        the rows done before it is collected. A backend whose ``chunked_prefill`` is false
+        gets whole prompts only."""
 
     def launch(self, reqs: list[Request], draft: bool) -> Any:
         """Enqueue one round for ``reqs`` (drafting K tokens, or a plain decode step)."""

@@ -125,7 +125,8 @@ class Engine:
             log.info("prefix_caching.unavailable", backend=self.backend_name,
                      detail="this backend does not cache prefixes yet: every prompt is prefilled whole")
         # the server loop bounds its queue
-        self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens)
+        self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
+                                   chunked=getattr(self.backend, "chunked_prefill", False))
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         depth = spec.server.pipeline_depth
         self.stops = Stops(self._decode)

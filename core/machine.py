@@ -141,10 +141,13 @@ class Machine:
 
     def step(self) -> list[Request]:
         begin = time.perf_counter()
-        admitted, running = self.scheduler.schedule()
-        if admitted:
-            self._prefill(admitted)
-        launched = self._launch([r for r in running + admitted if r.phase is not Phase.FINISHED])
+        prefills, running = self.scheduler.schedule()
+        if prefills:
+            self._prefill(prefills)
+        known = {id(r) for r in running}
+        admitted = [r for r, _ in prefills if id(r) not in known]
+        launched = self._launch([r for r in running + admitted if r.phase is not Phase.FINISHED
+                                 and r.prefilled >= len(r.prompt_ids)])
         while self.flights and (not launched or max(r.in_flight for r in self.flights[0].reqs) > self.depth):
             self._collect(self.flights.popleft())
             launched = True  # one collect is progress enough when nothing could be launched
@@ -153,14 +156,18 @@ class Machine:
         self.clock.step_s += time.perf_counter() - begin
         return self.scheduler.reap(self.free)
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Launch the admitted prompts' prefill; its first tokens are booked when it is
-        collected, in order with the rounds launched behind it."""
+    def _prefill(self, prefills: list[tuple[Request, int]]) -> None:
+        """Launch the prompts' prefill, each to its end this step (a chunk, or the rest of
+        the prompt); the first tokens of those it completes are booked when it is collected,
+        in order with the rounds launched behind it."""
         begin = time.perf_counter()
+        reqs = [r for r, _ in prefills]
         for req in reqs:
-            advance(req, Phase.PREFILL)
+            if req.phase is Phase.WAITING:
+                advance(req, Phase.PREFILL)
             req.in_flight += 1
-        self.flights.append(Flight(self.backend.prefill(reqs), tuple(reqs), False, time.perf_counter(), prefill=True))
+        handle = self.backend.prefill(reqs, [end for _, end in prefills])
+        self.flights.append(Flight(handle, tuple(reqs), False, time.perf_counter(), prefill=True))
         self.clock.prefills += 1
         self.clock.prefill_s += time.perf_counter() - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
@@ -173,6 +180,8 @@ class Machine:
                 continue
             if not result.finite[i]:
                 abort(req, "non-finite logits in prefill")
+                continue
+            if not result.tokens[i]:  # a chunk short of the prompt's end: no token yet
                 continue
             self.stops.apply(req, result.tokens[i])
             advance(req, Phase.FINISHED if req.finish_reason else Phase.DRAFT)

@@ -80,6 +80,7 @@ class Request:
     t_first_token: float | None = None
     t_finish: float | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefilled: int = 0  # prompt tokens the backend has run (or taken from the cache): a chunked prefill's progress
     prefix_blocks: list[Any] = field(default_factory=list)  # the prefix cache's blocks it pins
 
     @property

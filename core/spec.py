@@ -121,7 +121,8 @@ class ServerSpec(Strict):
     max_queue: int = Field(256, ge=1)
     # prompt tokens one step prefills at most, across the requests it admits (vLLM's name): a
     # burst of arrivals is prefilled over several steps, between the running requests' rounds.
-    # Whole prompts; one longer than this is prefilled alone.
+    # A backend with chunked prefill (reference) splits a longer prompt over steps; the cuda
+    # backend takes whole prompts, one longer than this alone.
     max_num_batched_tokens: int = Field(8192, ge=1)
     # prompts' full blocks of block_size tokens are kept after their requests and reused by
     # later prompts that start alike (the backends that implement it: reference)

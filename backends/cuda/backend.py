@@ -144,6 +144,7 @@ def buckets_for(max_batch: int) -> list[int]:
 
 class CudaBackend:
     name = "cuda"
+    chunked_prefill = False  # whole prompts a prefill
     default_depth = 2
     # everything SamplingParams asks; rounds whose rows use none keep the graph-decided path
     features = frozenset({"penalties", "logprobs", "prompt_logprobs"})
@@ -251,7 +252,7 @@ class CudaBackend:
     # ------------------------------------------------------------------ prefill
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> Launch:
+    def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> Launch:
         """The admitted prompts in one forward, right-padded to a shared width (causal
         attention: a prompt's tokens never see the padding after them; the padding's keys lie
         past the prompt's length, where the first round writes over them), the drafter's
@@ -259,6 +260,7 @@ class CudaBackend:
         start-up for their (rows, width) bucket."""
         n, lens = len(reqs), [len(r.prompt_ids) for r in reqs]
         for req in reqs:
+            req.prefilled = len(req.prompt_ids)  # whole prompts (chunked_prefill is false)
             req.kv = self.cache.allocate()
             if self.drafter is not None:
                 self.drafter.admit(req)

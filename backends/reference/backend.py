@@ -38,6 +38,7 @@ class BlockKV:
 
 class ReferenceBackend:
     name = "reference"
+    chunked_prefill = True  # a prompt may be prefilled in chunks over several steps
     features = frozenset({"penalties", "logprobs", "prompt_logprobs"})  # everything SamplingParams asks
     max_depth = default_depth = 0  # synchronous: a round reads the request as the host booked it
 
@@ -47,6 +48,7 @@ class ReferenceBackend:
         self.kv = ReferenceKV()
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         self._last_features: dict[int, torch.Tensor] = {}  # rid -> [taps*H] at its last verified position
+        self._chunks: dict[int, list[torch.Tensor]] = {}  # rid -> features of its prompt's chunks so far
         size = capacity.prefix_block if capacity is not None else 0
         # the same tokens as the running requests could hold: max_batch x max_model_len
         self.prefix = PrefixCache(size, capacity.max_batch * capacity.max_model_len // size) if size else None
@@ -77,8 +79,18 @@ class ReferenceBackend:
         return SamplingBatch.of([r.params for r in reqs], self.device)
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> RoundResult:
-        last_logits = [self._prefill_one(req) for req in reqs]
+    def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> RoundResult:
+        ends = ends or [len(r.prompt_ids) for r in reqs]
+        outs = [self._prefill_one(req, end) for req, end in zip(reqs, ends)]
+        done = [i for i, out in enumerate(outs) if out is not None]  # prompts this step completes
+        first = self._first_tokens([reqs[i] for i in done], [outs[i] for i in done]) if done else ([], [])
+        finite, tokens = [True] * len(reqs), [[] for _ in reqs]
+        for j, i in enumerate(done):
+            finite[i], tokens[i] = first[0][j], [first[1][j]]
+        return RoundResult(finite=finite, accepted=[0] * len(reqs), tokens=tokens, drafted=[[] for _ in reqs])
+
+    def _first_tokens(self, reqs: list[Request], last_logits: list[torch.Tensor]) -> tuple[list[bool], list[int]]:
+        """Each completed prompt's first token from the logits at its last position."""
         batch, logits = self._batch(reqs), torch.stack(last_logits)  # [N, V]
         finite = torch.isfinite(logits).all(dim=1).tolist()
         adjusted = adjust_logits(logits[:, None], reqs, None)[:, 0]  # [N, V]
@@ -88,29 +100,37 @@ class ReferenceBackend:
         for i, req in enumerate(reqs):
             if req.params.logprobs is not None:
                 logprobs.record(req.logprobs, req.seq_len, logits[i : i + 1], tokens[i : i + 1], req.params.logprobs)
-        tokens = tokens.tolist()
-        return RoundResult(finite=finite, accepted=[0] * len(reqs), tokens=[[t] for t in tokens],
-                           drafted=[[] for _ in reqs])
+        return finite, tokens.tolist()
 
-    def _prefill_one(self, req: Request) -> torch.Tensor:
-        """The prompt through the target after the blocks the prefix cache holds of it (at
-        least its last token runs) -> the logits at its last token [V]; the drafter's state
-        from every prompt position's features, the cached ones included."""
-        req.kv = self.kv.new(self.target.config.num_layers)
-        blocks = self._cached(req)
-        for layer in range(self.target.config.num_layers):
-            if blocks:
-                self.kv.append(req.kv, layer, torch.cat([b.payload.k[layer] for b in blocks], dim=1),
-                               torch.cat([b.payload.v[layer] for b in blocks], dim=1))
-        start = req.cached_tokens = len(blocks) * (self.prefix.block_size if blocks else 0)
-        ids = torch.tensor([req.prompt_ids[start:]], device=self.device)  # [1, P - start]
-        positions = torch.arange(start, len(req.prompt_ids), device=self.device)[None]
+    def _prefill_one(self, req: Request, end: int) -> torch.Tensor | None:
+        """The prompt through the target from where it stands to ``end`` (a first chunk starts
+        after the blocks the prefix cache holds of it; the last token always runs) -> the
+        logits at its last token [V] once the prompt is done, else None; then the drafter's
+        state from every prompt position's features, the cached ones included."""
+        if req.prefilled == 0:
+            req.kv = self.kv.new(self.target.config.num_layers)
+            blocks = self._cached(req)
+            for layer in range(self.target.config.num_layers):
+                if blocks:
+                    self.kv.append(req.kv, layer, torch.cat([b.payload.k[layer] for b in blocks], dim=1),
+                                   torch.cat([b.payload.v[layer] for b in blocks], dim=1))
+            req.prefilled = req.cached_tokens = len(blocks) * (self.prefix.block_size if blocks else 0)
+            self._chunks[req.rid] = [b.payload.features for b in blocks if b.payload.features is not None]
+        start, end = req.prefilled, max(end, req.prefilled + 1)
+        ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)  # [1, end - start]
+        positions = torch.arange(start, end, device=self.device)[None]
         attn = self.kv.attention([req.kv], causal=True, persist=True)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
-        if req.params.prompt_logprobs is not None:  # position t's logits predict the token at t + 1 (start is 0)
+        req.prefilled = end
+        if features is not None:
+            self._chunks[req.rid].append(features[0])
+        if req.params.prompt_logprobs is not None:  # position t's logits predict the token at t + 1 (whole prompts)
             logprobs.record(req.logprobs, 1, self.target.logits(hidden[0, :-1]), ids[0, 1:], req.params.prompt_logprobs)
-        feats = None if features is None else torch.cat([b.payload.features for b in blocks] + [features[0]])
-        self._keep_blocks(req, blocks, feats)
+        if end < len(req.prompt_ids):
+            return None
+        chunks = self._chunks.pop(req.rid)
+        feats = torch.cat(chunks) if chunks else None
+        self._keep_blocks(req, list(req.prefix_blocks), feats)
         if self.drafter is not None:
             self._keep_last(req, None if feats is None else feats[-1])
             self.drafter.extend(req, feats, 0)
@@ -205,5 +225,6 @@ class ReferenceBackend:
             req.prefix_blocks = []
         req.kv = None
         self._last_features.pop(req.rid, None)
+        self._chunks.pop(req.rid, None)  # ended part-way through its prefill
         if self.drafter is not None:
             self.drafter.release(req)
