@@ -42,6 +42,7 @@ class Options:
     modes: tuple[str, ...] = ("always", "auto", "off")
     max_model_len: int = 0  # 0: the spec's
     prefix_caching: bool = True  # False: server.enable_prefix_caching off
+    batched_tokens: int = 0  # server.max_num_batched_tokens (0: the spec's)
 
     def count(self, concurrency: int) -> int:
         return self.requests or max(8, 8 * concurrency)
@@ -138,6 +139,7 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
         raise ConfigError("--acceptance random is the drafter's own drafts: leave --acceptance out for that")
     model = spec.model.model_copy(update={"max_model_len": opts.max_model_len}) if opts.max_model_len else spec.model
     server = {"max_batch_size": max(opts.levels)} | ({} if opts.prefix_caching else {"enable_prefix_caching": False})
+    server |= {"max_num_batched_tokens": opts.batched_tokens} if opts.batched_tokens else {}
     spec = spec.model_copy(update={"model": model, "server": spec.server.model_copy(update=server)})
     rows, target, continuations, prompts, long_prompt = [], (), None, None, None
     for mode in opts.modes:

@@ -53,7 +53,8 @@ def test_levels_report_ttft_gaps_and_the_long_prompt_through_http():
         assert r["long_ttft_ms"] > 0 and r["gap_ratio"] >= 1.0
     assert all(r["tau"] == 1.0 for r in rows if r["drafting"] == "off")  # no request drafted
     assert all(r["cached_share"] > 0 for r in rows)  # the shared 16-token prefix is a cached block
-    off = Options([1], requests=2, max_new=2, prompt_len=8, shared_prefix=16, modes=("off",), prefix_caching=False)
+    off = Options([1], requests=2, max_new=2, prompt_len=8, shared_prefix=16, modes=("off",), prefix_caching=False,
+                  batched_tokens=8)  # and every prompt in chunks
     assert json.loads(run_bench(SPEC, off, as_json=True))[0]["cached_share"] == 0.0
     table = run_bench(SPEC, Options([1], requests=2, max_new=8, modes=("auto",)), as_json=False)
     assert "TTFT ms" in table and "gap x" in table and "long TTFT" not in table
