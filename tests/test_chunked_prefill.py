@@ -35,3 +35,21 @@ def test_a_long_prompt_in_chunks_drafts_and_emits_as_prefilled_whole(path):
         assert [c.output_ids for c in a] == [c.output_ids for c in b]
         assert [c.rounds for c in a] == [c.rounds for c in b]
     assert chunked.runs[1][2].meta_info["cached_tokens"] > 0
+
+
+def test_a_request_cancelled_part_way_through_its_prefill_leaves_nothing_behind():
+    spec = load_spec("specs/tiny-dflash.yaml")
+    data = spec.model_dump(mode="python")
+    data["server"]["max_num_batched_tokens"] = 16
+    engine = Engine(type(spec).model_validate(data), draft_policy="always")
+    req = engine.add_request(LONG, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    other = engine.add_request("import os\n", SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert 0 < req.prefilled < len(req.prompt_ids)
+    req.cancelled = True
+    while engine.scheduler.has_work():
+        engine.step()
+    assert req.finish_reason["type"] == "abort" and "cancelled" in req.finish_reason["message"]
+    assert len(other.output_ids) == 4 and not engine.backend._chunks  # its chunks' features are gone
+    assert all(b.refs == 0 for b in engine.backend.prefix.blocks.values())
