@@ -144,8 +144,8 @@ class Machine:
         prefills, running = self.scheduler.schedule()
         if prefills:
             self._prefill(prefills)
-        known = {id(r) for r in running}
-        admitted = [r for r, _ in prefills if id(r) not in known]
+        known = {id(r) for r in running}  # the running, and those admitted now, join the round once
+        admitted = [r for r, _ in prefills if id(r) not in known]  # their whole prompt is prefilled
         launched = self._launch([r for r in running + admitted if r.phase is not Phase.FINISHED
                                  and r.prefilled >= len(r.prompt_ids)])
         while self.flights and (not launched or max(r.in_flight for r in self.flights[0].reqs) > self.depth):
