@@ -90,9 +90,10 @@ def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, auth: Any) 
 
     @app.get("/spec", dependencies=[auth])
     async def active_spec() -> dict[str, Any]:
-        plan = loop.engine.plan
+        plan, prefix = loop.engine.plan, getattr(loop.engine.backend, "prefix", None)
         return {"spec": loop.engine.spec.model_dump(mode="json"), "plan": plan.__dict__ | {"target_layer_ids": list(plan.target_layer_ids)},
-                "phases": describe_transitions(), "draft_policy": loop.engine.policy.table()}
+                "phases": describe_transitions(), "draft_policy": loop.engine.policy.table(),
+                "prefix_cache": None if prefix is None else prefix.summary()}  # None: the backend caches no prefix
 
 
 def _generation_routes(app: FastAPI, loop: EngineLoop, auth: Any) -> None:

@@ -70,6 +70,12 @@ class PrefixCache:
         self.blocks[key] = block
         return block
 
+    def summary(self) -> dict[str, Any]:
+        """What /spec shows: the blocks cached and pinned, the capacity, the tokens found."""
+        return {"block_size": self.block_size, "capacity_blocks": self.capacity, "cached_blocks": len(self.blocks),
+                "pinned_blocks": sum(b.refs > 0 for b in self.blocks.values()),
+                "queried_tokens": self.stats.queries, "hit_tokens": self.stats.hits}
+
     def release(self, blocks: list[Block]) -> None:
         for block in blocks:
             if block.refs <= 0:

@@ -75,6 +75,8 @@ def test_models_health_spec(client):
     spec = client.get("/spec").json()
     assert spec["plan"]["method"] == "dflash" and spec["plan"]["num_speculative_tokens"] == 15
     assert any(p.startswith("ACCEPT") for p in spec["phases"])
+    cache = spec["prefix_cache"]  # the reference backend caches prefixes
+    assert cache["block_size"] == 16 and cache["pinned_blocks"] <= cache["cached_blocks"] <= cache["capacity_blocks"]
 
 
 def test_metrics_move_by_exactly_what_requests_did(client):
@@ -85,6 +87,8 @@ def test_metrics_move_by_exactly_what_requests_did(client):
     meta = [o["meta_info"] for o in outs]
     assert delta("draftline:generation_tokens_total") == 14
     assert delta("draftline:prompt_tokens_total") == sum(m["prompt_tokens"] for m in meta)
+    assert delta("draftline:prefix_cache_queries_total") == sum(m["prompt_tokens"] for m in meta)
+    assert delta("draftline:prefix_cache_hits_total") == sum(m["cached_tokens"] for m in meta)
     assert delta("draftline:requests_total", '{finish_reason="length"}') == 2
     assert delta("draftline:spec_decode_num_verify_steps_total") == sum(m["spec_verify_ct"] for m in meta)
     assert delta("draftline:spec_decode_num_draft_tokens_total") == sum(m["spec_draft_tokens"] for m in meta)
