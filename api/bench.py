@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from draftline.core import benchmark
 from draftline.core.engine import Engine
 from draftline.core.models.config import ConfigError
 from draftline.core.spec import Spec
@@ -48,19 +49,14 @@ class Options:
         return self.requests or max(8, 8 * concurrency)
 
 
-def _ids(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
-
-
 def workload(opts: Options, vocab: int) -> tuple[list[str | list[int]], list[int] | None]:
     """(the prompts every level draws from in order, the long prompt or None)."""
     if not opts.prompt_len:
         return (read_prompts(PROMPTS) if PROMPTS.is_file() else ["def main():\n"]), None
-    prefix = _ids(vocab, 1, opts.shared_prefix, seed=1)[0] if opts.shared_prefix else []
+    prefix = benchmark.random_prompts(vocab, 1, opts.shared_prefix, seed=1)[0] if opts.shared_prefix else []
     count = max(opts.count(c) for c in opts.levels)
-    prompts = [prefix + p for p in _ids(vocab, count, opts.prompt_len, seed=2)]
-    return prompts, (_ids(vocab, 1, opts.long_prompt, seed=3)[0] if opts.long_prompt else None)
+    prompts = [prefix + p for p in benchmark.random_prompts(vocab, count, opts.prompt_len, seed=2)]
+    return prompts, (benchmark.random_prompts(vocab, 1, opts.long_prompt, seed=3)[0] if opts.long_prompt else None)
 
 
 def check(opts: Options, spec: Spec) -> None:
@@ -81,8 +77,6 @@ def check(opts: Options, spec: Spec) -> None:
 def _continuations(engine: Engine, spec: Spec, opts: Options, prompts: list, long_prompt: list[int] | None
                    ) -> dict[tuple[int, ...], list[int]]:
     """Every prompt's greedy continuation, from a `none` engine over the same target."""
-    from draftline.core import benchmark
-
     if engine.backend_name != "cuda":
         raise ConfigError("--acceptance runs on the cuda backend (a GPU): set backend: cuda or auto on a GPU machine")
     none = engine.with_method({"method": "none"})
@@ -92,8 +86,6 @@ def _continuations(engine: Engine, spec: Spec, opts: Options, prompts: list, lon
 
 
 def _simulate(engine: Engine, continuations: dict, prompts: list, opts: Options, rate: float) -> None:
-    from draftline.core import benchmark
-
     sim = benchmark.simulate(engine, continuations)
     if not engine.backend.cache.invariant:  # the invariant kernels make `none`'s output the method's own
         benchmark.settle(engine, sim, prompts, opts.max_new, rate)

@@ -110,9 +110,13 @@ class Row:
 
 
 def _prompts(engine: Engine, batch: int, length: int, seed: int) -> list[list[int]]:
+    return random_prompts(engine.target.config.vocab_size, batch, length, seed)
+
+
+def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` input-id prompts of ``length`` tokens drawn from a seeded generator."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = engine.target.config.vocab_size
-    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
 
 
 def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
