@@ -110,11 +110,11 @@ class ReferenceBackend:
         if req.prefilled == 0:
             req.kv = self.kv.new(self.target.config.num_layers)
             blocks = self._cached(req)
-            for layer in range(self.target.config.num_layers):
-                if blocks:
+            if blocks:
+                for layer in range(self.target.config.num_layers):
                     self.kv.append(req.kv, layer, torch.cat([b.payload.k[layer] for b in blocks], dim=1),
                                    torch.cat([b.payload.v[layer] for b in blocks], dim=1))
-            req.prefilled = req.cached_tokens = len(blocks) * (self.prefix.block_size if blocks else 0)
+            req.prefilled = req.cached_tokens = sum(len(b.tokens) for b in blocks)
             self._chunks[req.rid] = [b.payload.features for b in blocks if b.payload.features is not None]
         start, end = req.prefilled, max(end, req.prefilled + 1)
         ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)  # [1, end - start]
@@ -136,17 +136,21 @@ class ReferenceBackend:
             self.drafter.extend(req, feats, 0)
         return self.target.logits(hidden[0, -1])
 
+    def _caches(self, req: Request) -> bool:
+        """Whether this request's prompt meets the prefix cache: not one asking prompt_logprobs,
+        which need every position's logits."""
+        return self.prefix is not None and req.params.prompt_logprobs is None
+
     def _cached(self, req: Request) -> list[Block]:
-        """The prefix cache's blocks this prompt starts with (pinned: free() releases them).
-        Not for prompt_logprobs, which need every position's logits."""
-        if self.prefix is None or req.params.prompt_logprobs is not None:
+        """The prefix cache's blocks this prompt starts with (pinned: free() releases them)."""
+        if not self._caches(req):
             return []
         req.prefix_blocks = self.prefix.lookup(req.prompt_ids, len(req.prompt_ids) - 1)
         return list(req.prefix_blocks)
 
     def _keep_blocks(self, req: Request, cached: list[Block], feats: torch.Tensor | None) -> None:
         """Cache the prompt's full blocks past the ones it found (the KV just computed)."""
-        if self.prefix is None or req.params.prompt_logprobs is not None:
+        if not self._caches(req):
             return
         size, parent = self.prefix.block_size, cached[-1] if cached else None
         for i in range(len(cached), len(req.prompt_ids) // size):
