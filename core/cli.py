@@ -271,7 +271,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise ConfigError("draftline bench measures GPU time against the bandwidth floor; it needs a CUDA device")
-    engine = Engine.from_spec(args.spec, draft_policy="always")
+    spec = load_spec(args.spec)
+    budget = max(args.batch_sizes) * args.prompt_len
+    if spec.server.max_num_batched_tokens < budget:  # each static batch prefilled in one step, its rows together
+        spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_num_batched_tokens": budget})})
+    engine = Engine.from_spec(spec, draft_policy="always")
     if engine.backend_name != "cuda":
         raise ConfigError(f"{args.spec}: backend is {engine.backend_name}; bench the cuda backend (backend: cuda or auto)")
     batches = args.batch_sizes
@@ -417,11 +421,19 @@ def build_parser():
     return arguments.build_parser(COMMANDS)
 
 
+def _logs_to_stderr() -> None:
+    """Log lines go to stderr, so stdout carries only a command's result (a table, --json)."""
+    import structlog
+
+    structlog.configure(logger_factory=lambda *args: structlog.PrintLogger(sys.stderr))
+
+
 def main(argv: list[str] | None = None) -> int:
     from .engine import RequestError
     from .spec import SpecError
 
     args = build_parser().parse_args(argv)
+    _logs_to_stderr()
     try:
         return args.func(args)
     except (SpecError, ConfigError, CheckpointError, RequestError, FileNotFoundError) as exc:

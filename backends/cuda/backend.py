@@ -56,6 +56,7 @@ log = structlog.get_logger("draftline.cuda")
 MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it collects next
 PREFILL_WIDTHS = (16, 32, 64, 128, 256)  # prompt widths whose prefill is captured, for every batch bucket
 PREFILL_GRAPH_TOKENS = 8192  # at most this many (padded) prompt tokens per captured prefill
+PREFILL_SLACK = 2048  # padded tokens a prefill group may carry past twice its prompts' before it splits
 
 
 @dataclass
@@ -253,11 +254,42 @@ class CudaBackend:
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> Launch:
-        """The admitted prompts in one forward, right-padded to a shared width (causal
-        attention: a prompt's tokens never see the padding after them; the padding's keys lie
-        past the prompt's length, where the first round writes over them), the drafter's
-        entries for the prompts in the same pass. Short ones replay a graph captured at
-        start-up for their (rows, width) bucket."""
+        """The admitted prompts in few forwards (_prefill_groups), each right-padded to a shared
+        width (causal attention: a prompt's tokens never see the padding after them; the
+        padding's keys lie past the prompt's length, where the first round writes over them),
+        the drafter's entries for the prompts in the same pass. Short ones replay a graph
+        captured at start-up for their (rows, width) bucket. One copy back for all."""
+        groups = self._prefill_groups(reqs)
+        if len(groups) == 1:
+            packed, reported = self._prefill_group(reqs)
+            return self._land(packed, 1, None, reported)
+        done = [self._prefill_group([reqs[i] for i in g]) for g in groups]
+        order = torch.tensor([i for g in groups for i in g], device=self.device)
+        packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
+        packed[order] = torch.cat([p for p, _ in done])
+        return self._land(packed, 1, None, [])
+
+    def _prefill_groups(self, reqs: list[Request]) -> list[list[int]]:
+        """Indices of ``reqs`` in groups prefilled together: by length, a group closed where the
+        next prompt would pad it past twice its tokens (and PREFILL_SLACK), so one long prompt
+        does not pad thirty short ones to its width. Requests that report logprobs go in one
+        group as they came (their pending readouts follow the rows' order)."""
+        if any(r.params.prompt_logprobs is not None or r.params.logprobs is not None for r in reqs):
+            return [list(range(len(reqs)))]
+        groups: list[list[int]] = [[]]
+        real = 0
+        for i in sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_ids)):
+            size = len(reqs[i].prompt_ids)
+            rows, width = self._prefill_shape(len(groups[-1]) + 1, size)
+            if groups[-1] and rows * width > 2 * (real + size) + PREFILL_SLACK:
+                groups.append([])
+                real = 0
+            groups[-1].append(i)
+            real += size
+        return groups
+
+    def _prefill_group(self, reqs: list[Request]) -> tuple[Tensor, list]:
+        """One forward over ``reqs``: (packed [n, 3] as a round of width 1 lands, logprobs pending)."""
         n, lens = len(reqs), [len(r.prompt_ids) for r in reqs]
         for req in reqs:
             req.prefilled = len(req.prompt_ids)  # whole prompts (chunked_prefill is false)
@@ -298,7 +330,7 @@ class CudaBackend:
         reported = self._prompt_logprobs(reqs, hidden[0] if hidden else None, p.ids[:n])
         reported += self._window_logprobs(reqs, logits[:, None], tokens[:, None], at)
         # as a round of width 1 lands: finite, accepted (0), the token; read when collected
-        return self._land(torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), 1, None, reported)
+        return torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), reported
 
     def _prompt_logprobs(self, reqs: list[Request], hidden: Tensor | None, ids: Tensor) -> list:
         """prompt_logprobs: each such prompt's positions 0 .. P-2 (hidden [n, width, H], ids [n, width])."""

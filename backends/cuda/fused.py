@@ -43,8 +43,8 @@ def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
     """A matmul's output at ``offsets``: one tensor (PARTS 1) or the sum of PARTS float32 partial
     sums ``stride`` apart, rounded to the model dtype as a whole product would be."""
     x = tl.load(a + offsets, mask=mask, other=0.0).to(tl.float32)
-    for p in tl.static_range(1, PARTS):
-        x += tl.load(a + p * stride + offsets, mask=mask, other=0.0)
+    for p in tl.static_range(1, PARTS):  # int64: a long prefill's parts lie past 2^31 elements
+        x += tl.load(a + p * stride.to(tl.int64) + offsets, mask=mask, other=0.0)
     return x.to(dt).to(tl.float32)
 
 

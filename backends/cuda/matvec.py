@@ -23,7 +23,7 @@ kernel after it (the settle) takes them, so no program waits on a ticket.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -135,14 +135,31 @@ def _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_tem
         acc_g = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     if ARGMAX:
         _fold(acc_g.to(dt).to(tl.float32), mask, best, tokens, ticket, rm, M, rn, N, bad)
-    elif SPLIT == 1:
-        tl.store(out + rm[:, None] * N + rn[None, :], acc_g.to(dt).to(out.dtype.element_ty), mask=mask)
+    elif SPLIT == 1:  # int64 offsets: a long prefill's rows x columns pass 2^31
+        tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], acc_g.to(dt).to(out.dtype.element_ty), mask=mask)
         if DRAW:
             v = acc_g.to(dt).to(tl.float32)
             scores, count = keyed_scores(v, mask, rm, rn, M, W, SHIFT, seed, start, inv_temp)
             _fold(scores, mask, best, tokens, ticket, rm, M, rn, N, bad, count, DRAW=True)
     else:
-        tl.store(out + (pk * M + rm[:, None]) * N + rn[None, :], acc_g, mask=mask)
+        tl.store(out + (pk * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc_g, mask=mask)
+
+
+@triton.jit
+def _chunk(xp, wp, up, rm, rn, M, N, CHUNK, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SUMMED: tl.constexpr):
+    """One K chunk's sums from zero, BLOCK_K at a time: (gate or plain, up) [BLOCK_M, BLOCK_N]."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, CHUNK, BLOCK_K):
+        xt = tl.load(xp, mask=rm[:, None] < M, other=0.0)
+        acc_g = tile_dot(xt, tl.trans(tl.load(wp, mask=rn[:, None] < N, other=0.0)), acc_g, PRECISION, SUMMED)
+        if GATED:
+            acc_u = tile_dot(xt, tl.trans(tl.load(up, mask=rn[:, None] < N, other=0.0)), acc_u, PRECISION, SUMMED)
+        xp += BLOCK_K
+        wp += BLOCK_K
+        up += BLOCK_K
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -161,16 +178,7 @@ def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, 
     xp = x + rm[:, None].to(tl.int64) * K + rk[None, :]
     wp = w + rn[:, None].to(tl.int64) * K + rk[None, :]
     up = wp + N.to(tl.int64) * K  # GATED: the up rows sit N rows below the gate rows
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, CHUNK, BLOCK_K):
-        xt = tl.load(xp, mask=rm[:, None] < M, other=0.0)
-        acc_g = tile_dot(xt, tl.trans(tl.load(wp, mask=rn[:, None] < N, other=0.0)), acc_g, PRECISION, SUMMED)
-        if GATED:
-            acc_u = tile_dot(xt, tl.trans(tl.load(up, mask=rn[:, None] < N, other=0.0)), acc_u, PRECISION, SUMMED)
-        xp += BLOCK_K
-        wp += BLOCK_K
-        up += BLOCK_K
+    acc_g, acc_u = _chunk(xp, wp, up, rm, rn, M, N, CHUNK, GATED, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, SUMMED)
     _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_temp, rm, rn, M, N, W, SHIFT, pk,
               x.dtype.element_ty, GATED, SPLIT, ARGMAX, DRAW)
 
@@ -239,6 +247,26 @@ class ArgmaxScratch:
         return drawn
 
 
+WIDE_ROWS = 128  # from this many rows the invariant form runs programs of wider column blocks
+
+
+def wide(tiling: Tiling, m: int, n: int, gated: bool) -> Tiling:
+    """The invariant form's program shape for M rows: the one-row tiling's below WIDE_ROWS;
+    from there wider column blocks, 64-wide K steps, more warps and stages, which
+    bench/gemm_probe.py measured 1.5 to 2 times faster at 256 to 1024 rows on an H200 (within
+    1.2 to 1.4 times the matrix library) and bit-equal to the one-row shape: a row's sums take
+    the same K chunks, each summed from zero in the same 16-wide steps of the matrix units,
+    whatever the block's width or K step (the GPU tests hold it). Under the interpreter the K
+    steps stay (its summed tile products depend on them)."""
+    if m < WIDE_ROWS or interpreted():
+        return tiling
+    if gated or n >= 65536:  # the MLP's two halves, the LM head's many columns
+        return replace(tiling, block_n=128, block_k=64, warps=8, stages=4)
+    if m < 256:
+        return replace(tiling, block_n=128, warps=4, stages=3)
+    return replace(tiling, block_n=256, block_k=64, warps=8, stages=4)
+
+
 def row_tile(m: int, most: int = ROW_TILE) -> int:
     """Rows per program for M rows: the next power of two from 16, at most ``most``."""
     return min(most, max(16, triton.next_power_of_2(m)))
@@ -255,13 +283,15 @@ def _interpreted_columns(tiling: Tiling, block_m: int, n: int) -> int:
 
 def _launch(x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tiling, gated: bool,
             scratch: ArgmaxScratch | None = None, tokens: Tensor | None = None, draw: Draw | None = None,
-            invariant: bool = False, most: int = ROW_TILE) -> None:
+            invariant: bool = False, most: int = ROW_TILE, as_given: bool = False) -> None:
     """Grid (row tiles, column blocks, K chunks). ``invariant``: any M, rows in tiles of up to
     ``most`` rows, every tile stepping through K in the same order (the tiling is chosen by N
     and K alone). The matrix units round a row alike in tiles of 16, 64 and 128 rows
     (bench/invariance_probe.py and the GPU tests check it on the H200), so a row's result does
     not depend on M. Else one tile of all rows (M <= MAX_ROWS)."""
     m, k = x.shape
+    if invariant and not as_given:
+        tiling = wide(tiling, m, n, gated)
     block_m = row_tile(m, most if invariant else MAX_ROWS)
     block_n = _interpreted_columns(tiling, block_m, n) if summed(invariant) else tiling.block_n
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), tiling.split)
@@ -277,12 +307,13 @@ def _launch(x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tilin
 
 
 def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None,
-           invariant: bool = False, most: int = ROW_TILE) -> Tensor:
+           invariant: bool = False, most: int = ROW_TILE, as_given: bool = False) -> Tensor:
     """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype (rounded to it,
     stored as ``out_dtype`` when given), or float32 partial sums [split, M, N] when
     tiling.split > 1 (the consumer adds them). ``invariant``: any M, each row's result
     independent of the others, in tiles of at most ``most`` rows (_launch; a smaller bound is
-    for bench/invariance_probe.py, which checks that tiles of every height round alike)."""
+    for bench/invariance_probe.py, which checks that tiles of every height round alike), in
+    programs shaped for M (wide) unless ``as_given`` (bench/gemm_probe.py's candidates)."""
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     if w.shape[1] != k:
@@ -297,7 +328,7 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    _launch(x, w, out, n, chunk, tiling, gated, invariant=invariant, most=most)
+    _launch(x, w, out, n, chunk, tiling, gated, invariant=invariant, most=most, as_given=as_given)
     return out
 
 
