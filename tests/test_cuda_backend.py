@@ -476,3 +476,18 @@ def test_penalised_drafting_with_accepted_drafts_equals_the_reference():
     assert got.output_ids == ref.output_ids and got.meta_info["spec_accepted_tokens"] >= 3
     assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
     assert [e.top for e in got.logprobs][0][0][0] == ref.logprobs[0].top[0][0]
+
+
+def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_emits_as_the_reference():
+    """A prefill groups prompts by length (one long prompt does not pad the short ones to its
+    width), and the tokens are the reference's."""
+    from types import SimpleNamespace
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = [PROMPTS[0], list(range(1, 301)), PROMPTS[2]]
+    ref = _engine("none", "reference", max_model_len=512).generate(prompts, params)
+    engine = _engine("none", "cuda", max_model_len=512)
+    reqs = [SimpleNamespace(prompt_ids=[0] * n, params=SamplingParams()) for n in (5, 300, 7)]
+    assert engine.backend._prefill_groups(reqs) == [[0, 2], [1]]
+    got = engine.generate(prompts, params)
+    assert [g.output_ids for g in got] == [r.output_ids for r in ref]

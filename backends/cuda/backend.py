@@ -56,7 +56,7 @@ log = structlog.get_logger("draftline.cuda")
 MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it collects next
 PREFILL_WIDTHS = (16, 32, 64, 128, 256)  # prompt widths whose prefill is captured, for every batch bucket
 PREFILL_GRAPH_TOKENS = 8192  # at most this many (padded) prompt tokens per captured prefill
-PREFILL_SLACK = 2048  # padded tokens a prefill group may carry past twice its prompts' before it splits
+PREFILL_SLACK = 512  # padded tokens a prefill group may carry past twice its prompts' before it splits
 
 
 @dataclass
