@@ -487,7 +487,30 @@ def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_emits_as_the_refer
     prompts = [PROMPTS[0], list(range(1, 301)), PROMPTS[2]]
     ref = _engine("none", "reference", max_model_len=512).generate(prompts, params)
     engine = _engine("none", "cuda", max_model_len=512)
-    reqs = [SimpleNamespace(prompt_ids=[0] * n, params=SamplingParams()) for n in (5, 300, 7)]
-    assert engine.backend._prefill_groups(reqs) == [[0, 2], [1]]
+    reqs = [SimpleNamespace(prompt_ids=[0] * n, params=SamplingParams(), prefilled=0) for n in (5, 300, 7)]
+    assert engine.backend._prefill_groups(reqs, [5, 300, 7]) == [[0, 2], [1]]
     got = engine.generate(prompts, params)
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
+
+
+@pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
+def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method):
+    """server.max_num_batched_tokens below a prompt's length: its prefill runs in chunks over
+    several steps beside a running request (each chunk from its start, attending over the keys
+    cached before it; the drafter takes later chunks as a round's extension), and tokens and
+    accepted counts are those of the prompt prefilled whole."""
+    long = "def f(x):\n    return [x + i for i in range(10)]\n"
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    whole = _engine(method, "cuda", depth=2, batch_invariant=True)  # chunks need the invariant prefill
+    assert whole.backend.chunked_prefill
+    want = whole.generate([PROMPTS[0], long], params, trace=True)
+    spec = whole.spec.model_dump(mode="python")
+    spec["server"]["max_num_batched_tokens"] = 6
+    chunked = Engine(type(whole.spec).model_validate(spec), whole.target, whole.tokenizer)
+    probe = chunked.add_request(long, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    chunked.step()
+    assert 0 < probe.prefilled <= 6 and not probe.output_ids  # one chunk, no token yet
+    while chunked.scheduler.has_work():
+        chunked.step()
+    assert len(probe.output_ids) == 1 and len(probe.prompt_ids) > 3 * 6
+    _same_rounds(want, chunked.generate([PROMPTS[0], long], params, trace=True))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import structlog
@@ -64,16 +64,17 @@ class PrefillBuffers:
     """What a captured prefill reads: padded prompts, their slots and lengths."""
 
     ids: Tensor  # [max_batch, max width] int64
-    at: Tensor  # [max_batch] int64, each prompt's length (the first token's position)
+    at: Tensor  # [max_batch] int64, each chunk's length (a whole prompt's: the first token's position)
     slots: Tensor  # [max_batch] int64
     draft_slots: Tensor  # [max_batch] int64, the drafter's cache slots (the scratch slot where none)
     zeros: Tensor  # [max_batch] int64, the drafter's first position
+    start: Tensor  # [max_batch] int64, each chunk's first position in its prompt (0: a prompt's first chunk)
 
     @staticmethod
     def make(max_batch: int, width: int, device: torch.device) -> "PrefillBuffers":
         zeros = functools.partial(torch.zeros, dtype=torch.int64, device=device)
         return PrefillBuffers(zeros(max_batch, width), zeros(max_batch), zeros(max_batch), zeros(max_batch),
-                              zeros(max_batch))
+                              zeros(max_batch), zeros(max_batch))
 
 
 @triton.jit
@@ -143,9 +144,15 @@ def buckets_for(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def _pick(value, rows: Tensor):
+    """Rows ``rows`` of a tensor, or of each field of a SamplingBatch."""
+    if isinstance(value, SamplingBatch):
+        return SamplingBatch(**{f.name: getattr(value, f.name)[rows] for f in fields(value)})
+    return value[rows]
+
+
 class CudaBackend:
     name = "cuda"
-    chunked_prefill = False  # whole prompts a prefill
     default_depth = 2
     # everything SamplingParams asks; rounds whose rows use none keep the graph-decided path
     features = frozenset({"penalties", "logprobs", "prompt_logprobs"})
@@ -161,6 +168,9 @@ class CudaBackend:
                               cfg.head_dim, dtype, device, invariant=_invariant(capacity, cfg, width))
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+        # a prompt may be prefilled in chunks: through the invariant prefill, which attends over
+        # the cache (the library's whole-prompt attention sees only the tokens it is given)
+        self.chunked_prefill = self.cache.invariant
         for model in (target, getattr(self.drafter, "model", None)):  # before any capture: fusing frees the
             for layer in [] if model is None else model.modules():  # old weights a graph would have baked in
                 fuse_layer(layer)
@@ -259,67 +269,98 @@ class CudaBackend:
         padding's keys lie past the prompt's length, where the first round writes over them),
         the drafter's entries for the prompts in the same pass. Short ones replay a graph
         captured at start-up for their (rows, width) bucket. One copy back for all."""
-        groups = self._prefill_groups(reqs)
+        ends = ends or [len(r.prompt_ids) for r in reqs]
+        groups = self._prefill_groups(reqs, ends)
         if len(groups) == 1:
-            packed, reported = self._prefill_group(reqs)
+            packed, reported = self._prefill_group(reqs, ends)
             return self._land(packed, 1, None, reported)
-        done = [self._prefill_group([reqs[i] for i in g]) for g in groups]
+        done = [self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups]
         order = torch.tensor([i for g in groups for i in g], device=self.device)
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
-        return self._land(packed, 1, None, [])
+        # each group's logprobs rows (its own indices) as rows of the whole landing
+        reported = [replace(r, rows=tuple(g[i] if i >= 0 else -1 for i in r.rows))
+                    for g, (_, group_reported) in zip(groups, done) for r in group_reported]
+        return self._land(packed, 1, None, reported)
 
-    def _prefill_groups(self, reqs: list[Request]) -> list[list[int]]:
-        """Indices of ``reqs`` in groups prefilled together: by length, a group closed where the
-        next prompt would pad it past twice its tokens (and PREFILL_SLACK), so one long prompt
-        does not pad thirty short ones to its width. Requests that report logprobs go in one
-        group as they came (their pending readouts follow the rows' order)."""
-        if any(r.params.prompt_logprobs is not None or r.params.logprobs is not None for r in reqs):
-            return [list(range(len(reqs)))]
-        groups: list[list[int]] = [[]]
-        real = 0
-        for i in sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_ids)):
-            size = len(reqs[i].prompt_ids)
-            rows, width = self._prefill_shape(len(groups[-1]) + 1, size)
-            if groups[-1] and rows * width > 2 * (real + size) + PREFILL_SLACK:
-                groups.append([])
-                real = 0
-            groups[-1].append(i)
-            real += size
+    def _prefill_groups(self, reqs: list[Request], ends: list[int]) -> list[list[int]]:
+        """Indices of ``reqs`` in groups prefilled together: prompts' first chunks apart from
+        later chunks (the drafter takes those as a round's extension), each by length, a group
+        closed where the next chunk would pad it past twice its tokens (and PREFILL_SLACK), so
+        one long prompt does not pad thirty short ones to its width."""
+        groups: list[list[int]] = []
+        for later in (False, True):
+            chunks = [i for i in range(len(reqs)) if (reqs[i].prefilled > 0) == later]
+            real, group = 0, []
+            for i in sorted(chunks, key=lambda i: ends[i] - reqs[i].prefilled):
+                size = ends[i] - reqs[i].prefilled
+                rows, width = self._prefill_shape(len(group) + 1, size)
+                if group and rows * width > 2 * (real + size) + PREFILL_SLACK:
+                    groups.append(group)
+                    real, group = 0, []
+                group.append(i)
+                real += size
+            groups += [group] if group else []
         return groups
 
-    def _prefill_group(self, reqs: list[Request]) -> tuple[Tensor, list]:
-        """One forward over ``reqs``: (packed [n, 3] as a round of width 1 lands, logprobs pending)."""
-        n, lens = len(reqs), [len(r.prompt_ids) for r in reqs]
-        for req in reqs:
-            req.prefilled = len(req.prompt_ids)  # whole prompts (chunked_prefill is false)
-            req.kv = self.cache.allocate()
-            if self.drafter is not None:
-                self.drafter.admit(req)
-            if self.draft_override is not None and req.rid >= 0:
-                self.draft_override.admit(req.kv, req.prompt_ids)
-        rows, width = self._prefill_shape(n, max(lens))
+    def _prefill_group(self, reqs: list[Request], ends: list[int]) -> tuple[Tensor, list]:
+        """One forward over each request's prompt from where it stands to its end: (packed [n, 3]
+        as a round of width 1 lands, logprobs pending). A chunk short of its prompt's end lands
+        with accepted -1: no token."""
+        n, starts = len(reqs), [r.prefilled for r in reqs]
+        for req, start, end in zip(reqs, starts, ends):
+            req.prefilled = end
+            if start == 0:
+                req.kv = self.cache.allocate()
+                if self.drafter is not None:
+                    self.drafter.admit(req)
+                if self.draft_override is not None and req.rid >= 0:
+                    self.draft_override.admit(req.kv, req.prompt_ids)
+        chunks = [r.prompt_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
+        rows, width = self._prefill_shape(n, max(map(len, chunks)), self.cache.max_len - max(starts))
         p, scratch, pad = self.pre, self.cache.scratch, rows - n
-        # [rows, width + 5]: the padded prompt, its length (padding rows: 1), slot, drafter slot, seed, top-k
-        ints = self._to_device([r.prompt_ids + [0] * (width - len(r.prompt_ids))
-                                + [len(r.prompt_ids), r.kv, draft_slot(r.draft_state, scratch), r.params.seed,
-                                   r.params.top_k] for r in reqs] + [[0] * width + [1, scratch, scratch, 0, -1]] * pad,
-                               torch.int64)
+        # [rows, width + 6]: the padded chunk, its length (padding rows: 1), slot, drafter slot, seed, top-k, start
+        ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch),
+                                                               r.params.seed, r.params.top_k, s]
+                                for r, c, s in zip(reqs, chunks, starts)]
+                               + [[0] * width + [1, scratch, scratch, 0, -1, 0]] * pad, torch.int64)
         floats = self._to_device([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32)  # [n, 2]
         p.ids[:rows, :width].copy_(ints[:, :width])
         p.at[:rows].copy_(ints[:, width])
         p.slots[:rows].copy_(ints[:, width + 1])
         p.draft_slots[:rows].copy_(ints[:, width + 2])
+        p.start[:rows].copy_(ints[:, width + 5])
         # columns copied out: the sampling kernels index a row's value at its offset, and a copy
         # is aligned whatever the row count (a one-row column's view is not: another specialization)
         batch = SamplingBatch(temperature=floats[:, 0].clone(), top_k=ints[:n, width + 4].clone(),
                               top_p=floats[:, 1].clone(), seed=ints[:n, width + 3].clone())
         hidden = [] if any(r.params.prompt_logprobs is not None for r in reqs) else None  # every position's
+        later = any(starts)
         logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
-            if self._prefill_graphed(rows, width) and hidden is None else self._prefill_step(rows, width, hidden)
-        logits, features, at, slots = logits[:n], None if features is None else features[:n], p.at[:n], p.slots[:n]
-        if self.ring is not None:
-            self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), at - 1][:, None])
+            if self._prefill_graphed(rows, width) and hidden is None and not later \
+            else self._prefill_step(rows, width, hidden, later)
+        logits, features, slots = logits[:n], None if features is None else features[:n], p.slots[:n]
+        at = p.start[:n] + p.at[:n]  # the position after each chunk: a whole prompt's first token's
+        if self.ring is not None:  # a chunk's last features: the next chunk's, or the first round's
+            self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), p.at[:n] - 1][:, None])
+        rows_in = (logits, batch, at, slots, hidden[0] if hidden else None, p.ids[:n])
+        done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e >= len(r.prompt_ids)]
+        if len(done) == n:
+            return self._first_tokens(reqs, *rows_in)
+        packed = torch.zeros(n, 3, dtype=torch.int64, device=self.device)
+        packed[:, 0], packed[:, 1] = 1, -1  # a chunk short of its prompt's end: finite, no token
+        if not done:
+            return packed, []
+        pick = self._put(torch.tensor(done))
+        first, reported = self._first_tokens([reqs[i] for i in done], *(None if t is None else _pick(t, pick)
+                                                                         for t in rows_in))
+        packed[pick] = first
+        return packed, [replace(r, rows=tuple(done[i] if i >= 0 else -1 for i in r.rows)) for r in reported]
+
+    def _first_tokens(self, reqs: list[Request], logits: Tensor, batch: SamplingBatch, at: Tensor, slots: Tensor,
+                      hidden: Tensor | None, ids: Tensor) -> tuple[Tensor, list]:
+        """Completed prompts' first tokens from their last positions' logits [n, V], at positions
+        ``at`` [n], placed in their slots -> (packed [n, 3], logprobs pending)."""
         finite = torch.isfinite(logits).all(dim=1)
         self.penalties.admit(reqs)
         adjusted = self.penalties.adjust(logits[:, None], reqs, at - 1, None)[:, 0]  # as the reference: then nan_to_num
@@ -327,7 +368,7 @@ class CudaBackend:
         tokens = kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
         self.bufs.place(slots, tokens, at)
         self.penalties.count(reqs, tokens[:, None], None)
-        reported = self._prompt_logprobs(reqs, hidden[0] if hidden else None, p.ids[:n])
+        reported = self._prompt_logprobs(reqs, hidden, ids)
         reported += self._window_logprobs(reqs, logits[:, None], tokens[:, None], at)
         # as a round of width 1 lands: finite, accepted (0), the token; read when collected
         return torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), reported
@@ -349,17 +390,22 @@ class CudaBackend:
         return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
                 and width <= self.cache.max_len)
 
-    def _prefill_step(self, rows: int, width: int, hidden_out: list | None = None) -> tuple[Tensor, Tensor | None]:
-        """The target over the prefill buffers' first ``rows`` prompts of ``width`` tokens:
-        keys stored in their slots -> (logits at each prompt's last token [rows, V], taps).
-        ``hidden_out`` (eager only) receives every position's hidden states, for prompt_logprobs."""
+    def _prefill_step(self, rows: int, width: int, hidden_out: list | None = None, later: bool = False
+                      ) -> tuple[Tensor, Tensor | None]:
+        """The target over the prefill buffers' first ``rows`` chunks of ``width`` tokens, each
+        from its start: keys stored in their slots -> (logits at each chunk's last token [rows,
+        V], taps). ``hidden_out`` (eager only) receives every position's hidden states, for
+        prompt_logprobs. ``later``: chunks past their prompts' first, which the drafter takes as
+        a round's extension (from the features before them, in the ring)."""
         p = self.pre
-        positions = torch.arange(width, device=self.device)[None].expand(rows, -1)  # [rows, P]
-        hidden, features = self.target(p.ids[:rows, :width], positions,
-                                       self.cache.prefill_attention(p.slots[:rows]), self.plan.target_layer_ids)
+        positions = p.start[:rows, None] + torch.arange(width, device=self.device)[None]  # [rows, P]
+        attention = self.cache.prefill_attention(p.slots[:rows], start=p.start[:rows] if later else None)
+        hidden, features = self.target(p.ids[:rows, :width], positions, attention, self.plan.target_layer_ids)
         if hidden_out is not None:
             hidden_out.append(hidden)
-        if self.drafter is not None:
+        if self.drafter is not None and later:
+            self.drafter.extend_rows(self._later_rows(rows), features, p.ids[:rows, :width])
+        elif self.drafter is not None:
             self.drafter.prefill_rows(self._prefill_rows(rows), features, p.ids[:rows, :width])
         last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
         if self.cache.invariant:  # the first token as a verify row would draw it, whatever the batch
@@ -374,12 +420,22 @@ class CudaBackend:
                          target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start), block_window=block_window,
                          head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
 
-    def _prefill_shape(self, n: int, longest: int) -> tuple[int, int]:
+    def _later_rows(self, rows: int) -> DraftRows:
+        """Later chunks' rows as a drafter sees a round's: from each chunk's start, the features
+        before it from the ring (the last chunk's last)."""
+        p, start = self.pre, self.pre.start[:rows]
+        return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
+                         caches=Rows(p.draft_slots[:rows], start),
+                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start),
+                         features=None if self.ring is None else self.ring.read(p.slots[:rows], start - 1),
+                         block_window=block_window, head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
+
+    def _prefill_shape(self, n: int, longest: int, room: int | None = None) -> tuple[int, int]:
         """(rows, width) to prefill n prompts at: a batch bucket, and a width in few sizes
         (powers of two to 256, then multiples of 256), so graphs and the matrix library see
-        shapes they have seen."""
+        shapes they have seen, within ``room`` (the cache's positions past the latest start)."""
         width = max(16, triton.next_power_of_2(longest)) if longest <= 256 else triton.cdiv(longest, 256) * 256
-        return self.bucket(n), min(width, self.cache.max_len)
+        return self.bucket(n), min(width, self.cache.max_len if room is None else room)
 
     def _to_device(self, rows: list[list], dtype: torch.dtype) -> Tensor:
         """Host values onto the device without waiting: a pinned, asynchronous copy (a plain

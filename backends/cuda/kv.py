@@ -85,9 +85,14 @@ class StaticKV:
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
         return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets)
 
-    def prefill_attention(self, slots: Tensor, windows: dict[int, Window] | None = None) -> "PrefillAttention":
+    def prefill_attention(self, slots: Tensor, windows: dict[int, Window] | None = None,
+                          start: Tensor | None = None) -> "PrefillAttention":
+        """Prompts from position 0, or with ``start`` [N] chunks from there (the invariant form's,
+        which attends over the keys already cached: CudaBackend.chunked_prefill)."""
         if self.invariant and not windows:
-            return InvariantPrefill(self, slots)
+            return InvariantPrefill(self, slots, start=start)
+        if start is not None:
+            raise ValueError("a chunk from a later position needs the invariant prefill (model.batch_invariant)")
         return PrefillAttention(self, slots, windows or {})
 
 
@@ -114,14 +119,16 @@ class PrefillAttention:
 
 @dataclass(frozen=True)
 class InvariantPrefill(PrefillAttention):
-    """Whole prompts through the batch-invariant kernels (StaticKV.invariant), so a request's
-    keys, values and first token do not depend on the prompts prefilled beside it or on the
-    width they are padded to: the linear layers and norms are the decode step's invariant
-    forms (fused.run_stack), and attention is the decode kernel's invariant plan over the
-    prompt in windows that fit its query tile (a window's queries see the keys up to their own
-    position): each prompt token attends exactly as a decode row at its position would.
-    (The library's whole-prompt attention kernels change a row's reduction with the padded
-    width or the batch.)"""
+    """Prompts, or chunks of them from a later position (``start``), through the batch-invariant
+    kernels (StaticKV.invariant), so a request's keys, values and first token do not depend on
+    the prompts prefilled beside it, the width they are padded to or where its chunks end: the
+    linear layers and norms are the decode step's invariant forms (fused.run_stack), and
+    attention is the decode kernel's invariant plan over the cache in windows that fit its
+    query tile (a window's queries see the keys up to their own position): each prompt token
+    attends exactly as a decode row at its position would. (The library's whole-prompt
+    attention kernels change a row's reduction with the padded width or the batch.)"""
+
+    start: Tensor | None = None  # [N] int64: each row's first position (a later chunk's), else 0
 
     def decoder_stack(self, layers, final_norm, rotary, h: Tensor, positions: Tensor, taps: tuple[int, ...] = ()
                       ) -> tuple[Tensor, Tensor | None]:
@@ -129,7 +136,10 @@ class InvariantPrefill(PrefillAttention):
         attn = layers[0].self_attn
         chunk = max(1, INVARIANT_QUERY_ROWS // (attn.num_heads // attn.num_kv_heads))  # tokens a window
         ends = torch.arange(chunk, w + chunk, chunk, device=h.device).clamp(max=w)  # each window's last position + 1
-        kv_lens = ends.to(torch.int32)[:, None].expand(-1, n).contiguous()  # [windows, N], once for every layer
+        kv_lens = ends.to(torch.int32)[:, None].expand(-1, n)  # [windows, N], once for every layer
+        if self.start is not None:  # a later chunk's windows also see the keys cached before it
+            kv_lens = kv_lens + self.start.to(torch.int32)[None, :]
+        kv_lens = kv_lens.contiguous()
         return run_stack(layers, final_norm, rotary, h, positions.contiguous(), self.cache, self.slots, kv_lens[-1],
                          True, taps, attention=functools.partial(self._attend, kv_lens, chunk))
 
