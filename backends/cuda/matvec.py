@@ -250,15 +250,16 @@ class ArgmaxScratch:
 WIDE_ROWS = 128  # from this many rows the invariant form runs programs of wider column blocks
 
 
-def wide(tiling: Tiling, m: int, n: int, gated: bool) -> Tiling:
+def wide(tiling: Tiling, m: int, n: int, gated: bool, itemsize: int = 2) -> Tiling:
     """The invariant form's program shape for M rows: the one-row tiling's below WIDE_ROWS;
     from there wider column blocks, 64-wide K steps, more warps and stages, which
     bench/gemm_probe.py measured 1.5 to 2 times faster at 256 to 1024 rows on an H200 (within
     1.2 to 1.4 times the matrix library) and bit-equal to the one-row shape: a row's sums take
     the same K chunks, each summed from zero in the same 16-wide steps of the matrix units,
     whatever the block's width or K step (the GPU tests hold it). Under the interpreter the K
-    steps stay (its summed tile products depend on them)."""
-    if m < WIDE_ROWS or interpreted():
+    steps stay (its summed tile products depend on them). The shapes are sized for 16-bit
+    inputs: float32 tiles would not fit the shared memory, and keep the one-row shape."""
+    if m < WIDE_ROWS or interpreted() or itemsize != 2:
         return tiling
     if gated or n >= 65536:  # the MLP's two halves, the LM head's many columns
         return replace(tiling, block_n=128, block_k=64, warps=8, stages=4)
@@ -291,7 +292,7 @@ def _launch(x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tilin
     not depend on M. Else one tile of all rows (M <= MAX_ROWS)."""
     m, k = x.shape
     if invariant and not as_given:
-        tiling = wide(tiling, m, n, gated)
+        tiling = wide(tiling, m, n, gated, x.element_size())
     block_m = row_tile(m, most if invariant else MAX_ROWS)
     block_n = _interpreted_columns(tiling, block_m, n) if summed(invariant) else tiling.block_n
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), tiling.split)
