@@ -123,7 +123,8 @@ class Engine:
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
         if capacity.prefix_block and getattr(self.backend, "prefix", None) is None:
             log.info("prefix_caching.unavailable", backend=self.backend_name,
-                     detail="this backend does not cache prefixes yet: every prompt is prefilled whole")
+                     detail="every prompt is prefilled whole: the cuda backend caches prefixes with its "
+                            "chunked prefill, which needs model.batch_invariant")
         # the server loop bounds its queue
         self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
                                    chunked=getattr(self.backend, "chunked_prefill", False))

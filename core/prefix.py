@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(eq=False)
@@ -31,12 +31,14 @@ class PrefixStats:
 
 @dataclass
 class PrefixCache:
-    """Up to ``capacity`` blocks of ``block_size`` tokens."""
+    """Up to ``capacity`` blocks of ``block_size`` tokens. ``evicted`` is told of each block
+    dropped (a backend whose payload is a place in a store of its own frees it there)."""
 
     block_size: int
     capacity: int
     blocks: "OrderedDict[int, Block]" = field(default_factory=OrderedDict)  # key -> block, least recent first
     stats: PrefixStats = field(default_factory=PrefixStats)
+    evicted: Callable[[Block], None] | None = None
 
     @staticmethod
     def key(parent: Block | None, tokens: tuple[int, ...]) -> int:
@@ -89,5 +91,7 @@ class PrefixCache:
         for key, block in self.blocks.items():
             if block.refs == 0 and id(block) not in parents:
                 del self.blocks[key]
+                if self.evicted is not None:
+                    self.evicted(block)
                 return True
         return False

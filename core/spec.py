@@ -120,12 +120,13 @@ class ServerSpec(Strict):
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_queue: int = Field(256, ge=1)
     # prompt tokens one step prefills at most, across the requests it admits (vLLM's name): a
-    # burst of arrivals is prefilled over several steps, between the running requests' rounds.
-    # A backend with chunked prefill (reference) splits a longer prompt over steps; the cuda
-    # backend takes whole prompts, one longer than this alone.
+    # burst of arrivals is prefilled over several steps, between the running requests' rounds,
+    # and a longer prompt in chunks (the reference backend; the cuda backend with
+    # model.batch_invariant, its default: otherwise it takes a longer prompt whole, alone).
     max_num_batched_tokens: int = Field(8192, ge=1)
     # prompts' full blocks of block_size tokens are kept after their requests and reused by
-    # later prompts that start alike (the backends that implement it: reference)
+    # later prompts that start alike (the reference backend; the cuda backend with its chunked
+    # prefill, in a device store of a quarter of the KV cache's positions)
     enable_prefix_caching: bool = True
     block_size: int = Field(16, ge=1, le=1024)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token

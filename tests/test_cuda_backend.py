@@ -513,4 +513,56 @@ def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method
     while chunked.scheduler.has_work():
         chunked.step()
     assert len(probe.output_ids) == 1 and len(probe.prompt_ids) > 3 * 6
-    _same_rounds(want, chunked.generate([PROMPTS[0], long], params, trace=True))
+    assert [c.rounds for c in chunked.generate([PROMPTS[0], long], params, trace=True)] == [c.rounds for c in want]
+
+
+@pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
+def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method):
+    """Prompts that share a prefix: the second pass copies the first pass's blocks in (the
+    target's keys, the drafter's entries, the features a later chunk extends from) and
+    prefills only the rest; tokens and accepted counts are those of an engine without the
+    cache, and meta_info reports the cached tokens."""
+    shared = "import os\nimport sys\n"
+    prompts = [shared + "def f(x):", shared + "class A:"]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    cold = _engine(method, "cuda", depth=2, batch_invariant=True)
+    spec = cold.spec.model_dump(mode="python")
+    spec["server"] |= {"enable_prefix_caching": False}
+    want = Engine(type(cold.spec).model_validate(spec), cold.target, cold.tokenizer).generate(prompts, params, trace=True)
+    spec["server"] |= {"enable_prefix_caching": True, "block_size": 4}
+    cached = Engine(type(cold.spec).model_validate(spec), cold.target, cold.tokenizer)
+    assert cached.backend.prefix is not None
+    first = cached.generate(prompts[:1], params, trace=True)
+    again = cached.generate(prompts, params, trace=True)
+    assert [c.rounds for c in first] == [c.rounds for c in want[:1]]  # the drafts too, not only what was kept
+    assert [c.rounds for c in again] == [c.rounds for c in want]
+    # the repeated prompt finds its own blocks (all but its last token's), the other the shared ones
+    assert [r.meta_info["cached_tokens"] for r in again] == [(len(cached.encode(prompts[0])) - 1) // 4 * 4,
+                                                            len(cached.encode(shared)) // 4 * 4]
+    assert all(b.refs == 0 for b in cached.backend.prefix.blocks.values())  # released when the requests ended
+
+
+def test_the_prefix_store_gives_each_cached_block_its_own_place_through_evictions():
+    """The cuda prefix store's places: every cached block holds one no other block holds, and
+    the places not held are exactly the spare ones, through saves that evict and releases."""
+    import random
+    from types import SimpleNamespace
+
+    from draftline.backends.cuda.kv import StaticKV, StaticStore
+    from draftline.backends.cuda.prefix import DevicePrefix
+
+    cache = StaticKV(1, 4, 1, 64, 8, torch.float32, torch.device("cpu"))
+    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, torch.device("cpu")), None, lambda t: t)
+    rng, live = random.Random(0), []
+    for _ in range(300):
+        if live and rng.random() < 0.4:
+            store.release(live.pop(rng.randrange(len(live))))
+            continue
+        req = SimpleNamespace(prompt_ids=[rng.randrange(3) for _ in range(rng.randrange(2, 30))], kv=0,
+                              prefix_blocks=[])
+        store.restore(req, 0)
+        store.save(req, 0)
+        live.append(req)
+        held = [b.payload for b in store.index.blocks.values()]
+        assert len(set(held)) == len(held) and not set(held) & set(store.spare)
+        assert sorted(held + store.spare) == list(range(7))

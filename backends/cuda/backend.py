@@ -49,6 +49,7 @@ from .graphs import Graphs
 from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
 from .penalties import SlotPenalties
+from .prefix import DevicePrefix
 from .windows import block_window, verify_window
 
 log = structlog.get_logger("draftline.cuda")
@@ -194,6 +195,10 @@ class CudaBackend:
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: launches' GPU spans
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
+        # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
+        self.prefix_store = DevicePrefix(capacity.prefix_block, _prefix_blocks(capacity), self.cache, self.kv,
+                                         self.ring, self._put) if capacity.prefix_block and self.chunked_prefill else None
+        self.prefix = None if self.prefix_store is None else self.prefix_store.index
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -269,7 +274,8 @@ class CudaBackend:
         padding's keys lie past the prompt's length, where the first round writes over them),
         the drafter's entries for the prompts in the same pass. Short ones replay a graph
         captured at start-up for their (rows, width) bucket. One copy back for all."""
-        ends = ends or [len(r.prompt_ids) for r in reqs]
+        ends = [e if r.kv is not None else self._admit(r, e)
+                for r, e in zip(reqs, ends or [len(r.prompt_ids) for r in reqs])]
         groups = self._prefill_groups(reqs, ends)
         if len(groups) == 1:
             packed, reported = self._prefill_group(reqs, ends)
@@ -282,6 +288,24 @@ class CudaBackend:
         reported = [replace(r, rows=tuple(g[i] if i >= 0 else -1 for i in r.rows))
                     for g, (_, group_reported) in zip(groups, done) for r in group_reported]
         return self._land(packed, 1, None, reported)
+
+    def _admit(self, req: Request, end: int) -> int:
+        """A new request's slots, and the prefix cache's blocks its prompt starts with, copied
+        in -> where its first prefill ends (past what the cache gave: at least one token)."""
+        req.kv = self.cache.allocate()
+        if self.drafter is not None:
+            self.drafter.admit(req)
+        if self.draft_override is not None and req.rid >= 0:
+            self.draft_override.admit(req.kv, req.prompt_ids)
+        if self._caches(req):
+            req.prefilled = req.cached_tokens = self.prefix_store.restore(
+                req, draft_slot(req.draft_state, self.cache.scratch))
+        return max(end, req.prefilled + 1)
+
+    def _caches(self, req: Request) -> bool:
+        """Whether the request meets the prefix cache: not one asking prompt_logprobs (every
+        position's logits), nor start-up's warm-up prompts."""
+        return self.prefix_store is not None and req.params.prompt_logprobs is None and req.rid >= 0
 
     def _prefill_groups(self, reqs: list[Request], ends: list[int]) -> list[list[int]]:
         """Indices of ``reqs`` in groups prefilled together: prompts' first chunks apart from
@@ -308,14 +332,8 @@ class CudaBackend:
         as a round of width 1 lands, logprobs pending). A chunk short of its prompt's end lands
         with accepted -1: no token."""
         n, starts = len(reqs), [r.prefilled for r in reqs]
-        for req, start, end in zip(reqs, starts, ends):
+        for req, end in zip(reqs, ends):
             req.prefilled = end
-            if start == 0:
-                req.kv = self.cache.allocate()
-                if self.drafter is not None:
-                    self.drafter.admit(req)
-                if self.draft_override is not None and req.rid >= 0:
-                    self.draft_override.admit(req.kv, req.prompt_ids)
         chunks = [r.prompt_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
         rows, width = self._prefill_shape(n, max(map(len, chunks)), self.cache.max_len - max(starts))
         p, scratch, pad = self.pre, self.cache.scratch, rows - n
@@ -343,8 +361,13 @@ class CudaBackend:
         at = p.start[:n] + p.at[:n]  # the position after each chunk: a whole prompt's first token's
         if self.ring is not None:  # a chunk's last features: the next chunk's, or the first round's
             self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), p.at[:n] - 1][:, None])
+        if self.prefix_store is not None:
+            self.prefix_store.stage([r.kv for r in reqs], starts, ends, features)
         rows_in = (logits, batch, at, slots, hidden[0] if hidden else None, p.ids[:n])
         done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e >= len(r.prompt_ids)]
+        for i in done:
+            if self._caches(reqs[i]):
+                self.prefix_store.save(reqs[i], draft_slot(reqs[i].draft_state, scratch))
         if len(done) == n:
             return self._first_tokens(reqs, *rows_in)
         packed = torch.zeros(n, 3, dtype=torch.int64, device=self.device)
@@ -619,6 +642,8 @@ class CudaBackend:
         return packed
 
     def free(self, req: Request) -> None:
+        if self.prefix_store is not None:
+            self.prefix_store.release(req)
         if req.kv is not None:
             self.penalties.rows.pop(req.kv, None)
             self.cache.release(req.kv)
@@ -627,6 +652,13 @@ class CudaBackend:
             if req.draft_state is not None and hasattr(req.draft_state, "index"):
                 self.kv.release(req.draft_state)
             self.drafter.release(req)
+
+
+def _prefix_blocks(capacity: Capacity) -> int:
+    """Blocks the prefix store keeps: a quarter of the static slots' positions, at least one
+    longest prompt's (its keys cost a quarter of the KV cache's memory again)."""
+    size = capacity.prefix_block
+    return max(capacity.max_model_len // size, capacity.max_batch * capacity.max_model_len // (4 * size))
 
 
 def _invariant(capacity: Capacity, cfg, width: int) -> bool:

@@ -1,0 +1,133 @@
+"""Prefix caching on the cuda backend: the core PrefixCache's blocks (hash chains, pins, LRU
+eviction) with their contents in a device store of their own.
+
+A block's payload is its place in the store, which keeps, for a block of positions: the
+target's keys and values at every layer; the drafter's, when it keeps a cache (DFlash's
+context, EAGLE-3's layer), whose entries at a position depend only on the tokens and
+features there; and, for drafters that read the last features, the target's tapped features
+at the block's last position (what a chunk after the cached ones extends from). A hit copies
+them into the request's slots, one gather a layer, and the rest of the prompt is prefilled as
+a later chunk (CudaBackend.chunked_prefill): the invariant prefill computes each position as
+it would whole, so output is the same with the cache or without. A prompt's full blocks (but
+for its last token, whose drafter entry waits for the first drawn token) are copied out once
+its prefill is done. Copies run in stream order with the forwards, so a block evicted and
+given to another is read by every copy-in before it is written again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from draftline.core.prefix import Block, PrefixCache
+from draftline.core.request import Request
+
+from .buffers import FeatureRing
+from .kv import StaticKV, StaticStore
+
+
+@dataclass(frozen=True)
+class BlockPool:
+    """Keys and values of ``capacity`` blocks, per layer [capacity, Hkv, block, D]."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+
+    @staticmethod
+    def like(cache: StaticKV, capacity: int, block: int) -> "BlockPool":
+        def pool(t: Tensor) -> Tensor:
+            return torch.zeros(capacity, t.shape[1], block, t.shape[3], dtype=t.dtype, device=t.device)
+
+        return BlockPool([pool(t) for t in cache.k], [pool(t) for t in cache.v])
+
+    def load(self, cache: StaticKV, slot: int, ids: Tensor) -> None:
+        """Blocks ``ids`` [nb] into positions 0 .. nb * block - 1 of ``slot``."""
+        nb, block = ids.shape[0], self.k[0].shape[2]
+        for pool, dst in zip(self.k + self.v, cache.k + cache.v):
+            dst[slot, :, : nb * block] = pool[ids].transpose(0, 1).reshape(dst.shape[1], nb * block, -1)
+
+    def save(self, cache: StaticKV, slot: int, ids: Tensor, first: int) -> None:
+        """Positions of ``slot``'s blocks first .. first + nb - 1 into blocks ``ids`` [nb]."""
+        nb, block = ids.shape[0], self.k[0].shape[2]
+        for pool, src in zip(self.k + self.v, cache.k + cache.v):
+            pool[ids] = src[slot, :, first * block : (first + nb) * block].reshape(
+                src.shape[1], nb, block, -1).transpose(0, 1)
+
+
+class DevicePrefix:
+    """The cuda backend's prefix cache: ``index`` (core's, which /spec and the metrics read)
+    over a device store of ``capacity`` blocks."""
+
+    def __init__(self, block: int, capacity: int, target: StaticKV, store: StaticStore, ring: FeatureRing | None,
+                 put: Callable[[Tensor], Tensor]):
+        self.index = PrefixCache(block, capacity, evicted=self._evicted)
+        self.block, self.put, self.store, self.ring, self.target_cache = block, put, store, ring, target
+        self.spare = list(range(capacity, -1, -1))  # one place more than blocks: an insert that evicts has one
+        self.target = BlockPool.like(target, capacity + 1, block)
+        self.drafter: BlockPool | None = None  # made at the first save, once the drafter's caches exist
+        if ring is not None:
+            feats = ring.data.shape[2]
+            self.last = torch.zeros(capacity + 1, feats, dtype=ring.data.dtype, device=ring.data.device)
+            # [slots + 1, blocks a slot holds, F]: a prompt's chunks' features at its blocks' last positions
+            self.staged = torch.zeros(target.scratch + 1, -(-target.max_len // block), feats, dtype=ring.data.dtype,
+                                      device=ring.data.device)
+
+    def _evicted(self, block: Block) -> None:
+        self.spare.append(block.payload)
+
+    def restore(self, req: Request, draft_slot: int) -> int:
+        """Pin the cached blocks ``req``'s prompt starts with (within all but its last token)
+        and copy them into its slots -> the tokens they cover."""
+        req.prefix_blocks = self.index.lookup(req.prompt_ids, len(req.prompt_ids) - 1)
+        if not req.prefix_blocks:
+            return 0
+        ids = self.put(torch.tensor([b.payload for b in req.prefix_blocks]))
+        self.target.load(self.target_cache, req.kv, ids)
+        if self.drafter is not None:
+            self.drafter.load(self.store.cache, draft_slot, ids)
+        cached = len(req.prefix_blocks) * self.block
+        if self.ring is not None:  # the features the next chunk's drafter entries extend from
+            at = self.put(torch.tensor([req.kv, cached - 1]))
+            self.ring.write(at[:1], at[1:], self.last[ids[-1:]][:, None])
+        return cached
+
+    def stage(self, slots: list[int], starts: list[int], ends: list[int], features: Tensor) -> None:
+        """A prefill's features [rows, width, F] at the last positions of the blocks its chunks
+        cover (row i from position starts[i]), kept by slot until the prompt is saved."""
+        if self.ring is None:
+            return
+        where = [(i, p - start, slot, p // self.block) for i, (slot, start, end) in enumerate(zip(slots, starts, ends))
+                 for p in range((start // self.block + 1) * self.block - 1, end, self.block)]
+        if where:
+            at = self.put(torch.tensor(where).T)  # [4, n]: row, column, slot, block
+            self.staged[at[2], at[3]] = features[at[0], at[1]].to(self.staged.dtype)
+
+    def save(self, req: Request, draft_slot: int) -> None:
+        """Cache the prompt's full blocks past those it found (pinned for it until it ends),
+        copied out of its slots: all but the last token's positions."""
+        size, have = self.block, len(req.prefix_blocks)
+        parent, made = req.prefix_blocks[-1] if have else None, []
+        for j in range(have, (len(req.prompt_ids) - 1) // size):
+            place = self.spare.pop()
+            parent = self.index.insert(parent, tuple(req.prompt_ids[j * size : (j + 1) * size]), place)
+            if parent is None:  # every block pinned, or the block cached already by another request
+                self.spare.append(place)
+                break
+            made.append(parent)
+        if not made:
+            return
+        req.prefix_blocks = req.prefix_blocks + made
+        ids = self.put(torch.tensor([b.payload for b in made]))
+        self.target.save(self.target_cache, req.kv, ids, have)
+        if self.store.cache is not None:
+            self.drafter = self.drafter or BlockPool.like(self.store.cache, len(self.target.k[0]), size)
+            self.drafter.save(self.store.cache, draft_slot, ids, have)
+        if self.ring is not None:
+            self.last[ids] = self.staged[req.kv, have : have + len(made)]
+
+    def release(self, req: Request) -> None:
+        self.index.release(req.prefix_blocks)
+        req.prefix_blocks = []
