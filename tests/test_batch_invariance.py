@@ -25,10 +25,11 @@ GPU_ONLY = pytest.mark.skipif(DEV != "cuda", reason="an LM head's width: minutes
 
 @pytest.mark.parametrize("n,k,gated", [(96, 256, False), (32, 1024, False), (48, 256, True),
                                        pytest.param(65536, 256, False, marks=GPU_ONLY),
-                                       pytest.param(1024, 1024, True, marks=GPU_ONLY)])
+                                       pytest.param(2048, 2048, True, marks=GPU_ONLY)])
 def test_a_matvec_row_is_the_same_alone_and_in_any_batch(n, k, gated):
     """(32, 1024): K split into partial sums; the gated form; batches past one row tile, and
-    from matvec.WIDE_ROWS rows the wider program shapes (an LM head's, the MLP's)."""
+    from matvec.WIDE_ROWS rows the wider program shapes (an LM head's, the MLP's: weights of
+    matvec.WIDE_WEIGHTS elements and more)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, k, generator=gen).to(DEV, DTYPE)
     w = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(DEV, DTYPE)

@@ -248,9 +248,10 @@ class ArgmaxScratch:
 
 
 WIDE_ROWS = 128  # from this many rows the invariant form runs programs of wider column blocks
+WIDE_WEIGHTS = 1 << 22  # ... over weights of at least this many elements (a small model's stay launch-bound)
 
 
-def wide(tiling: Tiling, m: int, n: int, gated: bool, itemsize: int = 2) -> Tiling:
+def wide(tiling: Tiling, m: int, n: int, k: int, gated: bool, itemsize: int = 2) -> Tiling:
     """The invariant form's program shape for M rows: the one-row tiling's below WIDE_ROWS;
     from there wider column blocks, 64-wide K steps, more warps and stages, which
     bench/gemm_probe.py measured 1.5 to 2 times faster at 256 to 1024 rows on an H200 (within
@@ -258,8 +259,10 @@ def wide(tiling: Tiling, m: int, n: int, gated: bool, itemsize: int = 2) -> Tili
     the same K chunks, each summed from zero in the same 16-wide steps of the matrix units,
     whatever the block's width or K step (the GPU tests hold it). Under the interpreter the K
     steps stay (its summed tile products depend on them). The shapes are sized for 16-bit
-    inputs: float32 tiles would not fit the shared memory, and keep the one-row shape."""
-    if m < WIDE_ROWS or interpreted() or itemsize != 2:
+    inputs: float32 tiles would not fit the shared memory, and keep the one-row shape; so do
+    weights under WIDE_WEIGHTS elements (the tiny pair's, whose launches cost what their work
+    does, measured only with the one-row shape)."""
+    if m < WIDE_ROWS or interpreted() or itemsize != 2 or n * k < WIDE_WEIGHTS:
         return tiling
     if gated or n >= 65536:  # the MLP's two halves, the LM head's many columns
         return replace(tiling, block_n=128, block_k=64, warps=8, stages=4)
@@ -292,7 +295,7 @@ def _launch(x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tilin
     not depend on M. Else one tile of all rows (M <= MAX_ROWS)."""
     m, k = x.shape
     if invariant and not as_given:
-        tiling = wide(tiling, m, n, gated, x.element_size())
+        tiling = wide(tiling, m, n, k, gated, x.element_size())
     block_m = row_tile(m, most if invariant else MAX_ROWS)
     block_n = _interpreted_columns(tiling, block_m, n) if summed(invariant) else tiling.block_n
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), tiling.split)
