@@ -6,8 +6,9 @@ row's last token and start from its slot's state, draft, target forward over [la
 drafts] with the drafter's context update beside it, the acceptance, and each live row's new
 state), then one small asynchronous copy back. ``collect`` waits for that copy. Since a round
 starts from the device's state, the machine may launch the next rounds before it has read
-this one. Prefill batches the admitted prompts into one forward (a graph for short ones) and
-lands its first tokens as a round does, so rounds may follow it before the host reads them.
+this one. Prefill (prefill.py) batches the admitted prompts and chunks into few forwards (a
+graph for short ones) and lands its first tokens as a round does, so rounds may follow it
+before the host reads them.
 Every graph the spec can use is captured by ``prepare`` at start-up, over padding rows only.
 A round with rows that filter (top-k / top-p), adjust logits (penalties, logit_bias,
 min_new_tokens: penalties.py) or report logprobs (logprobs.py) replays the graph that leaves
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -36,46 +37,25 @@ from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.config import ConfigError
 from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
-from draftline.core.sampling import SamplingBatch, SamplingParams, Stream, probs_from_logits
+from draftline.core.sampling import SamplingParams, probs_from_logits
 
 from . import logprobs as target_logprobs
 from . import overlap
 from . import sampling as kernels
 from .attention import INVARIANT_QUERY_ROWS
-from .buffers import (DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing, draft_slot,
-                      inverse_temperature)
+from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing
 from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
 from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
 from .penalties import SlotPenalties
+from .prefill import PREFILL_WIDTHS, PrefillBuffers, Prefilling, draw_scores
 from .prefix import DevicePrefix
 from .windows import block_window, verify_window
 
 log = structlog.get_logger("draftline.cuda")
 
 MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it collects next
-PREFILL_WIDTHS = (16, 32, 64, 128, 256)  # prompt widths whose prefill is captured, for every batch bucket
-PREFILL_GRAPH_TOKENS = 8192  # at most this many (padded) prompt tokens per captured prefill
-PREFILL_SLACK = 512  # padded tokens a prefill group may carry past twice its prompts' before it splits
-
-
-@dataclass
-class PrefillBuffers:
-    """What a captured prefill reads: padded prompts, their slots and lengths."""
-
-    ids: Tensor  # [max_batch, max width] int64
-    at: Tensor  # [max_batch] int64, each chunk's length (a whole prompt's: the first token's position)
-    slots: Tensor  # [max_batch] int64
-    draft_slots: Tensor  # [max_batch] int64, the drafter's cache slots (the scratch slot where none)
-    zeros: Tensor  # [max_batch] int64, the drafter's first position
-    start: Tensor  # [max_batch] int64, each chunk's first position in its prompt (0: a prompt's first chunk)
-
-    @staticmethod
-    def make(max_batch: int, width: int, device: torch.device) -> "PrefillBuffers":
-        zeros = functools.partial(torch.zeros, dtype=torch.int64, device=device)
-        return PrefillBuffers(zeros(max_batch, width), zeros(max_batch), zeros(max_batch), zeros(max_batch),
-                              zeros(max_batch), zeros(max_batch))
 
 
 @triton.jit
@@ -145,14 +125,7 @@ def buckets_for(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
-def _pick(value, rows: Tensor):
-    """Rows ``rows`` of a tensor, or of each field of a SamplingBatch."""
-    if isinstance(value, SamplingBatch):
-        return SamplingBatch(**{f.name: getattr(value, f.name)[rows] for f in fields(value)})
-    return value[rows]
-
-
-class CudaBackend:
+class CudaBackend(Prefilling):
     name = "cuda"
     default_depth = 2
     # everything SamplingParams asks; rounds whose rows use none keep the graph-decided path
@@ -265,200 +238,12 @@ class CudaBackend:
     def _graphed_draft(self) -> bool:
         return self.drafter is not None and self.drafter.graph_safe and self.plan.draft_sample_method == "greedy"
 
-    # ------------------------------------------------------------------ prefill
-
-    @torch.inference_mode()
-    def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> Launch:
-        """The admitted prompts in few forwards (_prefill_groups), each right-padded to a shared
-        width (causal attention: a prompt's tokens never see the padding after them; the
-        padding's keys lie past the prompt's length, where the first round writes over them),
-        the drafter's entries for the prompts in the same pass. Short ones replay a graph
-        captured at start-up for their (rows, width) bucket. One copy back for all."""
-        ends = [e if r.kv is not None else self._admit(r, e)
-                for r, e in zip(reqs, ends or [len(r.prompt_ids) for r in reqs])]
-        groups = self._prefill_groups(reqs, ends)
-        if len(groups) == 1:
-            packed, reported = self._prefill_group(reqs, ends)
-            return self._land(packed, 1, None, reported)
-        done = [self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups]
-        order = torch.tensor([i for g in groups for i in g], device=self.device)
-        packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
-        packed[order] = torch.cat([p for p, _ in done])
-        # each group's logprobs rows (its own indices) as rows of the whole landing
-        reported = [replace(r, rows=tuple(g[i] if i >= 0 else -1 for i in r.rows))
-                    for g, (_, group_reported) in zip(groups, done) for r in group_reported]
-        return self._land(packed, 1, None, reported)
-
-    def _admit(self, req: Request, end: int) -> int:
-        """A new request's slots, and the prefix cache's blocks its prompt starts with, copied
-        in -> where its first prefill ends (past what the cache gave: at least one token)."""
-        req.kv = self.cache.allocate()
-        if self.drafter is not None:
-            self.drafter.admit(req)
-        if self.draft_override is not None and req.rid >= 0:
-            self.draft_override.admit(req.kv, req.prompt_ids)
-        if self._caches(req):
-            req.prefilled = req.cached_tokens = self.prefix_store.restore(
-                req, draft_slot(req.draft_state, self.cache.scratch))
-        return max(end, req.prefilled + 1)
-
-    def _caches(self, req: Request) -> bool:
-        """Whether the request meets the prefix cache: not one asking prompt_logprobs (every
-        position's logits), nor start-up's warm-up prompts."""
-        return self.prefix_store is not None and req.params.prompt_logprobs is None and req.rid >= 0
-
-    def _prefill_groups(self, reqs: list[Request], ends: list[int]) -> list[list[int]]:
-        """Indices of ``reqs`` in groups prefilled together: prompts' first chunks apart from
-        later chunks (the drafter takes those as a round's extension), each by length, a group
-        closed where the next chunk would pad it past twice its tokens (and PREFILL_SLACK), so
-        one long prompt does not pad thirty short ones to its width."""
-        groups: list[list[int]] = []
-        for later in (False, True):
-            chunks = [i for i in range(len(reqs)) if (reqs[i].prefilled > 0) == later]
-            real, group = 0, []
-            for i in sorted(chunks, key=lambda i: ends[i] - reqs[i].prefilled):
-                size = ends[i] - reqs[i].prefilled
-                rows, width = self._prefill_shape(len(group) + 1, size)
-                if group and rows * width > 2 * (real + size) + PREFILL_SLACK:
-                    groups.append(group)
-                    real, group = 0, []
-                group.append(i)
-                real += size
-            groups += [group] if group else []
-        return groups
-
-    def _prefill_group(self, reqs: list[Request], ends: list[int]) -> tuple[Tensor, list]:
-        """One forward over each request's prompt from where it stands to its end: (packed [n, 3]
-        as a round of width 1 lands, logprobs pending). A chunk short of its prompt's end lands
-        with accepted -1: no token."""
-        n, starts = len(reqs), [r.prefilled for r in reqs]
-        for req, end in zip(reqs, ends):
-            req.prefilled = end
-        chunks = [r.prompt_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
-        rows, width = self._prefill_shape(n, max(map(len, chunks)), self.cache.max_len - max(starts))
-        p, scratch, pad = self.pre, self.cache.scratch, rows - n
-        # [rows, width + 6]: the padded chunk, its length (padding rows: 1), slot, drafter slot, seed, top-k, start
-        ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch),
-                                                               r.params.seed, r.params.top_k, s]
-                                for r, c, s in zip(reqs, chunks, starts)]
-                               + [[0] * width + [1, scratch, scratch, 0, -1, 0]] * pad, torch.int64)
-        floats = self._to_device([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32)  # [n, 2]
-        p.ids[:rows, :width].copy_(ints[:, :width])
-        p.at[:rows].copy_(ints[:, width])
-        p.slots[:rows].copy_(ints[:, width + 1])
-        p.draft_slots[:rows].copy_(ints[:, width + 2])
-        p.start[:rows].copy_(ints[:, width + 5])
-        # columns copied out: the sampling kernels index a row's value at its offset, and a copy
-        # is aligned whatever the row count (a one-row column's view is not: another specialization)
-        batch = SamplingBatch(temperature=floats[:, 0].clone(), top_k=ints[:n, width + 4].clone(),
-                              top_p=floats[:, 1].clone(), seed=ints[:n, width + 3].clone())
-        hidden = [] if any(r.params.prompt_logprobs is not None for r in reqs) else None  # every position's
-        later = any(starts)
-        logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
-            if self._prefill_graphed(rows, width) and hidden is None and not later \
-            else self._prefill_step(rows, width, hidden, later)
-        logits, features, slots = logits[:n], None if features is None else features[:n], p.slots[:n]
-        at = p.start[:n] + p.at[:n]  # the position after each chunk: a whole prompt's first token's
-        if self.ring is not None:  # a chunk's last features: the next chunk's, or the first round's
-            self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), p.at[:n] - 1][:, None])
-        if self.prefix_store is not None:
-            self.prefix_store.stage([r.kv for r in reqs], starts, ends, features)
-        rows_in = (logits, batch, at, slots, hidden[0] if hidden else None, p.ids[:n])
-        done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e >= len(r.prompt_ids)]
-        for i in done:
-            if self._caches(reqs[i]):
-                self.prefix_store.save(reqs[i], draft_slot(reqs[i].draft_state, scratch))
-        if len(done) == n:
-            return self._first_tokens(reqs, *rows_in)
-        packed = torch.zeros(n, 3, dtype=torch.int64, device=self.device)
-        packed[:, 0], packed[:, 1] = 1, -1  # a chunk short of its prompt's end: finite, no token
-        if not done:
-            return packed, []
-        pick = self._put(torch.tensor(done))
-        first, reported = self._first_tokens([reqs[i] for i in done], *(None if t is None else _pick(t, pick)
-                                                                         for t in rows_in))
-        packed[pick] = first
-        return packed, [replace(r, rows=tuple(done[i] if i >= 0 else -1 for i in r.rows)) for r in reported]
-
-    def _first_tokens(self, reqs: list[Request], logits: Tensor, batch: SamplingBatch, at: Tensor, slots: Tensor,
-                      hidden: Tensor | None, ids: Tensor) -> tuple[Tensor, list]:
-        """Completed prompts' first tokens from their last positions' logits [n, V], at positions
-        ``at`` [n], placed in their slots -> (packed [n, 3], logprobs pending)."""
-        finite = torch.isfinite(logits).all(dim=1)
-        self.penalties.admit(reqs)
-        adjusted = self.penalties.adjust(logits[:, None], reqs, at - 1, None)[:, 0]  # as the reference: then nan_to_num
-        scores, inv_temp = _scores(torch.nan_to_num(adjusted), reqs, batch)
-        tokens = kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
-        self.bufs.place(slots, tokens, at)
-        self.penalties.count(reqs, tokens[:, None], None)
-        reported = self._prompt_logprobs(reqs, hidden, ids)
-        reported += self._window_logprobs(reqs, logits[:, None], tokens[:, None], at)
-        # as a round of width 1 lands: finite, accepted (0), the token; read when collected
-        return torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), reported
-
-    def _prompt_logprobs(self, reqs: list[Request], hidden: Tensor | None, ids: Tensor) -> list:
-        """prompt_logprobs: each such prompt's positions 0 .. P-2 (hidden [n, width, H], ids [n, width])."""
-        if hidden is None:
-            return []
-        return [target_logprobs.prompt(r, hidden[i, : len(r.prompt_ids) - 1], ids[i, 1 : len(r.prompt_ids)],
-                                       self.target.logits)
-                for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None and len(r.prompt_ids) > 1]
+    # ------------------------------------------------------------------ host values and logprobs
 
     @staticmethod
     def _window_logprobs(reqs: list[Request], logits: Tensor, tokens: Tensor, first: Tensor) -> list:
         pending = target_logprobs.window(reqs, logits, tokens, first)
         return [] if pending is None else [pending]
-
-    def _prefill_graphed(self, rows: int, width: int) -> bool:
-        return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
-                and width <= self.cache.max_len)
-
-    def _prefill_step(self, rows: int, width: int, hidden_out: list | None = None, later: bool = False
-                      ) -> tuple[Tensor, Tensor | None]:
-        """The target over the prefill buffers' first ``rows`` chunks of ``width`` tokens, each
-        from its start: keys stored in their slots -> (logits at each chunk's last token [rows,
-        V], taps). ``hidden_out`` (eager only) receives every position's hidden states, for
-        prompt_logprobs. ``later``: chunks past their prompts' first, which the drafter takes as
-        a round's extension (from the features before them, in the ring)."""
-        p = self.pre
-        positions = p.start[:rows, None] + torch.arange(width, device=self.device)[None]  # [rows, P]
-        attention = self.cache.prefill_attention(p.slots[:rows], start=p.start[:rows] if later else None)
-        hidden, features = self.target(p.ids[:rows, :width], positions, attention, self.plan.target_layer_ids)
-        if hidden_out is not None:
-            hidden_out.append(hidden)
-        if self.drafter is not None and later:
-            self.drafter.extend_rows(self._later_rows(rows), features, p.ids[:rows, :width])
-        elif self.drafter is not None:
-            self.drafter.prefill_rows(self._prefill_rows(rows), features, p.ids[:rows, :width])
-        last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
-        if self.cache.invariant:  # the first token as a verify row would draw it, whatever the batch
-            return lm_logits(self.target.lm_head, last, True), features
-        return self.target.logits(last), features
-
-    def _prefill_rows(self, rows: int) -> DraftRows:
-        """The prefill's rows as a drafter sees them: its caches from position 0."""
-        p, start = self.pre, self.pre.zeros[:rows]
-        return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
-                         caches=Rows(p.draft_slots[:rows], start),
-                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start), block_window=block_window,
-                         head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
-
-    def _later_rows(self, rows: int) -> DraftRows:
-        """Later chunks' rows as a drafter sees a round's: from each chunk's start, the features
-        before it from the ring (the last chunk's last)."""
-        p, start = self.pre, self.pre.start[:rows]
-        return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
-                         caches=Rows(p.draft_slots[:rows], start),
-                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start),
-                         features=None if self.ring is None else self.ring.read(p.slots[:rows], start - 1),
-                         block_window=block_window, head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
-
-    def _prefill_shape(self, n: int, longest: int, room: int | None = None) -> tuple[int, int]:
-        """(rows, width) to prefill n prompts at: a batch bucket, and a width in few sizes
-        (powers of two to 256, then multiples of 256), so graphs and the matrix library see
-        shapes they have seen, within ``room`` (the cache's positions past the latest start)."""
-        width = max(16, triton.next_power_of_2(longest)) if longest <= 256 else triton.cdiv(longest, 256) * 256
-        return self.bucket(n), min(width, self.cache.max_len if room is None else room)
 
     def _to_device(self, rows: list[list], dtype: torch.dtype) -> Tensor:
         """Host values onto the device without waiting: a pinned, asynchronous copy (a plain
@@ -634,7 +419,7 @@ class CudaBackend:
             p = probs_from_logits(adjusted, batch)
             num, tokens = kernels.accept_rejection(p, probs, drafts, batch.seed, first)
         else:
-            scores, inv_temp = _scores(adjusted, reqs, batch)
+            scores, inv_temp = draw_scores(adjusted, reqs, batch)
             num, tokens = kernels.accept_matching(scores, drafts, batch.seed, first, inv_temp=inv_temp)
         bad = (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(n * width, 1)  # [n * W, 1], of the raw logits
         packed = self._settle(n, width, num, tokens, bad, 1, 1, False)
@@ -674,16 +459,3 @@ def _invariant(capacity: Capacity, cfg, width: int) -> bool:
         raise ConfigError(f"{why}; draft fewer tokens or set model.batch_invariant: false")
     log.warning("batch_invariant_off", reason=why, effect="drafting may change a bf16 token on the GPU")
     return False
-
-
-def _filtered(reqs: list[Request]) -> bool:
-    """Rows with top-k or top-p need the full probability pass; the rest sample from logits."""
-    return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
-
-
-def _scores(logits: Tensor, reqs: list[Request], batch: SamplingBatch) -> tuple[Tensor, Tensor | None]:
-    """What the sampling kernels draw from: log-probabilities after top-k/top-p when any row
-    filters (inv_temp None), else the raw logits and each row's inverse temperature."""
-    if _filtered(reqs):
-        return torch.log(probs_from_logits(logits, batch)), None
-    return logits, inverse_temperature(batch.temperature)
