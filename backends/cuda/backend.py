@@ -203,6 +203,8 @@ class CudaBackend(Prefilling):
             self._warm_prefill(length)
         for bucket in self.buckets[1:]:  # and every batch size's (the eager tail's shapes follow the rows)
             self._warm_prefill(2, bucket)
+        for width in PREFILL_WIDTHS if self.chunked_prefill else ():  # a later chunk's eager path, drafter's too
+            self._warm_prefill(2 * width, chunk=width)
         self.bufs.load([], self.capacity.max_batch)
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
@@ -210,17 +212,21 @@ class CudaBackend(Prefilling):
             self.pre.slots[:bucket] = self.cache.scratch  # prefill graphs over the scratch slot
             self.pre.draft_slots[:bucket] = self.cache.scratch
             self.pre.at[:bucket] = 1
+            self.pre.start[:bucket] = 0
             for width in PREFILL_WIDTHS:
                 if self._prefill_graphed(bucket, width):
                     self.prefill_graphs.run((bucket, width), lambda: self._prefill_step(bucket, width))
         torch.cuda.synchronize()
         return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3)}
 
-    def _warm_prefill(self, length: int, n: int = 1) -> None:
+    def _warm_prefill(self, length: int, n: int = 1, chunk: int | None = None) -> None:
+        """n prompts of ``length`` tokens prefilled (with ``chunk``: that many first, then the rest)."""
         if length < self.capacity.max_model_len:
             warm = [Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
                             stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
                             stats=SpecStats(self.plan.num_speculative_tokens)) for _ in range(n)]
+            if chunk is not None:
+                self.collect(self.prefill(warm, [chunk] * n))
             self.collect(self.prefill(warm))
             for req in warm:
                 self.free(req)
