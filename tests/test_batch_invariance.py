@@ -25,7 +25,8 @@ GPU_ONLY = pytest.mark.skipif(DEV != "cuda", reason="an LM head's width: minutes
 
 @pytest.mark.parametrize("n,k,gated", [(96, 256, False), (32, 1024, False), (48, 256, True),
                                        pytest.param(65536, 256, False, marks=GPU_ONLY),
-                                       pytest.param(2048, 2048, True, marks=GPU_ONLY)])
+                                       pytest.param(2048, 2048, True, marks=GPU_ONLY),
+                                       pytest.param(4096, 4096, False, marks=GPU_ONLY)])
 def test_a_matvec_row_is_the_same_alone_and_in_any_batch(n, k, gated):
     """(32, 1024): K split into partial sums; the gated form; batches past one row tile, and
     from matvec.WIDE_ROWS rows the wider program shapes (an LM head's, the MLP's: weights of
@@ -35,7 +36,7 @@ def test_a_matvec_row_is_the_same_alone_and_in_any_batch(n, k, gated):
     w = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(DEV, DTYPE)
     tiling = invariant_tiling(n, k, gated)
     alone = [matvec(x[r : r + 1], w, tiling, gated, invariant=True) for r in (0, 2, 70, 255)]
-    for m in (3, 8, 16, 80, 256):
+    for m in (3, 8, 16, 80, 256) + ((128, 200) if DEV == "cuda" else ()):  # both wide shapes on the GPU
         batch = matvec(x[:m], w, tiling, gated, invariant=True)  # [M, N], or partials [split, M, N]
         for r, want in zip((0, 2, 70, 255), alone):
             if r < m:

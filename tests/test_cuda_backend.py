@@ -493,26 +493,35 @@ def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_emits_as_the_refer
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
 
 
-@pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
-def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method):
+@pytest.mark.parametrize("method,budget", [("none", 6), ("dflash", 6), ("eagle3", 6), ("gemma4_mtp", 6),
+                                           ("eagle3", 40)])
+def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method, budget, monkeypatch):
     """server.max_num_batched_tokens below a prompt's length: its prefill runs in chunks over
     several steps beside a running request (each chunk from its start, attending over the keys
-    cached before it; the drafter takes later chunks as a round's extension), and tokens and
-    accepted counts are those of the prompt prefilled whole."""
-    long = "def f(x):\n    return [x + i for i in range(10)]\n"
+    cached before it; the drafter takes later chunks as a round's extension: at budget 40 the
+    EAGLE-3 head's queries go in windows), and tokens, drafts and accepted counts are those of
+    the prompt prefilled whole (the prefix cache off, so every chunk is computed)."""
+    long = "def f(x):\n    return [x + i for i in range(10)]\n" * (1 if budget < 16 else 4)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    whole = _engine(method, "cuda", depth=2, batch_invariant=True)  # chunks need the invariant prefill
+    whole = _engine(method, "cuda", depth=2, batch_invariant=True,  # chunks need the invariant prefill
+                    max_model_len=128 if budget < 16 else 256)
     assert whole.backend.chunked_prefill
     want = whole.generate([PROMPTS[0], long], params, trace=True)
+    first = whole.generate([long], SamplingParams(max_new_tokens=1, ignore_eos=True))[0].output_ids
     spec = whole.spec.model_dump(mode="python")
-    spec["server"]["max_num_batched_tokens"] = 6
+    spec["server"] |= {"max_num_batched_tokens": budget, "enable_prefix_caching": False}
     chunked = Engine(type(whole.spec).model_validate(spec), whole.target, whole.tokenizer)
+    from draftline.backends.cuda.kv import RowsAttention
+    windowed = []  # the long-window path of a later chunk's EAGLE-3 entries, spied on
+    spied = RowsAttention._in_windows
+    monkeypatch.setattr(RowsAttention, "_in_windows", lambda *a: windowed.append(1) or spied(*a))
     probe = chunked.add_request(long, SamplingParams(max_new_tokens=1, ignore_eos=True))
     chunked.step()
-    assert 0 < probe.prefilled <= 6 and not probe.output_ids  # one chunk, no token yet
+    assert 0 < probe.prefilled <= budget and not probe.output_ids  # one chunk, no token yet
     while chunked.scheduler.has_work():
         chunked.step()
-    assert len(probe.output_ids) == 1 and len(probe.prompt_ids) > 3 * 6
+    assert probe.output_ids == first and len(probe.prompt_ids) > 3 * budget
+    assert bool(windowed) == (budget > 16)
     assert [c.rounds for c in chunked.generate([PROMPTS[0], long], params, trace=True)] == [c.rounds for c in want]
 
 
@@ -566,3 +575,27 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
         held = [b.payload for b in store.index.blocks.values()]
         assert len(set(held)) == len(held) and not set(held) & set(store.spare)
         assert sorted(held + store.spare) == list(range(7))
+
+
+def test_long_causal_windows_attend_in_pieces_as_whole():
+    """A later chunk's drafter queries, too many query rows for one tile, attend in windows:
+    each query sees the keys cached before the chunk and the chunk's up to its own position."""
+    import torch.nn.functional as F
+
+    from draftline.backends.cuda.kv import Rows, RowsAttention, StaticKV
+
+    gen = torch.Generator().manual_seed(3)
+    cache = StaticKV(1, 2, 2, 128, 16, torch.float32, torch.device(DEV))
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
+    start, w = [7, 30], 40  # 4 query heads over 2 kv heads: 80 query rows a kv head, past LONG_WINDOW
+    q, k, v = (torch.randn(2, h, w, 16, generator=gen).to(DEV) for h in (4, 2, 2))
+    rows = Rows(torch.tensor([0, 1], device=DEV), torch.tensor(start, device=DEV))
+    got = RowsAttention(cache, rows, causal=True)(0, q, k, v)
+    for i, s in enumerate(start):
+        keys = cache.k[0][i, :, : s + w].repeat_interleave(2, dim=0)  # the chunk's keys stored by the call
+        values = cache.v[0][i, :, : s + w].repeat_interleave(2, dim=0)
+        mask = torch.arange(s + w, device=DEV)[None, :] <= s + torch.arange(w, device=DEV)[:, None]
+        want = F.scaled_dot_product_attention(q[i], keys, values, attn_mask=mask)
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cache.k[0][i, :, s : s + w], k[i])

@@ -90,7 +90,7 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
     PDL) it first asks L2 for the split's cached keys, so they arrive while the q/k/v kernel
     ahead runs."""
     pid, s = tl.program_id(0), tl.program_id(1)
-    n, h = pid // HKV, pid % HKV
+    n, h = (pid // HKV).to(tl.int64), pid % HKV  # int64: a long prefill's rows x strides pass 2^31
     if PREFETCH:
         _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_slot, sc_head, sc_pos,
                         num_slots, max_len, BLOCK_N, 128, LINES, D)
@@ -177,7 +177,7 @@ def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, so_n, so_h, so
     all splits in one vectorized pass."""
     overlap.gate(PDL)
     pid, m = tl.program_id(0), tl.program_id(1)
-    n, h = pid // HKV, pid % HKV
+    n, h = (pid // HKV).to(tl.int64), pid % HKV  # int64: a long prefill's rows x strides pass 2^31
     s = tl.arange(0, SPLITS)
     length = tl.load(kv_len + n)
     live = s < tl.cdiv(length, _split_keys(length, count, least, BLOCK_N))

@@ -49,21 +49,22 @@ def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, rows, sh, so, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
+def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
                      PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w.
     Without HAS_H, s = a (its partial sums added and rounded), and h_out is not written. h and
-    h_out rows are ``sh`` and ``so`` apart (a tapped layer's output goes into the features)."""
+    h_out rows are ``sh`` and ``so`` apart (a tapped layer's output goes into the features); a's
+    partial sums ``part`` elements (rows x H, from the host: past 2^31 in a long prefill)."""
     overlap.gate(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
     if not HAS_H:
-        s = _summed(a, r * H + cols, inside, rows * H, y_out.dtype.element_ty, PARTS)
+        s = _summed(a, r * H + cols, inside, part, y_out.dtype.element_ty, PARTS)
     else:
         s = tl.load(h + r * sh + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_ADD and HAS_H:
-        s = s + _summed(a, r * H + cols, inside, rows * H, h_out.dtype.element_ty, PARTS)
+        s = s + _summed(a, r * H + cols, inside, part, h_out.dtype.element_ty, PARTS)
         s = s.to(h_out.dtype.element_ty)
         tl.store(h_out + r * so + cols, s, mask=inside)
         s = s.to(tl.float32)
@@ -162,7 +163,7 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tenso
     if a is not None:
         total = out if out is not None else torch.empty(rows, width, dtype=h.dtype, device=h.device)
     normed = torch.empty(rows, width, dtype=h.dtype, device=h.device)
-    _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows,
+    _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows * width,
                               flat.stride(0), total.stride(0), HAS_ADD=a is not None, HAS_H=True, PARTS=parts,
                               BLOCK=triton.next_power_of_2(width),
                               num_warps=_norm_warps(rows, invariant), **overlap.launch(release=True))
@@ -180,8 +181,8 @@ def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
     """rmsnorm(a) * weight -> [rows, H], where ``a`` is a linear's result [rows, H] or its
     float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read)."""
     out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
-    _add_norm_kernel[(rows,)](a, a, weight, out, out, weight.shape[0], eps, rows, weight.shape[0], weight.shape[0],
-                              HAS_ADD=True, HAS_H=False,
+    width = weight.shape[0]
+    _add_norm_kernel[(rows,)](a, a, weight, out, out, width, eps, rows * width, width, width, HAS_ADD=True, HAS_H=False,
                               PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
                               num_warps=16 if rows > 1 else 4, **overlap.launch(release=True))
     return out

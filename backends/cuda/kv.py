@@ -215,11 +215,32 @@ class RowsAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kv_len = self.kv_len(q.shape[2])
-        if layer not in self.windows:
+        long = self.causal and q.shape[2] * (q.shape[1] // k.shape[1]) > LONG_WINDOW
+        if layer not in self.windows and not long:
             return self.cache.attention(self.rows.slots, kv_len, self.causal)(layer, q, k, v)
         store_kv(k, v, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len)
+        if long:
+            return self._in_windows(layer, q, kv_len)
         return attend_window(q, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len,
                              self.windows[layer])
+
+    def _in_windows(self, layer: int, q: Tensor, kv_len: Tensor) -> Tensor:
+        """Causal queries [N, Hq, W, D] too many for one tile (a later prompt chunk's drafter
+        entries), over their keys already stored: LONG_WINDOW query rows a launch, each window's
+        queries seeing the keys up to its last position."""
+        n, hq, w, d = q.shape
+        step = max(1, LONG_WINDOW // (hq // self.cache.kv_heads))
+        out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+        k, v, slots, window = self.cache.k[layer], self.cache.v[layer], self.rows.slots, self.windows.get(layer)
+        for a in range(0, w, step):
+            b = min(w, a + step)
+            lens = kv_len - (w - b)
+            if window is None:
+                attend(q[:, :, a:b], k, v, slots, lens, True, self.cache.splits(n), out=out[:, :, a:b],
+                       tickets=self.cache.tickets)
+            else:
+                attend_window(q[:, :, a:b], k, v, slots, lens, window, out=out[:, :, a:b])
+        return out
 
     def decoder_stack(self, layers, final_norm, rotary, h: Tensor, positions: Tensor, taps: tuple[int, ...] = ()
                       ) -> tuple[Tensor, Tensor | None]:
@@ -233,8 +254,11 @@ class RowsAttention:
         input x [N, W, In], keys into layer ``index`` of the cache, then ``final_norm`` over its
         output -> (output, final_norm(output)) [N, W, H] each, in fused kernels (fused.py)."""
         n, w = positions.shape
+        kv_len, heads = self.kv_len(w), layer.self_attn.num_heads // layer.self_attn.num_kv_heads
+        long = self.causal and w * heads > LONG_WINDOW  # a later prompt chunk's entries: in windows
         h, mlp = layer_body(layer, residual.reshape(n * w, -1), x.reshape(n * w, -1), positions, rotary,
-                            self.cache, index, self.rows.slots, self.kv_len(w), self.causal, self.windows.get(index))
+                            self.cache, index, self.rows.slots, kv_len, self.causal, self.windows.get(index),
+                            attention=(lambda q, i: self._in_windows(i, q, kv_len)) if long else None)
         out, normed = add_norm(mlp, h, final_norm.weight, final_norm.eps)
         return out.view(n, w, -1), normed.view(n, w, -1)
 

@@ -262,7 +262,7 @@ def wide(tiling: Tiling, m: int, n: int, k: int, gated: bool, itemsize: int = 2)
     inputs: float32 tiles would not fit the shared memory, and keep the one-row shape; so do
     weights under WIDE_WEIGHTS elements (the tiny pair's, whose launches cost what their work
     does, measured only with the one-row shape)."""
-    if m < WIDE_ROWS or interpreted() or itemsize != 2 or n * k < WIDE_WEIGHTS:
+    if m < WIDE_ROWS or interpreted() or itemsize != 2 or n * k < WIDE_WEIGHTS or (k // tiling.split) % 64:
         return tiling
     if gated or n >= 65536:  # the MLP's two halves, the LM head's many columns
         return replace(tiling, block_n=128, block_k=64, warps=8, stages=4)

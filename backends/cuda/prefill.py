@@ -98,7 +98,7 @@ class Prefilling:
             packed, reported = self._prefill_group(reqs, ends)
             return self._land(packed, 1, None, reported)
         done = [self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups]
-        order = torch.tensor([i for g in groups for i in g], device=self.device)
+        order = self._put(torch.tensor([i for g in groups for i in g]))
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
         # each group's logprobs rows (its own indices) as rows of the whole landing
@@ -132,15 +132,16 @@ class Prefilling:
         groups: list[list[int]] = []
         for later in (False, True):
             chunks = [i for i in range(len(reqs)) if (reqs[i].prefilled > 0) == later]
-            real, group = 0, []
+            real, latest, group = 0, 0, []
             for i in sorted(chunks, key=lambda i: ends[i] - reqs[i].prefilled):
-                size = ends[i] - reqs[i].prefilled
-                rows, width = self._prefill_shape(len(group) + 1, size)
-                if group and rows * width > 2 * (real + size) + PREFILL_SLACK:
+                size, start = ends[i] - reqs[i].prefilled, reqs[i].prefilled
+                # the group's width must hold every chunk past the latest start in the cache
+                rows, width = self._prefill_shape(len(group) + 1, size, self.cache.max_len - max(latest, start))
+                if group and (width < size or rows * width > 2 * (real + size) + PREFILL_SLACK):
                     groups.append(group)
-                    real, group = 0, []
+                    real, latest, group = 0, 0, []
                 group.append(i)
-                real += size
+                real, latest = real + size, max(latest, start)
             groups += [group] if group else []
         return groups
 
@@ -153,6 +154,8 @@ class Prefilling:
             req.prefilled = end
         chunks = [r.prompt_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
         rows, width = self._prefill_shape(n, max(map(len, chunks)), self.cache.max_len - max(starts))
+        if width < max(map(len, chunks)):  # _prefill_groups keeps every chunk within its group's room
+            raise RuntimeError(f"prefill: a {max(map(len, chunks))}-token chunk in a group {width} wide")
         p, scratch, pad = self.pre, self.cache.scratch, rows - n
         # [rows, width + 6]: the padded chunk, its length (padding rows: 1), slot, drafter slot, seed, top-k, start
         ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch),
