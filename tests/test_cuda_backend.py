@@ -525,12 +525,13 @@ def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method
     assert [c.rounds for c in chunked.generate([PROMPTS[0], long], params, trace=True)] == [c.rounds for c in want]
 
 
-@pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
-def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method):
+@pytest.mark.parametrize("method,budget", [("none", 8192), ("dflash", 8192), ("eagle3", 8192),
+                                           ("gemma4_mtp", 8192), ("eagle3", 5)])
+def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method, budget):
     """Prompts that share a prefix: the second pass copies the first pass's blocks in (the
     target's keys, the drafter's entries, the features a later chunk extends from) and
-    prefills only the rest; tokens and accepted counts are those of an engine without the
-    cache, and meta_info reports the cached tokens."""
+    prefills only the rest (at budget 5, in chunks after the hit); tokens, drafts and accepted
+    counts are those of an engine without the cache, and meta_info reports the cached tokens."""
     shared = "import os\nimport sys\n"
     prompts = [shared + "def f(x):", shared + "class A:"]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -538,7 +539,7 @@ def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method):
     spec = cold.spec.model_dump(mode="python")
     spec["server"] |= {"enable_prefix_caching": False}
     want = Engine(type(cold.spec).model_validate(spec), cold.target, cold.tokenizer).generate(prompts, params, trace=True)
-    spec["server"] |= {"enable_prefix_caching": True, "block_size": 4}
+    spec["server"] |= {"enable_prefix_caching": True, "block_size": 4, "max_num_batched_tokens": budget}
     cached = Engine(type(cold.spec).model_validate(spec), cold.target, cold.tokenizer)
     assert cached.backend.prefix is not None
     first = cached.generate(prompts[:1], params, trace=True)
@@ -599,3 +600,29 @@ def test_long_causal_windows_attend_in_pieces_as_whole():
         want = F.scaled_dot_product_attention(q[i], keys, values, attn_mask=mask)
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache.k[0][i, :, s : s + w], k[i])
+
+
+def test_a_request_cancelled_between_its_chunks_frees_its_slot_and_its_blocks():
+    """A request cancelled part-way through a chunked prefill that met the prefix cache: its
+    KV slot, its drafter slot and its pinned blocks are released, and the request beside it
+    finishes as it would alone."""
+    shared = "import os\nimport sys\n"
+    base = _engine("eagle3", "cuda", depth=2, batch_invariant=True)
+    spec = base.spec.model_dump(mode="python")
+    spec["server"] |= {"block_size": 4, "max_num_batched_tokens": 5}
+    engine = Engine(type(base.spec).model_validate(spec), base.target, base.tokenizer)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    alone = engine.generate(["x = ["], params)[0].output_ids
+    engine.generate([shared + "def f(x):"], params)  # caches the shared blocks
+    req = engine.add_request(shared + "class A:\n    pass\n", params)
+    other = engine.add_request("x = [", params)
+    engine.step()
+    assert req.cached_tokens > 0 and req.prefilled < len(req.prompt_ids)  # a hit, then chunks
+    req.cancelled = True
+    while engine.scheduler.has_work():
+        engine.step()
+    assert req.finish_reason["type"] == "abort" and other.output_ids == alone
+    backend = engine.backend
+    assert len(backend.cache.slots.free) == backend.cache.scratch  # every KV slot back, the drafter's too
+    assert len(backend.kv.slots.free) == backend.kv.num_slots
+    assert all(b.refs == 0 for b in backend.prefix.blocks.values())
