@@ -458,6 +458,34 @@ def test_penalties_and_logprobs_with_rounds_in_flight_equal_the_reference():
             assert [v for _, v in c.top] == pytest.approx([v for _, v in a.top], abs=1e-4)
 
 
+def test_logprobs_and_penalties_through_chunks_and_prefix_hits_equal_the_reference():
+    """Rows reporting logprobs and adjusting logits, prefilled in chunks of at most 6 tokens and
+    (the second time) from the prefix cache's blocks, beside one asking prompt logprobs (which
+    neither chunks nor meets the cache): tokens and logprobs are the reference's."""
+    shared = "import os\nimport sys\n"
+    prompts = [shared + "def f(x):", shared + "class A:", shared + "x = ["]
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.8, seed=11, frequency_penalty=1.0,
+                             logprobs=0),
+              SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=3)]
+    ref = _engine("none", "reference").generate(prompts, params)
+    base = _engine("none", "cuda", depth=2, batch_invariant=True)
+    spec = base.spec.model_dump(mode="python")
+    spec["server"] |= {"block_size": 4, "max_num_batched_tokens": 6}
+    eng = Engine(type(base.spec).model_validate(spec), base.target, base.tokenizer)
+    for run in range(2):
+        got = eng.generate(prompts, params)
+        assert [c.output_ids for c in got] == [c.output_ids for c in ref]
+        hits = [c.meta_info["cached_tokens"] > 0 for c in got]
+        assert hits == ([False, False, False] if run == 0 else [False, True, True])
+        for r, g in zip(ref, got):
+            pairs = list(zip(r.logprobs, g.logprobs)) + list(zip(r.prompt_logprobs or [], g.prompt_logprobs or []))[1:]
+            assert len(pairs) >= len(r.output_ids)
+            for a, c in pairs:
+                assert c.token == a.token and c.logprob == pytest.approx(a.logprob, abs=1e-4)
+                assert [t for t, _ in c.top] == [t for t, _ in a.top]
+
+
 def test_penalised_drafting_with_accepted_drafts_equals_the_reference():
     """DFlash rounds whose drafts are mostly right (simulated acceptance over the reference's
     penalised continuation), two rounds in flight: every accepted draft is counted before the

@@ -34,8 +34,10 @@ class Pending:
     top_ids: Tensor  # [m, T, k] int64
 
     def to_host(self) -> "Pending":
-        """Copies started now (pinned, asynchronous on a GPU); read after the round's event."""
-        move = (lambda t: t.to("cpu", non_blocking=True))
+        """Copies started now (pinned, asynchronous on a GPU; on the CPU a clone, since a view
+        of a persistent buffer, e.g. a prefill's prompt ids, is rewritten by the next launch);
+        read after the round's event."""
+        move = (lambda t: t.to("cpu", non_blocking=True) if t.is_cuda else t.clone())
         return Pending(self.reqs, self.rows, *(move(t) for t in (self.first, self.tokens, self.chosen,
                                                                   self.top_values, self.top_ids)))
 
