@@ -217,10 +217,12 @@ class Prefilling:
         return torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), reported
 
     def _prompt_logprobs(self, reqs: list[Request], hidden: Tensor | None, ids: Tensor) -> list:
-        """prompt_logprobs: each such prompt's positions 0 .. P-2 (hidden [n, width, H], ids [n, width])."""
+        """prompt_logprobs: each such prompt's positions 0 .. P-2 (hidden [n, width, H], ids [n, width];
+        the ids copied: a view of the prefill buffer would be rewritten by the step's next group
+        before the readout's copy to the host, which the landing starts after every group)."""
         if hidden is None:
             return []
-        return [target_logprobs.prompt(r, hidden[i, : len(r.prompt_ids) - 1], ids[i, 1 : len(r.prompt_ids)],
+        return [target_logprobs.prompt(r, hidden[i, : len(r.prompt_ids) - 1], ids[i, 1 : len(r.prompt_ids)].clone(),
                                        self.target.logits)
                 for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None and len(r.prompt_ids) > 1]
 
