@@ -205,6 +205,10 @@ class CudaBackend(Prefilling):
             self._warm_prefill(2, bucket)
         for width in PREFILL_WIDTHS if self.chunked_prefill else ():  # a later chunk's eager path, drafter's too
             self._warm_prefill(2 * width, chunk=width)
+        for bucket in self.buckets[1:] if self.chunked_prefill else ():  # and at every batch size
+            self._warm_prefill(2 * PREFILL_WIDTHS[0], bucket, chunk=PREFILL_WIDTHS[0])
+        if self.prefix_store is not None:
+            self.prefix_store.ready()  # the drafter's block store, now that its caches exist: not mid-serving
         self.bufs.load([], self.capacity.max_batch)
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):

@@ -75,6 +75,12 @@ class DevicePrefix:
             self.staged = torch.zeros(target.scratch + 1, -(-target.max_len // block), feats, dtype=ring.data.dtype,
                                       device=ring.data.device)
 
+    def ready(self) -> None:
+        """Make the drafter's block store once its caches exist (start-up calls this after its
+        warm-up prefills; else the first save does)."""
+        if self.drafter is None and self.store.cache is not None:
+            self.drafter = BlockPool.like(self.store.cache, self.target.k[0].shape[0], self.block)
+
     def _evicted(self, block: Block) -> None:
         self.spare.append(block.payload)
 
@@ -122,8 +128,8 @@ class DevicePrefix:
         req.prefix_blocks = req.prefix_blocks + made
         ids = self.put(torch.tensor([b.payload for b in made]))
         self.target.save(self.target_cache, req.kv, ids, have)
-        if self.store.cache is not None:
-            self.drafter = self.drafter or BlockPool.like(self.store.cache, len(self.target.k[0]), size)
+        self.ready()
+        if self.drafter is not None:
             self.drafter.save(self.store.cache, draft_slot, ids, have)
         if self.ring is not None:
             self.last[ids] = self.staged[req.kv, have : have + len(made)]
