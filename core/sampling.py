@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Sequence
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -139,11 +140,29 @@ def unit_interval(h: Tensor) -> Tensor:
 # ---------------------------------------------------------------- distributions
 
 
-def probs_from_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
+@dataclass(frozen=True)
+class Filters:
+    """Which passes a batch needs (every row greedy; any row with top-k; any with top-p), known
+    on the host from the requests' parameters: read off device tensors, each is a wait for
+    the device, which drains a backend's rounds in flight."""
+
+    greedy: bool
+    top_k: bool
+    top_p: bool
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams]) -> "Filters":
+        """As SamplingBatch's float32 values compare (a top_p a hair under 1 rounds to 1 there)."""
+        return Filters(all(numpy.float32(p.temperature) == 0 for p in params), any(p.top_k > 0 for p in params),
+                       any(numpy.float32(p.top_p) < 1 for p in params))
+
+
+def probs_from_logits(logits: Tensor, batch: SamplingBatch, filters: Filters | None = None) -> Tensor:
     """logits [N, ..., V] -> float32 probabilities after temperature, top-k and top-p.
 
     Greedy rows (temperature 0) become one-hot at the argmax, so the acceptance rule below
-    reduces exactly to the greedy rule for them.
+    reduces exactly to the greedy rule for them. ``filters``: the batch's passes as the host
+    knows them (else read off ``batch``).
     """
     shape = logits.shape
     n, v = shape[0], shape[-1]
@@ -151,13 +170,15 @@ def probs_from_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     temp = batch.temperature.to(x.device)[:, None, None]
     greedy = temp == 0
     onehot = torch.nn.functional.one_hot(x.argmax(-1), v).to(torch.float32)
-    if bool(greedy.all()):
+    if filters is None:
+        filters = Filters(bool(greedy.all()), bool((batch.top_k > 0).any()), bool((batch.top_p < 1).any()))
+    if filters.greedy:
         return onehot.reshape(shape)
     x = x / torch.where(greedy, torch.ones_like(temp), temp)
-    if bool((batch.top_k > 0).any()):  # rows with top-k off pass through _top_k unchanged
+    if filters.top_k:  # rows with top-k off pass through _top_k unchanged
         x = _top_k(x, batch.top_k.to(x.device))
     probs = torch.softmax(x, dim=-1)
-    if bool((batch.top_p < 1).any()):
+    if filters.top_p:
         probs = _top_p(probs, batch.top_p.to(x.device))
     return torch.where(greedy, onehot, probs).reshape(shape)
 

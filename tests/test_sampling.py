@@ -143,3 +143,19 @@ def test_sampling_a_one_hot_distribution_is_exact():
     probs = torch.nn.functional.one_hot(hot, v).float()
     for position in range(4):
         assert torch.equal(sample(probs, torch.arange(n), torch.full((n,), position), Stream.SAMPLE), hot)
+
+
+def test_filters_known_on_the_host_take_the_passes_the_batch_would():
+    """probs_from_logits with the batch's passes given from the requests' parameters (no wait on
+    the device) equals the same call reading them off the batch, a top_p a hair under 1 too."""
+    from draftline.core.sampling import Filters, SamplingBatch, SamplingParams, probs_from_logits
+
+    logits = torch.randn(4, 3, 50, generator=torch.Generator().manual_seed(0))
+    for params in ([SamplingParams(temperature=0.0)] * 4,
+                   [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
+                    SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.2)],
+                   [SamplingParams(temperature=0.8, top_p=1 - 1e-9)] * 4):
+        batch = SamplingBatch.of(params)
+        assert Filters.of(params) == Filters(bool((batch.temperature == 0).all()), bool((batch.top_k > 0).any()),
+                                             bool((batch.top_p < 1).any()))
+        assert torch.equal(probs_from_logits(logits, batch, Filters.of(params)), probs_from_logits(logits, batch))

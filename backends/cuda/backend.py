@@ -37,7 +37,7 @@ from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.config import ConfigError
 from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
-from draftline.core.sampling import SamplingParams, probs_from_logits
+from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
 
 from . import logprobs as target_logprobs
 from . import overlap
@@ -426,7 +426,7 @@ class CudaBackend(Prefilling):
         drafts = b.drafts[:n, : width - 1]
         adjusted = self.penalties.adjust(logits, reqs, start, drafts)  # each slot as plain decoding there
         if probs is not None:
-            p = probs_from_logits(adjusted, batch)
+            p = probs_from_logits(adjusted, batch, Filters.of([r.params for r in reqs]))  # no wait on the device
             num, tokens = kernels.accept_rejection(p, probs, drafts, batch.seed, first)
         else:
             scores, inv_temp = draw_scores(adjusted, reqs, batch)

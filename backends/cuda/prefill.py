@@ -26,7 +26,7 @@ from torch import Tensor
 
 from draftline.core.contract import DraftRows
 from draftline.core.request import Request
-from draftline.core.sampling import SamplingBatch, Stream, probs_from_logits
+from draftline.core.sampling import Filters, SamplingBatch, Stream, probs_from_logits
 
 from . import logprobs as target_logprobs
 from . import sampling as kernels
@@ -77,7 +77,7 @@ def draw_scores(logits: Tensor, reqs: list[Request], batch: SamplingBatch) -> tu
     """What the sampling kernels draw from: log-probabilities after top-k/top-p when any row
     filters (inv_temp None), else the raw logits and each row's inverse temperature."""
     if filtered(reqs):
-        return torch.log(probs_from_logits(logits, batch)), None
+        return torch.log(probs_from_logits(logits, batch, Filters.of([r.params for r in reqs]))), None
     return logits, inverse_temperature(batch.temperature)
 
 
