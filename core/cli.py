@@ -272,9 +272,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ConfigError("draftline bench measures GPU time against the bandwidth floor; it needs a CUDA device")
     spec = load_spec(args.spec)
-    budget = max(args.batch_sizes) * args.prompt_len
-    if spec.server.max_num_batched_tokens < budget:  # each static batch prefilled in one step, its rows together
-        spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_num_batched_tokens": budget})})
+    # each static batch prefilled in one step, its rows together; no prefix store (random prompts
+    # never meet it, and each engine of the run would hold one beside its KV cache)
+    budget = max(spec.server.max_num_batched_tokens, max(args.batch_sizes) * args.prompt_len)
+    server = {"max_num_batched_tokens": budget, "enable_prefix_caching": False}
+    spec = spec.model_copy(update={"server": spec.server.model_copy(update=server)})
     engine = Engine.from_spec(spec, draft_policy="always")
     if engine.backend_name != "cuda":
         raise ConfigError(f"{args.spec}: backend is {engine.backend_name}; bench the cuda backend (backend: cuda or auto)")
