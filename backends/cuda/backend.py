@@ -169,8 +169,9 @@ class CudaBackend(Prefilling):
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
         # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
+        seeded = self.ring if getattr(self.drafter, "extends_from_features", False) else None  # a hit's chunk reads it
         self.prefix_store = DevicePrefix(capacity.prefix_block, _prefix_blocks(capacity), self.cache, self.kv,
-                                         self.ring, self._put) if capacity.prefix_block and self.chunked_prefill else None
+                                         seeded, self._put) if capacity.prefix_block and self.chunked_prefill else None
         self.prefix = None if self.prefix_store is None else self.prefix_store.index
 
     def bucket(self, n: int) -> int:

@@ -4,8 +4,9 @@ eviction) with their contents in a device store of their own.
 A block's payload is its place in the store, which keeps, for a block of positions: the
 target's keys and values at every layer; the drafter's, when it keeps a cache (DFlash's
 context, EAGLE-3's layer), whose entries at a position depend only on the tokens and
-features there; and, for drafters that read the last features, the target's tapped features
-at the block's last position (what a chunk after the cached ones extends from). A hit copies
+features there; and, for drafters whose extension reads the features before it
+(Drafter.extends_from_features: EAGLE-3), the target's tapped features at the block's last
+position (what a chunk after the cached ones extends from). A hit copies
 them into the request's slots, one gather a layer, and the rest of the prompt is prefilled as
 a later chunk (CudaBackend.chunked_prefill): the invariant prefill computes each position as
 it would whole, so output is the same with the cache or without. A prompt's full blocks (but

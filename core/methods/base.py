@@ -31,6 +31,9 @@ class Drafter(ABC):
     # propose() reads rows.features: the target's tapped features at each row's last verified
     # position (start - 1), which the backend keeps, so the drafter need not.
     reads_last_features: ClassVar[bool] = False
+    # extend_rows() reads rows.features too (an entry at position t takes the features at t):
+    # a backend resuming a prompt part-way (a later chunk, a prefix-cache hit) must supply them
+    extends_from_features: ClassVar[bool] = False
 
     @abstractmethod
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:

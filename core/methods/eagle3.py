@@ -157,6 +157,7 @@ class Eagle3Drafter(Drafter):
 
     graph_safe = True
     reads_last_features = True
+    extends_from_features = True  # extend_rows: the entry at start - 1 takes rows.features
 
     def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
