@@ -521,21 +521,24 @@ def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_emits_as_the_refer
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
 
 
-@pytest.mark.parametrize("method,budget", [("none", 6), ("dflash", 6), ("eagle3", 6), ("gemma4_mtp", 6),
-                                           ("eagle3", 40)])
-def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method, budget, monkeypatch):
+@pytest.mark.parametrize("method,budget,temperature", [("none", 6, 0.0), ("dflash", 6, 0.0), ("eagle3", 6, 0.0),
+                                                       ("gemma4_mtp", 6, 0.0), ("eagle3", 40, 0.0),
+                                                       ("dflash", 6, 0.8)])
+def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method, budget, temperature, monkeypatch):
     """server.max_num_batched_tokens below a prompt's length: its prefill runs in chunks over
     several steps beside a running request (each chunk from its start, attending over the keys
     cached before it; the drafter takes later chunks as a round's extension: at budget 40 the
     EAGLE-3 head's queries go in windows), and tokens, drafts and accepted counts are those of
-    the prompt prefilled whole (the prefix cache off, so every chunk is computed)."""
+    the prompt prefilled whole (the prefix cache off, so every chunk is computed), greedy and
+    seeded sampled."""
     long = "def f(x):\n    return [x + i for i in range(10)]\n" * (1 if budget < 16 else 4)
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=temperature, seed=7)
     whole = _engine(method, "cuda", depth=2, batch_invariant=True,  # chunks need the invariant prefill
                     max_model_len=128 if budget < 16 else 256)
     assert whole.backend.chunked_prefill
     want = whole.generate([PROMPTS[0], long], params, trace=True)
-    first = whole.generate([long], SamplingParams(max_new_tokens=1, ignore_eos=True))[0].output_ids
+    first = whole.generate([long], SamplingParams(max_new_tokens=1, ignore_eos=True, temperature=temperature,
+                                                  seed=7))[0].output_ids
     spec = whole.spec.model_dump(mode="python")
     spec["server"] |= {"max_num_batched_tokens": budget, "enable_prefix_caching": False}
     chunked = Engine(type(whole.spec).model_validate(spec), whole.target, whole.tokenizer)
@@ -543,7 +546,8 @@ def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method
     windowed = []  # the long-window path of a later chunk's EAGLE-3 entries, spied on
     spied = RowsAttention._in_windows
     monkeypatch.setattr(RowsAttention, "_in_windows", lambda *a: windowed.append(1) or spied(*a))
-    probe = chunked.add_request(long, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    probe = chunked.add_request(long, SamplingParams(max_new_tokens=1, ignore_eos=True, temperature=temperature,
+                                                     seed=7))
     chunked.step()
     assert 0 < probe.prefilled <= budget and not probe.output_ids  # one chunk, no token yet
     while chunked.scheduler.has_work():
@@ -553,16 +557,18 @@ def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method
     assert [c.rounds for c in chunked.generate([PROMPTS[0], long], params, trace=True)] == [c.rounds for c in want]
 
 
-@pytest.mark.parametrize("method,budget", [("none", 8192), ("dflash", 8192), ("eagle3", 8192),
-                                           ("gemma4_mtp", 8192), ("eagle3", 5)])
-def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method, budget):
+@pytest.mark.parametrize("method,budget,temperature", [("none", 8192, 0.0), ("dflash", 8192, 0.0),
+                                                       ("eagle3", 8192, 0.0), ("gemma4_mtp", 8192, 0.0),
+                                                       ("eagle3", 5, 0.0), ("gemma4_mtp", 8192, 0.8)])
+def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method, budget, temperature):
     """Prompts that share a prefix: the second pass copies the first pass's blocks in (the
     target's keys, the drafter's entries, the features a later chunk extends from) and
     prefills only the rest (at budget 5, in chunks after the hit); tokens, drafts and accepted
-    counts are those of an engine without the cache, and meta_info reports the cached tokens."""
+    counts are those of an engine without the cache (greedy and seeded sampled), and meta_info
+    reports the cached tokens."""
     shared = "import os\nimport sys\n"
     prompts = [shared + "def f(x):", shared + "class A:"]
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=temperature, seed=5)
     cold = _engine(method, "cuda", depth=2, batch_invariant=True)
     spec = cold.spec.model_dump(mode="python")
     spec["server"] |= {"enable_prefix_caching": False}
