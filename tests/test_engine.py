@@ -115,14 +115,17 @@ def test_a_burst_is_prefilled_within_the_token_budget_and_outputs_do_not_change(
     bounded = Engine(type(free.spec).model_validate(data), free.target, free.tokenizer)
     reqs = [bounded.add_request(p, GREEDY) for p in prompts]
     assert max(len(r.prompt_ids) for r in reqs) > 10  # one prompt needs chunks
-    steps, grew = [], False
+    steps, grew, began = [], False, {}
     while bounded.scheduler.has_work():
         before = [r.prefilled for r in reqs]
         outputs = [len(r.output_ids) for r in reqs]
         bounded.step()
         steps.append(sum(r.prefilled - b for r, b in zip(reqs, before)))
+        began |= {i: len(steps) for i, r in enumerate(reqs) if r.prefilled and i not in began}
         mid = any(0 < r.prefilled < len(r.prompt_ids) for r in reqs)
         grew |= mid and any(len(r.output_ids) > n > 0 for r, n in zip(reqs, outputs))
     assert max(steps) <= 10 and sum(steps) == sum(len(r.prompt_ids) for r in reqs)
+    # admitted in arrival order, over several steps
+    assert [began[i] for i in range(len(reqs))] == sorted(began.values()) and len(set(began.values())) > 1
     assert grew  # running requests kept emitting while a prompt was part-way through its prefill
     assert [r.output_ids for r in reqs] == [c.output_ids for c in free.generate(prompts, GREEDY)]

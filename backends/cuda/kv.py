@@ -213,9 +213,14 @@ class RowsAttention:
             self._lengths[width] = self.rows.start + width
         return self._lengths[width]
 
+    def _long(self, width: int, heads: int) -> bool:
+        """Causal query rows (width x query heads per kv head) too many for one tile: a later
+        prompt chunk's drafter entries, which attend in windows (_in_windows)."""
+        return self.causal and width * (heads // self.cache.kv_heads) > LONG_WINDOW
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kv_len = self.kv_len(q.shape[2])
-        long = self.causal and q.shape[2] * (q.shape[1] // k.shape[1]) > LONG_WINDOW
+        long = self._long(q.shape[2], q.shape[1])
         if layer not in self.windows and not long:
             return self.cache.attention(self.rows.slots, kv_len, self.causal)(layer, q, k, v)
         store_kv(k, v, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len)
@@ -254,8 +259,8 @@ class RowsAttention:
         input x [N, W, In], keys into layer ``index`` of the cache, then ``final_norm`` over its
         output -> (output, final_norm(output)) [N, W, H] each, in fused kernels (fused.py)."""
         n, w = positions.shape
-        kv_len, heads = self.kv_len(w), layer.self_attn.num_heads // layer.self_attn.num_kv_heads
-        long = self.causal and w * heads > LONG_WINDOW  # a later prompt chunk's entries: in windows
+        kv_len = self.kv_len(w)
+        long = self._long(w, layer.self_attn.num_heads)
         h, mlp = layer_body(layer, residual.reshape(n * w, -1), x.reshape(n * w, -1), positions, rotary,
                             self.cache, index, self.rows.slots, kv_len, self.causal, self.windows.get(index),
                             attention=(lambda q, i: self._in_windows(i, q, kv_len)) if long else None)

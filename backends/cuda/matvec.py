@@ -146,23 +146,6 @@ def _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_tem
 
 
 @triton.jit
-def _chunk(xp, wp, up, rm, rn, M, N, CHUNK, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SUMMED: tl.constexpr):
-    """One K chunk's sums from zero, BLOCK_K at a time: (gate or plain, up) [BLOCK_M, BLOCK_N]."""
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, CHUNK, BLOCK_K):
-        xt = tl.load(xp, mask=rm[:, None] < M, other=0.0)
-        acc_g = tile_dot(xt, tl.trans(tl.load(wp, mask=rn[:, None] < N, other=0.0)), acc_g, PRECISION, SUMMED)
-        if GATED:
-            acc_u = tile_dot(xt, tl.trans(tl.load(up, mask=rn[:, None] < N, other=0.0)), acc_u, PRECISION, SUMMED)
-        xp += BLOCK_K
-        wp += BLOCK_K
-        up += BLOCK_K
-    return acc_g, acc_u
-
-
-@triton.jit
 def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, K, CHUNK, W, SHIFT,
              GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr, DRAW: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -178,7 +161,16 @@ def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, 
     xp = x + rm[:, None].to(tl.int64) * K + rk[None, :]
     wp = w + rn[:, None].to(tl.int64) * K + rk[None, :]
     up = wp + N.to(tl.int64) * K  # GATED: the up rows sit N rows below the gate rows
-    acc_g, acc_u = _chunk(xp, wp, up, rm, rn, M, N, CHUNK, GATED, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, SUMMED)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, CHUNK, BLOCK_K):
+        xt = tl.load(xp, mask=rm[:, None] < M, other=0.0)
+        acc_g = tile_dot(xt, tl.trans(tl.load(wp, mask=rn[:, None] < N, other=0.0)), acc_g, PRECISION, SUMMED)
+        if GATED:
+            acc_u = tile_dot(xt, tl.trans(tl.load(up, mask=rn[:, None] < N, other=0.0)), acc_u, PRECISION, SUMMED)
+        xp += BLOCK_K
+        wp += BLOCK_K
+        up += BLOCK_K
     _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_temp, rm, rn, M, N, W, SHIFT, pk,
               x.dtype.element_ty, GATED, SPLIT, ARGMAX, DRAW)
 

@@ -29,6 +29,7 @@ from draftline.core.request import Request
 from draftline.core.sampling import Filters, SamplingBatch, Stream, probs_from_logits
 
 from . import logprobs as target_logprobs
+from .logprobs import Pending
 from . import sampling as kernels
 from .buffers import draft_slot, inverse_temperature
 from .fused import head_argmax, lm_logits
@@ -51,14 +52,13 @@ class PrefillBuffers:
     at: Tensor  # [max_batch] int64, each chunk's length (a whole prompt's: the first token's position)
     slots: Tensor  # [max_batch] int64
     draft_slots: Tensor  # [max_batch] int64, the drafter's cache slots (the scratch slot where none)
-    zeros: Tensor  # [max_batch] int64, the drafter's first position
     start: Tensor  # [max_batch] int64, each chunk's first position in its prompt (0: a prompt's first chunk)
 
     @staticmethod
     def make(max_batch: int, width: int, device: torch.device) -> "PrefillBuffers":
         zeros = functools.partial(torch.zeros, dtype=torch.int64, device=device)
         return PrefillBuffers(zeros(max_batch, width), zeros(max_batch), zeros(max_batch), zeros(max_batch),
-                              zeros(max_batch), zeros(max_batch))
+                              zeros(max_batch))
 
 
 def _pick(value, rows: Tensor):
@@ -66,6 +66,12 @@ def _pick(value, rows: Tensor):
     if isinstance(value, SamplingBatch):
         return SamplingBatch(**{f.name: getattr(value, f.name)[rows] for f in fields(value)})
     return value[rows]
+
+
+def _as_rows_of(reported: list[Pending], rows: list[int]) -> list[Pending]:
+    """Logprobs pending for a subset of a landing's rows, their row i (-1: every position kept)
+    renamed to rows[i], the row it has in the whole landing."""
+    return [replace(r, rows=tuple(rows[i] if i >= 0 else -1 for i in r.rows)) for r in reported]
 
 
 def filtered(reqs: list[Request]) -> bool:
@@ -101,9 +107,7 @@ class Prefilling:
         order = self._put(torch.tensor([i for g in groups for i in g]))
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
-        # each group's logprobs rows (its own indices) as rows of the whole landing
-        reported = [replace(r, rows=tuple(g[i] if i >= 0 else -1 for i in r.rows))
-                    for g, (_, group_reported) in zip(groups, done) for r in group_reported]
+        reported = [r for g, (_, group_reported) in zip(groups, done) for r in _as_rows_of(group_reported, g)]
         return self._land(packed, 1, None, reported)
 
     def _admit(self, req: Request, end: int) -> int:
@@ -198,7 +202,7 @@ class Prefilling:
         first, reported = self._first_tokens([reqs[i] for i in done], *(None if t is None else _pick(t, pick)
                                                                          for t in rows_in))
         packed[pick] = first
-        return packed, [replace(r, rows=tuple(done[i] if i >= 0 else -1 for i in r.rows)) for r in reported]
+        return packed, _as_rows_of(reported, done)
 
     def _first_tokens(self, reqs: list[Request], logits: Tensor, batch: SamplingBatch, at: Tensor, slots: Tensor,
                       hidden: Tensor | None, ids: Tensor) -> tuple[Tensor, list]:
@@ -244,31 +248,25 @@ class Prefilling:
         if hidden_out is not None:
             hidden_out.append(hidden)
         if self.drafter is not None and later:
-            self.drafter.extend_rows(self._later_rows(rows), features, p.ids[:rows, :width])
+            self.drafter.extend_rows(self._draft_rows(rows, later), features, p.ids[:rows, :width])
         elif self.drafter is not None:
-            self.drafter.prefill_rows(self._prefill_rows(rows), features, p.ids[:rows, :width])
+            self.drafter.prefill_rows(self._draft_rows(rows, later), features, p.ids[:rows, :width])
         last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
         if self.cache.invariant:  # the first token as a verify row would draw it, whatever the batch
             return lm_logits(self.target.lm_head, last, True), features
         return self.target.logits(last), features
 
-    def _prefill_rows(self, rows: int) -> DraftRows:
-        """The prefill's rows as a drafter sees them: its caches from position 0."""
-        p, start = self.pre, self.pre.zeros[:rows]
-        return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
-                         caches=Rows(p.draft_slots[:rows], start),
-                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start), block_window=block_window,
-                         head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
-
-    def _later_rows(self, rows: int) -> DraftRows:
-        """Later chunks' rows as a drafter sees a round's: from each chunk's start, the features
-        before it from the ring (the last chunk's last)."""
+    def _draft_rows(self, rows: int, later: bool) -> DraftRows:
+        """The chunks' rows as a drafter sees them, from each chunk's start (0 for first chunks);
+        ``later`` chunks as a round's extension, with the features before them from the ring
+        (the last chunk's last)."""
         p, start = self.pre, self.pre.start[:rows]
+        features = self.ring.read(p.slots[:rows], start - 1) if later and self.ring is not None else None
         return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
                          caches=Rows(p.draft_slots[:rows], start),
-                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start),
-                         features=None if self.ring is None else self.ring.read(p.slots[:rows], start - 1),
-                         block_window=block_window, head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
+                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start), features=features,
+                         block_window=block_window,
+                         head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
 
     def _prefill_shape(self, n: int, longest: int, room: int | None = None) -> tuple[int, int]:
         """(rows, width) to prefill n prompts at: a batch bucket, and a width in few sizes

@@ -68,7 +68,7 @@ class DevicePrefix:
         self.block, self.put, self.store, self.ring, self.target_cache = block, put, store, ring, target
         self.spare = list(range(capacity, -1, -1))  # one place more than blocks: an insert that evicts has one
         self.target = BlockPool.like(target, capacity + 1, block)
-        self.drafter: BlockPool | None = None  # made at the first save, once the drafter's caches exist
+        self.drafter: BlockPool | None = None  # made once the drafter's caches exist (ready)
         if ring is not None:
             feats = ring.data.shape[2]
             self.last = torch.zeros(capacity + 1, feats, dtype=ring.data.dtype, device=ring.data.device)
