@@ -612,6 +612,24 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
         assert sorted(held + store.spare) == list(range(7))
 
 
+def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once():
+    """A slot's blocks saved to the store and loaded into another slot land at the same
+    positions of every layer, keys and values, and nothing past them is touched."""
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.backends.cuda.prefix import BlockPool
+
+    cache = StaticKV(3, 2, 2, 32, 4, torch.float32, torch.device(DEV))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)).to(DEV))
+    pool = BlockPool.like(cache, 5, 4)
+    pool.save(cache, 0, torch.tensor([3, 1], device=DEV), 1)  # positions 4 .. 11 of slot 0
+    before = cache.data[:, :, 1].clone()
+    pool.load(cache, 1, torch.tensor([3, 1], device=DEV))
+    for layer in range(3):
+        for got, src in ((cache.k[layer], cache.k[layer]), (cache.v[layer], cache.v[layer])):
+            torch.testing.assert_close(got[1, :, :8], src[0, :, 4:12], rtol=0, atol=0)
+    torch.testing.assert_close(cache.data[:, :, 1, :, 8:], before[:, :, :, 8:], rtol=0, atol=0)
+
+
 def test_long_causal_windows_attend_in_pieces_as_whole():
     """A later chunk's drafter queries, too many query rows for one tile, attend in windows:
     each query sees the keys cached before the chunk and the chunk's up to its own position."""

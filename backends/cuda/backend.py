@@ -218,6 +218,7 @@ class CudaBackend(Prefilling):
             self.pre.draft_slots[:bucket] = self.cache.scratch
             self.pre.at[:bucket] = 1
             self.pre.start[:bucket] = 0
+            self.pre.done[:bucket] = 0  # so the captured draws place nothing
             for width in PREFILL_WIDTHS:
                 if self._prefill_graphed(bucket, width):
                     self.prefill_graphs.run((bucket, width), lambda: self._prefill_step(bucket, width))

@@ -84,8 +84,11 @@ class Buffers:
         _gather_kernel[(bucket,)](self.meta, self.state, self.meta.stride(0), self.state.stride(0),
                                   LAST_ROW=LAST, START_ROW=START, SLOT_ROW=SLOT)
 
-    def place(self, slots: Tensor, last: Tensor, start: Tensor) -> None:
-        """A prefilled request's state: its first token, at the position after its prompt."""
+    def place(self, slots: Tensor, last: Tensor, start: Tensor, where: Tensor | None = None) -> None:
+        """A prefilled request's state: its first token, at the position after its prompt (only
+        rows ``where`` is true, when given: the others write back what their slot holds)."""
+        if where is not None:
+            last, start = torch.where(where, last, self.state[0, slots]), torch.where(where, start, self.state[1, slots])
         self.state[0, slots] = last
         self.state[1, slots] = start
 

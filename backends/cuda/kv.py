@@ -54,15 +54,17 @@ class SlotPool:
 
 
 class StaticKV:
-    """Per layer K and V [slots + 1, Hkv, max_len, D] and the pool of slots. ``invariant``: the
+    """Per layer K and V [slots + 1, Hkv, max_len, D] (views of one tensor) and the pool of slots. ``invariant``: the
     rows attending through it, and the matvecs of the stack it serves, take the batch-invariant
     kernel forms (model.batch_invariant)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, invariant: bool = False):
         shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # [2, layers, slots + 1, Hkv, max_len, D]: keys then values of every layer in one tensor, so a
+        # slot's positions move in one copy for all layers (the prefix store's blocks); k[l], v[l] its views
+        self.data = torch.zeros((2, num_layers) + shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.data[0]), list(self.data[1])
         self.max_len, self.kv_heads, self.scratch = max_len, num_kv_heads, num_slots
         self.invariant = invariant
         # [(slots + 1) * Hkv] arrival counts of attention's splits, one per (row, kv head) (attend)

@@ -44,21 +44,33 @@ PREFILL_GRAPH_TOKENS = 8192  # at most this many (padded) prompt tokens per capt
 PREFILL_SLACK = 512  # padded tokens a prefill group may carry past twice its prompts' before it splits
 
 
+AT, SLOTS, DRAFT_SLOTS, START, SEED, TOP_K, DONE = range(7)  # rows of PrefillBuffers.cols
+TEMPERATURE, TOP_P, INV_TEMP = range(3)  # rows of PrefillBuffers.fcols
+
+
 @dataclass
 class PrefillBuffers:
-    """What a captured prefill reads: padded prompts, their slots and lengths."""
+    """What a captured prefill reads: padded prompts, and per chunk its place and sampling
+    parameters (three copies in a step, whatever the rows)."""
 
     ids: Tensor  # [max_batch, max width] int64
-    at: Tensor  # [max_batch] int64, each chunk's length (a whole prompt's: the first token's position)
-    slots: Tensor  # [max_batch] int64
-    draft_slots: Tensor  # [max_batch] int64, the drafter's cache slots (the scratch slot where none)
-    start: Tensor  # [max_batch] int64, each chunk's first position in its prompt (0: a prompt's first chunk)
+    # [7, max_batch] int64 per chunk: its length (a whole prompt's: the first token's position), KV
+    # slot, drafter slot (the scratch slot where none), first position in its prompt (0: a first
+    # chunk), seed, top-k, and whether it ends its prompt (1: its first token is drawn and placed)
+    cols: Tensor
+    fcols: Tensor  # [3, max_batch] float32: temperature, top-p, inverse temperature (0: greedy)
 
     @staticmethod
     def make(max_batch: int, width: int, device: torch.device) -> "PrefillBuffers":
-        zeros = functools.partial(torch.zeros, dtype=torch.int64, device=device)
-        return PrefillBuffers(zeros(max_batch, width), zeros(max_batch), zeros(max_batch), zeros(max_batch),
-                              zeros(max_batch))
+        return PrefillBuffers(torch.zeros(max_batch, width, dtype=torch.int64, device=device),
+                              torch.zeros(7, max_batch, dtype=torch.int64, device=device),
+                              torch.zeros(3, max_batch, dtype=torch.float32, device=device))
+
+    at = property(lambda self: self.cols[AT])
+    slots = property(lambda self: self.cols[SLOTS])
+    draft_slots = property(lambda self: self.cols[DRAFT_SLOTS])
+    start = property(lambda self: self.cols[START])
+    done = property(lambda self: self.cols[DONE])
 
 
 def _pick(value, rows: Tensor):
@@ -103,7 +115,9 @@ class Prefilling:
         if len(groups) == 1:
             packed, reported = self._prefill_group(reqs, ends)
             return self._land(packed, 1, None, reported)
-        done = [self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups]
+        # each group's result copied before the next group runs: a graph's output is rewritten by its next replay
+        done = [(packed.clone(), reported) for packed, reported in
+                (self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups)]
         order = self._put(torch.tensor([i for g in groups for i in g]))
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
@@ -160,49 +174,66 @@ class Prefilling:
         rows, width = self._prefill_shape(n, max(map(len, chunks)), self.cache.max_len - max(starts))
         if width < max(map(len, chunks)):  # _prefill_groups keeps every chunk within its group's room
             raise RuntimeError(f"prefill: a {max(map(len, chunks))}-token chunk in a group {width} wide")
-        p, scratch, pad = self.pre, self.cache.scratch, rows - n
-        # [rows, width + 6]: the padded chunk, its length (padding rows: 1), slot, drafter slot, seed, top-k, start
-        ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch),
-                                                               r.params.seed, r.params.top_k, s]
-                                for r, c, s in zip(reqs, chunks, starts)]
-                               + [[0] * width + [1, scratch, scratch, 0, -1, 0]] * pad, torch.int64)
-        floats = self._to_device([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32)  # [n, 2]
-        p.ids[:rows, :width].copy_(ints[:, :width])
-        p.at[:rows].copy_(ints[:, width])
-        p.slots[:rows].copy_(ints[:, width + 1])
-        p.draft_slots[:rows].copy_(ints[:, width + 2])
-        p.start[:rows].copy_(ints[:, width + 5])
-        # columns copied out: the sampling kernels index a row's value at its offset, and a copy
-        # is aligned whatever the row count (a one-row column's view is not: another specialization)
-        batch = SamplingBatch(temperature=floats[:, 0].clone(), top_k=ints[:n, width + 4].clone(),
-                              top_p=floats[:, 1].clone(), seed=ints[:n, width + 3].clone())
-        hidden = [] if any(r.params.prompt_logprobs is not None for r in reqs) else None  # every position's
+        scratch, hidden = self.cache.scratch, [] if any(r.params.prompt_logprobs is not None for r in reqs) else None
+        self._load_prefill(reqs, chunks, starts, ends, rows, width)
         later = any(starts)
-        logits, features = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
+        logits, features, packed = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
             if self._prefill_graphed(rows, width) and hidden is None and not later \
             else self._prefill_step(rows, width, hidden, later)
-        logits, features, slots = logits[:n], None if features is None else features[:n], p.slots[:n]
-        at = p.start[:n] + p.at[:n]  # the position after each chunk: a whole prompt's first token's
-        if self.ring is not None:  # a chunk's last features: the next chunk's, or the first round's
-            self.ring.write(slots, at - 1, features[torch.arange(n, device=self.device), p.at[:n] - 1][:, None])
+        logits, features, packed = logits[:n], None if features is None else features[:n], packed[:n]
         if self.prefix_store is not None:
             self.prefix_store.stage([r.kv for r in reqs], starts, ends, features)
-        rows_in = (logits, batch, at, slots, hidden[0] if hidden else None, p.ids[:n])
         done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e >= len(r.prompt_ids)]
         for i in done:
             if self._caches(reqs[i]):
                 self.prefix_store.save(reqs[i], draft_slot(reqs[i].draft_state, scratch))
+        if hidden is None and not any(r.params.reads_logits for r in reqs):
+            return packed, []  # the step drew and placed them as plain decoding would
+        p = self.pre
+        # the eager tail's parameters, copied out: a copy is aligned whatever the row count
+        batch = SamplingBatch(temperature=p.fcols[TEMPERATURE, :n].clone(), top_k=p.cols[TOP_K, :n].clone(),
+                              top_p=p.fcols[TOP_P, :n].clone(), seed=p.cols[SEED, :n].clone())
+        rows_in = (logits, batch, p.start[:n] + p.at[:n], p.slots[:n], hidden[0] if hidden else None, p.ids[:n])
         if len(done) == n:
             return self._first_tokens(reqs, *rows_in)
-        packed = torch.zeros(n, 3, dtype=torch.int64, device=self.device)
-        packed[:, 0], packed[:, 1] = 1, -1  # a chunk short of its prompt's end: finite, no token
         if not done:
-            return packed, []
+            return packed, []  # every chunk short of its prompt's end: finite, no token
+        packed = packed.clone()
         pick = self._put(torch.tensor(done))
         first, reported = self._first_tokens([reqs[i] for i in done], *(None if t is None else _pick(t, pick)
                                                                          for t in rows_in))
         packed[pick] = first
         return packed, _as_rows_of(reported, done)
+
+    def _load_prefill(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], ends: list[int],
+                      rows: int, width: int) -> None:
+        """The chunks, right-padded to ``width``, and their columns into the prefill buffers;
+        padding rows (to ``rows``) prefill one token in the scratch slot and end nothing."""
+        scratch, pad = self.cache.scratch, rows - len(reqs)
+        ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch), s,
+                                                               r.params.seed, r.params.top_k, int(e >= len(r.prompt_ids))]
+                                for r, c, s, e in zip(reqs, chunks, starts, ends)]
+                               + [[0] * width + [1, scratch, scratch, 0, 0, -1, 0]] * pad, torch.int64)
+        temps = torch.tensor([r.params.temperature for r in reqs] + [0.0] * pad)
+        floats = torch.stack([temps, torch.tensor([r.params.top_p for r in reqs] + [1.0] * pad),
+                              inverse_temperature(temps)])  # [3, rows]
+        p = self.pre
+        p.ids[:rows, :width].copy_(ints[:, :width])
+        p.cols[:, :rows].copy_(ints[:, width:].T)
+        p.fcols[:, :rows].copy_(self._put(floats))
+
+    def _first_draws(self, rows: int, logits: Tensor) -> Tensor:
+        """Each chunk's first token as plain decoding draws it (rows that filter, adjust or report
+        logits are drawn again by _first_tokens), placed in its slot where the chunk ends its
+        prompt -> packed [rows, 3] as a round of width 1 lands: finite, accepted (0; -1 for a
+        chunk short of its prompt's end, which draws nothing), the token."""
+        p = self.pre
+        at, done = p.start[:rows] + p.at[:rows], p.done[:rows] == 1
+        tokens = kernels.sample(torch.nan_to_num(logits), p.cols[SEED, :rows], at, Stream.SAMPLE,
+                                inv_temp=p.fcols[INV_TEMP, :rows])
+        self.bufs.place(p.slots[:rows], tokens, at, done & (p.slots[:rows] != self.cache.scratch))
+        finite = torch.isfinite(logits).all(dim=1) | ~done
+        return torch.stack([finite.long(), done.long() - 1, torch.where(done, tokens, 0)], dim=1)
 
     def _first_tokens(self, reqs: list[Request], logits: Tensor, batch: SamplingBatch, at: Tensor, slots: Tensor,
                       hidden: Tensor | None, ids: Tensor) -> tuple[Tensor, list]:
@@ -235,12 +266,13 @@ class Prefilling:
                 and width <= self.cache.max_len)
 
     def _prefill_step(self, rows: int, width: int, hidden_out: list | None = None, later: bool = False
-                      ) -> tuple[Tensor, Tensor | None]:
+                      ) -> tuple[Tensor, Tensor | None, Tensor]:
         """The target over the prefill buffers' first ``rows`` chunks of ``width`` tokens, each
         from its start: keys stored in their slots -> (logits at each chunk's last token [rows,
         V], taps). ``hidden_out`` (eager only) receives every position's hidden states, for
         prompt_logprobs. ``later``: chunks past their prompts' first, which the drafter takes as
-        a round's extension (from the features before them, in the ring)."""
+        a round's extension (from the features before them, in the ring). Also each chunk's
+        first token as plain decoding draws it, placed (_first_draws: packed [rows, 3])."""
         p = self.pre
         positions = p.start[:rows, None] + torch.arange(width, device=self.device)[None]  # [rows, P]
         attention = self.cache.prefill_attention(p.slots[:rows], start=p.start[:rows] if later else None)
@@ -251,10 +283,13 @@ class Prefilling:
             self.drafter.extend_rows(self._draft_rows(rows, later), features, p.ids[:rows, :width])
         elif self.drafter is not None:
             self.drafter.prefill_rows(self._draft_rows(rows, later), features, p.ids[:rows, :width])
-        last = hidden[torch.arange(rows, device=self.device), p.at[:rows] - 1]  # [rows, H]
-        if self.cache.invariant:  # the first token as a verify row would draw it, whatever the batch
-            return lm_logits(self.target.lm_head, last, True), features
-        return self.target.logits(last), features
+        ends = torch.arange(rows, device=self.device), p.at[:rows] - 1
+        if self.ring is not None:  # a chunk's last features: the next chunk's, or the first round's
+            self.ring.write(p.slots[:rows], p.start[:rows] + ends[1], features[ends][:, None])
+        last = hidden[ends]  # [rows, H]
+        # the first token as a verify row would draw it, whatever the batch (invariant)
+        logits = lm_logits(self.target.lm_head, last, True) if self.cache.invariant else self.target.logits(last)
+        return logits, features, self._first_draws(rows, logits)
 
     def _draft_rows(self, rows: int, later: bool) -> DraftRows:
         """The chunks' rows as a drafter sees them, from each chunk's start (0 for first chunks);

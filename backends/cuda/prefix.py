@@ -32,30 +32,31 @@ from .kv import StaticKV, StaticStore
 
 @dataclass(frozen=True)
 class BlockPool:
-    """Keys and values of ``capacity`` blocks, per layer [capacity, Hkv, block, D]."""
+    """Keys and values of ``capacity`` blocks, every layer's: [capacity, 2, layers, Hkv, block, D]."""
 
-    k: list[Tensor]
-    v: list[Tensor]
+    blocks: Tensor
 
     @staticmethod
     def like(cache: StaticKV, capacity: int, block: int) -> "BlockPool":
-        def pool(t: Tensor) -> Tensor:
-            return torch.zeros(capacity, t.shape[1], block, t.shape[3], dtype=t.dtype, device=t.device)
+        two, layers, _, heads, _, dim = cache.data.shape
+        return BlockPool(torch.zeros(capacity, two, layers, heads, block, dim, dtype=cache.data.dtype,
+                                     device=cache.data.device))
 
-        return BlockPool([pool(t) for t in cache.k], [pool(t) for t in cache.v])
+    @property
+    def capacity(self) -> int:
+        return self.blocks.shape[0]
 
     def load(self, cache: StaticKV, slot: int, ids: Tensor) -> None:
-        """Blocks ``ids`` [nb] into positions 0 .. nb * block - 1 of ``slot``."""
-        nb, block = ids.shape[0], self.k[0].shape[2]
-        for pool, dst in zip(self.k + self.v, cache.k + cache.v):
-            dst[slot, :, : nb * block] = pool[ids].transpose(0, 1).reshape(dst.shape[1], nb * block, -1)
+        """Blocks ``ids`` [nb] into positions 0 .. nb * block - 1 of ``slot``, every layer at once."""
+        nb, block = ids.shape[0], self.blocks.shape[4]
+        kv = self.blocks[ids].permute(1, 2, 3, 0, 4, 5)  # [2, layers, Hkv, nb, block, D]
+        cache.data[:, :, slot, :, : nb * block] = kv.flatten(3, 4)
 
     def save(self, cache: StaticKV, slot: int, ids: Tensor, first: int) -> None:
         """Positions of ``slot``'s blocks first .. first + nb - 1 into blocks ``ids`` [nb]."""
-        nb, block = ids.shape[0], self.k[0].shape[2]
-        for pool, src in zip(self.k + self.v, cache.k + cache.v):
-            pool[ids] = src[slot, :, first * block : (first + nb) * block].reshape(
-                src.shape[1], nb, block, -1).transpose(0, 1)
+        nb, block = ids.shape[0], self.blocks.shape[4]
+        kv = cache.data[:, :, slot, :, first * block : (first + nb) * block]  # [2, layers, Hkv, nb * block, D]
+        self.blocks[ids] = kv.unflatten(3, (nb, block)).permute(3, 0, 1, 2, 4, 5)
 
 
 class DevicePrefix:
@@ -80,7 +81,7 @@ class DevicePrefix:
         """Make the drafter's block store once its caches exist (start-up calls this after its
         warm-up prefills; else the first save does)."""
         if self.drafter is None and self.store.cache is not None:
-            self.drafter = BlockPool.like(self.store.cache, self.target.k[0].shape[0], self.block)
+            self.drafter = BlockPool.like(self.store.cache, self.target.capacity, self.block)
 
     def _evicted(self, block: Block) -> None:
         self.spare.append(block.payload)
