@@ -220,8 +220,10 @@ class CudaBackend(Prefilling):
             self.pre.start[:bucket] = 0
             self.pre.done[:bucket] = 0  # so the captured draws place nothing
             for width in PREFILL_WIDTHS:
-                if self._prefill_graphed(bucket, width):
-                    self.prefill_graphs.run((bucket, width), lambda: self._prefill_step(bucket, width))
+                for later in (False, True):  # first chunks, and later ones (a prefix hit's rest)
+                    if self._prefill_graphed(bucket, width, later):
+                        self.prefill_graphs.run((bucket, width, later),
+                                                lambda: self._prefill_step(bucket, width, None, later))
         torch.cuda.synchronize()
         return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3)}
 

@@ -3,7 +3,7 @@ in few batched forwards, their first tokens drawn and landed as a round's are.
 
 A step's prompts are grouped by length (a long one does not pad short ones to its width),
 first chunks apart from later ones. A group is right-padded to a shared width and runs as one
-forward (short first chunks replay a graph captured at start-up): causal attention, so a
+forward (short chunks, first or later, replay a graph captured at start-up): causal attention, so a
 prompt's tokens never see the padding after them, whose keys lie past the chunk's end where
 the next chunk or the first round writes over them. A chunk runs from its start: the invariant
 prefill's windows attend over the keys cached before it, so the chunks compute what the whole
@@ -176,9 +176,10 @@ class Prefilling:
             raise RuntimeError(f"prefill: a {max(map(len, chunks))}-token chunk in a group {width} wide")
         scratch, hidden = self.cache.scratch, [] if any(r.params.prompt_logprobs is not None for r in reqs) else None
         self._load_prefill(reqs, chunks, starts, ends, rows, width)
-        later = any(starts)
-        logits, features, packed = self.prefill_graphs.run((rows, width), lambda: self._prefill_step(rows, width)) \
-            if self._prefill_graphed(rows, width) and hidden is None and not later \
+        later = any(starts)  # later chunks (a prefix hit's rest among them) have graphs of their own
+        logits, features, packed = self.prefill_graphs.run((rows, width, later),
+                                                           lambda: self._prefill_step(rows, width, None, later)) \
+            if self._prefill_graphed(rows, width, later) and hidden is None \
             else self._prefill_step(rows, width, hidden, later)
         logits, features, packed = logits[:n], None if features is None else features[:n], packed[:n]
         if self.prefix_store is not None:
@@ -261,9 +262,9 @@ class Prefilling:
                                        self.target.logits)
                 for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None and len(r.prompt_ids) > 1]
 
-    def _prefill_graphed(self, rows: int, width: int) -> bool:
+    def _prefill_graphed(self, rows: int, width: int, later: bool = False) -> bool:
         return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
-                and width <= self.cache.max_len)
+                and width <= self.cache.max_len and (self.chunked_prefill or not later))
 
     def _prefill_step(self, rows: int, width: int, hidden_out: list | None = None, later: bool = False
                       ) -> tuple[Tensor, Tensor | None, Tensor]:
