@@ -93,7 +93,8 @@ def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, auth: Any) 
         plan, prefix = loop.engine.plan, getattr(loop.engine.backend, "prefix", None)
         return {"spec": loop.engine.spec.model_dump(mode="json"), "plan": plan.__dict__ | {"target_layer_ids": list(plan.target_layer_ids)},
                 "phases": describe_transitions(), "draft_policy": loop.engine.policy.table(),
-                "prefix_cache": None if prefix is None else prefix.summary()}  # None: the backend caches no prefix
+                "prefix_cache": None if prefix is None else prefix.summary(),  # None: the backend caches no prefix
+                "kv_blocks": loop.engine.blocks.__dict__ | {"preemptions": loop.engine.machine.clock.preemptions}}
 
 
 def _generation_routes(app: FastAPI, loop: EngineLoop, auth: Any) -> None:

@@ -26,6 +26,8 @@ class Metrics:
                                       registry=r)
         self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter(f"{p}num_preemptions", "Times a request's KV was dropped for blocks and recomputed",
+                                   registry=r)
         self.rejected = Counter(f"{p}requests_rejected", "Requests refused before running", ["reason"], registry=r)
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r)
@@ -46,6 +48,7 @@ class Metrics:
         self.prefix_queries.inc(len(req.prompt_ids))
         self.prefix_hits.inc(req.cached_tokens)
         self.generation_tokens.inc(len(req.output_ids))
+        self.preemptions.inc(req.preemptions)
         end = req.t_finish or req.t_arrival
         self.e2e.observe(end - req.t_arrival)
         if req.t_first_token is not None:

@@ -13,6 +13,7 @@ import structlog
 import torch
 from tokenizers import Tokenizer
 
+from .blocks import BlockPool
 from .contract import Capacity
 from .detokenizer import TextStream
 from .logprobs import TokenLogprob
@@ -99,6 +100,16 @@ def build_target(spec: Spec, device: torch.device | str = "cpu",
     return target, tokenizer
 
 
+def kv_blocks(spec: Spec, plan: Plan, depth: int) -> BlockPool:
+    """The KV pool in blocks: server.num_kv_blocks, or a whole context for every running request.
+    A request's rounds in flight (``depth`` beyond the one being booked) may write a window, or
+    a DFlash block, each past its booked length: its lookahead."""
+    size = spec.server.block_size
+    lookahead = (depth + 1) * max(plan.num_speculative_tokens + 1, plan.block_size or 0)
+    total = spec.server.num_kv_blocks or spec.server.max_batch_size * -(-(spec.model.max_model_len + lookahead) // size)
+    return BlockPool(size, total, lookahead)
+
+
 class Engine:
     def __init__(self, spec: Spec, target: TargetModel | None = None, tokenizer: Tokenizer | None = None,
                  draft_policy: int | str | None = None):
@@ -126,13 +137,15 @@ class Engine:
                      detail="every prompt is prefilled whole: the cuda backend caches prefixes with its "
                             "chunked prefill, which needs model.batch_invariant")
         # the server loop bounds its queue
-        self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
-                                   chunked=getattr(self.backend, "chunked_prefill", False))
-        self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         depth = spec.server.pipeline_depth
+        depth = min(self.backend.default_depth if depth == "auto" else depth, self.backend.max_depth)
+        self.blocks = kv_blocks(spec, self.plan, depth)
+        self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
+                                   chunked=getattr(self.backend, "chunked_prefill", False),
+                                   pool=self.blocks if spec.server.num_kv_blocks else None)  # unset: nothing to count
+        self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         self.stops = Stops(self._decode)
-        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops,
-                               self.backend.default_depth if depth == "auto" else depth)
+        self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops, depth)
         self._ids = itertools.count()
 
     @classmethod
@@ -178,6 +191,12 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds max_model_len "
                 f"({self.spec.model.max_model_len}); ask for at most {budget} new tokens"
             )
+        if self.blocks.most(len(prompt_ids), params.max_new_tokens) > self.blocks.total:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
+                f"{self.blocks.most(len(prompt_ids), params.max_new_tokens)} KV blocks of {self.blocks.size} tokens "
+                f"(with {self.blocks.lookahead} positions of lookahead), and the pool has {self.blocks.total} "
+                "(server.num_kv_blocks); ask for fewer tokens or raise server.num_kv_blocks")
         eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)
         req = Request(
             rid=next(self._ids),
@@ -251,6 +270,7 @@ class Engine:
             "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.prompt_ids),
             "cached_tokens": req.cached_tokens,  # prompt tokens whose KV the prefix cache gave
+            "preemptions": req.preemptions,  # times its KV was dropped for blocks, and recomputed
             "completion_tokens": len(req.output_ids),
             "seed": req.params.seed,  # replay a sampled request with this seed
             "spec_verify_ct": s.verify_ct,

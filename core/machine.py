@@ -29,11 +29,12 @@ class Phase(str, Enum):
 
 
 # phase -> phases it may move to; anything else is a bug and raises. Every phase may end in
-# FINISHED: a stop, a cancellation, or a failure of that request alone.
+# FINISHED: a stop, a cancellation, or a failure of that request alone. A request preempted for
+# KV blocks (between rounds, none in flight) goes back to WAITING.
 TRANSITIONS: dict[Phase, tuple[Phase, ...]] = {
     Phase.WAITING: (Phase.PREFILL, Phase.FINISHED),
-    Phase.PREFILL: (Phase.DRAFT, Phase.FINISHED),
-    Phase.DRAFT: (Phase.VERIFY, Phase.FINISHED),
+    Phase.PREFILL: (Phase.DRAFT, Phase.WAITING, Phase.FINISHED),
+    Phase.DRAFT: (Phase.VERIFY, Phase.WAITING, Phase.FINISHED),
     Phase.VERIFY: (Phase.ACCEPT, Phase.FINISHED),
     Phase.ACCEPT: (Phase.DRAFT, Phase.FINISHED),
     Phase.FINISHED: (),
@@ -115,6 +116,7 @@ class HostClock:
     wait_s: float = 0.0  # of which blocked in collect() on the device
     prefills: int = 0
     prefill_s: float = 0.0  # of which launching prefills
+    preemptions: int = 0  # requests preempted for KV blocks
 
     @property
     def host_us_per_round(self) -> float:
@@ -141,13 +143,14 @@ class Machine:
 
     def step(self) -> list[Request]:
         begin = time.perf_counter()
+        self._preempt()
         prefills, running = self.scheduler.schedule()
         if prefills:
             self._prefill(prefills)
         known = {id(r) for r in running}  # the running, and those admitted now, join the round once
         admitted = [r for r, _ in prefills if id(r) not in known]  # their whole prompt is prefilled
         launched = self._launch([r for r in running + admitted if r.phase is not Phase.FINISHED
-                                 and r.prefilled >= len(r.prompt_ids)])
+                                 and r.prefilled >= r.prefill_len])
         while self.flights and (not launched or max(r.in_flight for r in self.flights[0].reqs) > self.depth):
             self._collect(self.flights.popleft())
             launched = True  # one collect is progress enough when nothing could be launched
@@ -155,6 +158,22 @@ class Machine:
             self._collect(self.flights.popleft())  # rounds only stopped requests ran: the device does them anyway
         self.clock.step_s += time.perf_counter() - begin
         return self.scheduler.reap(self.free)
+
+    def _preempt(self) -> None:
+        """When the running requests' next rounds need more KV blocks than the pool has, the
+        newest are preempted: the rounds in flight are collected first (so each keeps every
+        token it was given), then their KV is freed and they wait again at the queue's head, to
+        prefill their prompt and generated tokens anew and go on as if never stopped."""
+        if not self.scheduler.victims():
+            return
+        while self.flights:
+            self._collect(self.flights.popleft())
+        for req in self.scheduler.victims():  # again: the collected rounds may have ended some
+            self.backend.free(req)
+            req.recomputed, req.prefilled, req.preemptions = len(req.output_ids), 0, req.preemptions + 1
+            advance(req, Phase.WAITING)
+            self.scheduler.requeue(req)
+            self.clock.preemptions += 1
 
     def _prefill(self, prefills: list[tuple[Request, int]]) -> None:
         """Launch the prompts' prefill, each to its end this step (a chunk, or the rest of

@@ -82,10 +82,22 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefilled: int = 0  # prompt tokens the backend has run (or taken from the cache): a chunked prefill's progress
     prefix_blocks: list[Any] = field(default_factory=list)  # the prefix cache's blocks it pins
+    # preempted: its KV dropped, and its generated tokens so far prefilled again with the prompt
+    recomputed: int = 0  # output tokens the prefill covers (0: never preempted)
+    preemptions: int = 0
 
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What the prefill runs: the prompt, and after a preemption the tokens generated before it."""
+        return self.prompt_ids + self.output_ids[: self.recomputed] if self.recomputed else self.prompt_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return len(self.prompt_ids) + self.recomputed
 
     @property
     def last_token(self) -> int:

@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
+from .blocks import BlockPool
 from .machine import Phase, abort
 from .request import Request
 
 
 class Scheduler:
-    def __init__(self, max_batch_size: int, max_prefill_tokens: int | None = None, chunked: bool = False):
+    def __init__(self, max_batch_size: int, max_prefill_tokens: int | None = None, chunked: bool = False,
+                 pool: BlockPool | None = None):
         self.max_batch_size = max_batch_size
+        self.pool = pool  # KV blocks: admission while they last, preemption when rounds need more (None: slots only)
         self.max_prefill_tokens = max_prefill_tokens  # a step's prefilled prompt tokens (None: no bound)
         self.chunked = chunked  # the backend prefills a prompt in chunks over several steps
         self.waiting: deque[Request] = deque()
@@ -31,7 +34,8 @@ class Scheduler:
         runs. Within max_prefill_tokens a step: first the chunks of prompts being prefilled,
         then new requests in arrival order while slots last; with a chunking backend the last
         one admitted may take only part of its prompt (not one asking prompt logprobs), else
-        whole prompts, the first one always."""
+        whole prompts, the first one always; and while the KV pool has the blocks of the whole
+        prompt (a resumed request's: prompt and generated tokens)."""
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             abort(req, "cancelled")
@@ -43,13 +47,13 @@ class Scheduler:
         budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
         prefills = []
         for req in running:  # prompts part-way through their prefill
-            if req.prefilled < len(req.prompt_ids) and req.phase is Phase.PREFILL and budget > 0:
-                end = min(len(req.prompt_ids), req.prefilled + budget)
+            if req.prefilled < req.prefill_len and req.phase is Phase.PREFILL and budget > 0:
+                end = min(req.prefill_len, req.prefilled + budget)
                 prefills.append((req, end))
                 budget -= end - req.prefilled
-        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+        while self.waiting and len(self.running) < self.max_batch_size and budget > 0 and self._fits(self.waiting[0]):
             req = self.waiting[0]
-            need, chunkable = len(req.prompt_ids), self._chunks(req)
+            need, chunkable = req.prefill_len, self._chunks(req)
             if need > budget and not chunkable and prefills:
                 break  # a whole prompt that does not fit: the next step takes it
             self.waiting.popleft()
@@ -58,6 +62,23 @@ class Scheduler:
             budget -= end
             self.running.append(req)
         return prefills, running
+
+    def _fits(self, req: Request) -> bool:
+        if self.pool is None:
+            return True
+        held = sum(self.pool.demand(r) for r in self.running if r.phase is not Phase.FINISHED)
+        return held + self.pool.demand(req) <= self.pool.total
+
+    def victims(self) -> list[Request]:
+        """The running requests to preempt so the others' next rounds get their blocks."""
+        if self.pool is None:
+            return []
+        return self.pool.victims([r for r in self.running if r.phase is not Phase.FINISHED])
+
+    def requeue(self, req: Request) -> None:
+        """A preempted request: out of the running, first in line again."""
+        self.running.remove(req)
+        self.waiting.appendleft(req)
 
     def _chunks(self, req: Request) -> bool:
         return self.chunked and req.params.prompt_logprobs is None

@@ -129,6 +129,11 @@ class ServerSpec(Strict):
     # prefill, in a device store of a quarter of the KV cache's positions)
     enable_prefix_caching: bool = True
     block_size: int = Field(16, ge=1, le=1024)
+    # KV blocks (of block_size tokens) the running requests may hold together: requests are
+    # admitted while their prompts' blocks last, and the newest preempted (recomputed later,
+    # with the same output) when the others' next rounds need more. null: every running request
+    # can hold a whole max_model_len context, so none is ever preempted
+    num_kv_blocks: int | None = Field(None, ge=1)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token
     # rounds a request may have in flight while the host books the one before: 0 launches and
     # collects each round in turn; 1 or 2 let the device run ahead of the host. "auto" takes the

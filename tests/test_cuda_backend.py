@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from conftest import INTERPRETED, respec, tiny_spec  # noqa: E402
-from draftline.core.engine import Engine  # noqa: E402
+from draftline.core.engine import Engine, kv_blocks  # noqa: E402
 from draftline.core.sampling import SamplingParams  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
 
@@ -586,6 +586,29 @@ def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method, budget, t
     assert all(b.refs == 0 for b in cached.backend.prefix.blocks.values())  # released when the requests ended
 
 
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_a_preempted_request_resumes_exactly(method):
+    """Two rounds in flight: the machine collects them before it preempts, frees the slots,
+    and the resumed prefill (prompt and generated tokens) goes on as if never stopped."""
+    free = _engine(method, "cuda", depth=2, batch_invariant=True)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    want = free.generate(prompts, params)
+    data = free.spec.model_dump(mode="python")
+    data["server"] |= {"block_size": 4}
+    pool = kv_blocks(type(free.spec).model_validate(data), free.plan, free.machine.depth)
+    admitted = [pool.blocks(len(free.encode(p)) + 1 + pool.lookahead) for p in prompts]
+    data["server"] |= {"num_kv_blocks": sum(admitted)}  # both admitted, then too few blocks for both to go on
+    assert sum(pool.most(len(free.encode(p)), 8) for p in prompts) > sum(admitted)
+    tight = Engine(type(free.spec).model_validate(data), free.target, free.tokenizer)
+    got = tight.generate(prompts, params)
+    assert sum(c.meta_info["preemptions"] for c in got) > 0
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    backend = tight.backend
+    assert len(backend.cache.slots.free) == backend.cache.scratch  # every slot back
+    assert all(b.refs == 0 for b in backend.prefix.blocks.values())
+
+
 def test_the_prefix_store_gives_each_cached_block_its_own_place_through_evictions():
     """The cuda prefix store's places: every cached block holds one no other block holds, and
     the places not held are exactly the spare ones, through saves that evict and releases."""
@@ -602,8 +625,8 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
         if live and rng.random() < 0.4:
             store.release(live.pop(rng.randrange(len(live))))
             continue
-        req = SimpleNamespace(prompt_ids=[rng.randrange(3) for _ in range(rng.randrange(2, 30))], kv=0,
-                              prefix_blocks=[])
+        ids = [rng.randrange(3) for _ in range(rng.randrange(2, 30))]
+        req = SimpleNamespace(prompt_ids=ids, prefill_ids=ids, prefill_len=len(ids), kv=0, prefix_blocks=[])
         store.restore(req, 0)
         store.save(req, 0)
         live.append(req)

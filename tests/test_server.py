@@ -77,6 +77,9 @@ def test_models_health_spec(client):
     assert any(p.startswith("ACCEPT") for p in spec["phases"])
     cache = spec["prefix_cache"]  # the reference backend caches prefixes
     assert cache["block_size"] == 16 and cache["pinned_blocks"] <= cache["cached_blocks"] <= cache["capacity_blocks"]
+    blocks = spec["kv_blocks"]  # unset num_kv_blocks: a whole context for every running request
+    assert blocks["size"] == 16 and blocks["preemptions"] == 0
+    assert blocks["total"] * 16 >= spec["spec"]["server"]["max_batch_size"] * spec["spec"]["model"]["max_model_len"]
 
 
 def test_metrics_move_by_exactly_what_requests_did(client):

@@ -44,6 +44,9 @@ class SlotPenalties:
             counts, in_prompt = self._buffers()
             counts[req.kv].zero_()
             in_prompt[req.kv].zero_()
+            if req.recomputed:  # resumed after a preemption: what it generated before counts
+                made = self.to_device(torch.tensor(req.output_ids[: req.recomputed], dtype=torch.int64))
+                counts[req.kv].index_add_(0, made, torch.ones(made.shape[0], device=self.device))
             if req.params.repetition_penalty != 1.0:
                 in_prompt[req.kv, self.to_device(torch.tensor(req.prompt_ids, dtype=torch.int64))] = True
             self.rows[req.kv] = RowConstants.of(req.params, req.stop_ids, self.vocab).moved(self.to_device)

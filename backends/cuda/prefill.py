@@ -86,6 +86,11 @@ def _as_rows_of(reported: list[Pending], rows: list[int]) -> list[Pending]:
     return [replace(r, rows=tuple(rows[i] if i >= 0 else -1 for i in r.rows)) for r in reported]
 
 
+def _prompt_logprobs(req: Request) -> bool:
+    """Whether this prefill reports the prompt's logprobs (not again for a resumed request)."""
+    return req.params.prompt_logprobs is not None and not req.recomputed
+
+
 def filtered(reqs: list[Request]) -> bool:
     """Rows with top-k or top-p need the full probability pass; the rest sample from logits."""
     return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
@@ -110,7 +115,7 @@ class Prefilling:
         the drafter's entries for the prompts in the same pass. Short ones replay a graph
         captured at start-up for their (rows, width) bucket. One copy back for all."""
         ends = [e if r.kv is not None else self._admit(r, e)
-                for r, e in zip(reqs, ends or [len(r.prompt_ids) for r in reqs])]
+                for r, e in zip(reqs, ends or [r.prefill_len for r in reqs])]
         groups = self._prefill_groups(reqs, ends)
         if len(groups) == 1:
             packed, reported = self._prefill_group(reqs, ends)
@@ -133,8 +138,8 @@ class Prefilling:
         if self.draft_override is not None and req.rid >= 0:
             self.draft_override.admit(req.kv, req.prompt_ids)
         if self._caches(req):
-            req.prefilled = req.cached_tokens = self.prefix_store.restore(
-                req, draft_slot(req.draft_state, self.cache.scratch))
+            req.prefilled = self.prefix_store.restore(req, draft_slot(req.draft_state, self.cache.scratch))
+            req.cached_tokens = req.cached_tokens if req.recomputed else req.prefilled  # the first admission's
         return max(end, req.prefilled + 1)
 
     def _caches(self, req: Request) -> bool:
@@ -170,11 +175,12 @@ class Prefilling:
         n, starts = len(reqs), [r.prefilled for r in reqs]
         for req, end in zip(reqs, ends):
             req.prefilled = end
-        chunks = [r.prompt_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
+        chunks = [r.prefill_ids[s:e] for r, s, e in zip(reqs, starts, ends)]
         rows, width = self._prefill_shape(n, max(map(len, chunks)), self.cache.max_len - max(starts))
         if width < max(map(len, chunks)):  # _prefill_groups keeps every chunk within its group's room
             raise RuntimeError(f"prefill: a {max(map(len, chunks))}-token chunk in a group {width} wide")
-        scratch, hidden = self.cache.scratch, [] if any(r.params.prompt_logprobs is not None for r in reqs) else None
+        # every position's hidden states for prompt_logprobs (a resumed request's were reported)
+        scratch, hidden = self.cache.scratch, [] if any(_prompt_logprobs(r) for r in reqs) else None
         self._load_prefill(reqs, chunks, starts, ends, rows, width)
         later = any(starts)  # later chunks (a prefix hit's rest among them) have graphs of their own
         logits, features, packed = self.prefill_graphs.run((rows, width, later),
@@ -184,7 +190,7 @@ class Prefilling:
         logits, features, packed = logits[:n], None if features is None else features[:n], packed[:n]
         if self.prefix_store is not None:
             self.prefix_store.stage([r.kv for r in reqs], starts, ends, features)
-        done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e >= len(r.prompt_ids)]
+        done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e >= r.prefill_len]
         for i in done:
             if self._caches(reqs[i]):
                 self.prefix_store.save(reqs[i], draft_slot(reqs[i].draft_state, scratch))
@@ -212,7 +218,7 @@ class Prefilling:
         padding rows (to ``rows``) prefill one token in the scratch slot and end nothing."""
         scratch, pad = self.cache.scratch, rows - len(reqs)
         ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch), s,
-                                                               r.params.seed, r.params.top_k, int(e >= len(r.prompt_ids))]
+                                                               r.params.seed, r.params.top_k, int(e >= r.prefill_len)]
                                 for r, c, s, e in zip(reqs, chunks, starts, ends)]
                                + [[0] * width + [1, scratch, scratch, 0, 0, -1, 0]] * pad, torch.int64)
         temps = torch.tensor([r.params.temperature for r in reqs] + [0.0] * pad)
@@ -260,7 +266,7 @@ class Prefilling:
             return []
         return [target_logprobs.prompt(r, hidden[i, : len(r.prompt_ids) - 1], ids[i, 1 : len(r.prompt_ids)].clone(),
                                        self.target.logits)
-                for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None and len(r.prompt_ids) > 1]
+                for i, r in enumerate(reqs) if _prompt_logprobs(r) and len(r.prompt_ids) > 1]
 
     def _prefill_graphed(self, rows: int, width: int, later: bool = False) -> bool:
         return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS

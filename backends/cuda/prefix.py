@@ -89,7 +89,7 @@ class DevicePrefix:
     def restore(self, req: Request, draft_slot: int) -> int:
         """Pin the cached blocks ``req``'s prompt starts with (within all but its last token)
         and copy them into its slots -> the tokens they cover."""
-        req.prefix_blocks = self.index.lookup(req.prompt_ids, len(req.prompt_ids) - 1)
+        req.prefix_blocks = self.index.lookup(req.prefill_ids, req.prefill_len - 1)
         if not req.prefix_blocks:
             return 0
         ids = self.put(torch.tensor([b.payload for b in req.prefix_blocks]))
@@ -116,11 +116,11 @@ class DevicePrefix:
     def save(self, req: Request, draft_slot: int) -> None:
         """Cache the prompt's full blocks past those it found (pinned for it until it ends),
         copied out of its slots: all but the last token's positions."""
-        size, have = self.block, len(req.prefix_blocks)
+        size, have, ids = self.block, len(req.prefix_blocks), req.prefill_ids
         parent, made = req.prefix_blocks[-1] if have else None, []
-        for j in range(have, (len(req.prompt_ids) - 1) // size):
+        for j in range(have, (len(ids) - 1) // size):
             place = self.spare.pop()
-            parent = self.index.insert(parent, tuple(req.prompt_ids[j * size : (j + 1) * size]), place)
+            parent = self.index.insert(parent, tuple(ids[j * size : (j + 1) * size]), place)
             if parent is None:  # every block pinned, or the block cached already by another request
                 self.spare.append(place)
                 break

@@ -80,7 +80,7 @@ class ReferenceBackend:
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> RoundResult:
-        ends = ends or [len(r.prompt_ids) for r in reqs]
+        ends = ends or [r.prefill_len for r in reqs]
         outs = [self._prefill_one(req, end) for req, end in zip(reqs, ends)]
         done = [i for i, out in enumerate(outs) if out is not None]  # prompts this step completes
         first = self._first_tokens([reqs[i] for i in done], [outs[i] for i in done]) if done else ([], [])
@@ -95,7 +95,7 @@ class ReferenceBackend:
         finite = torch.isfinite(logits).all(dim=1).tolist()
         adjusted = adjust_logits(logits[:, None], reqs, None)[:, 0]  # [N, V]
         probs = probs_from_logits(torch.nan_to_num(adjusted), batch)
-        at = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        at = torch.tensor([r.prefill_len for r in reqs], device=self.device)
         tokens = sample(probs, batch.seed, at, Stream.SAMPLE)
         for i, req in enumerate(reqs):
             if req.params.logprobs is not None:
@@ -114,19 +114,20 @@ class ReferenceBackend:
                 for layer in range(self.target.config.num_layers):
                     self.kv.append(req.kv, layer, torch.cat([b.payload.k[layer] for b in blocks], dim=1),
                                    torch.cat([b.payload.v[layer] for b in blocks], dim=1))
-            req.prefilled = req.cached_tokens = sum(len(b.tokens) for b in blocks)
+            req.prefilled = sum(len(b.tokens) for b in blocks)
+            req.cached_tokens = req.cached_tokens if req.recomputed else req.prefilled  # the first admission's
             self._chunks[req.rid] = [b.payload.features for b in blocks if b.payload.features is not None]
         start, end = req.prefilled, max(end, req.prefilled + 1)
-        ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)  # [1, end - start]
+        ids = torch.tensor([req.prefill_ids[start:end]], device=self.device)  # [1, end - start]
         positions = torch.arange(start, end, device=self.device)[None]
         attn = self.kv.attention([req.kv], causal=True, persist=True)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
         req.prefilled = end
         if features is not None:
             self._chunks[req.rid].append(features[0])
-        if req.params.prompt_logprobs is not None:  # position t's logits predict the token at t + 1 (whole prompts)
+        if req.params.prompt_logprobs is not None and not req.recomputed:  # t's logits predict t + 1 (whole prompts)
             logprobs.record(req.logprobs, 1, self.target.logits(hidden[0, :-1]), ids[0, 1:], req.params.prompt_logprobs)
-        if end < len(req.prompt_ids):
+        if end < req.prefill_len:
             return None
         chunks = self._chunks.pop(req.rid)
         feats = torch.cat(chunks) if chunks else None
@@ -145,19 +146,19 @@ class ReferenceBackend:
         """The prefix cache's blocks this prompt starts with (pinned: free() releases them)."""
         if not self._caches(req):
             return []
-        req.prefix_blocks = self.prefix.lookup(req.prompt_ids, len(req.prompt_ids) - 1)
+        req.prefix_blocks = self.prefix.lookup(req.prefill_ids, req.prefill_len - 1)
         return list(req.prefix_blocks)
 
     def _keep_blocks(self, req: Request, cached: list[Block], feats: torch.Tensor | None) -> None:
         """Cache the prompt's full blocks past the ones it found (the KV just computed)."""
         if not self._caches(req):
             return
-        size, parent = self.prefix.block_size, cached[-1] if cached else None
-        for i in range(len(cached), len(req.prompt_ids) // size):
+        size, parent, ids = self.prefix.block_size, cached[-1] if cached else None, req.prefill_ids
+        for i in range(len(cached), len(ids) // size):
             at = slice(i * size, (i + 1) * size)
             payload = BlockKV([k[:, at].clone() for k in req.kv.k], [v[:, at].clone() for v in req.kv.v],
                               None if feats is None else feats[at].clone())
-            parent = self.prefix.insert(parent, tuple(req.prompt_ids[at]), payload)
+            parent = self.prefix.insert(parent, tuple(ids[at]), payload)
             if parent is None:  # the cache is full of pinned blocks, or the block is cached already
                 return
             req.prefix_blocks.append(parent)

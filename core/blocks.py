@@ -1,0 +1,50 @@
+"""The KV pool counted in blocks: what admission and preemption decide by.
+
+A running request holds the blocks its tokens need plus a lookahead: the positions the rounds
+in flight for it may write past its booked length (each a verify window, or a DFlash block).
+A waiting request is admitted while the pool has the blocks of its whole prompt (it is never
+preempted part-way through its prefill for lack of them); when the running requests' next
+rounds need more blocks than the pool has, the newest are preempted: their KV is dropped and
+recomputed when they are admitted again, which the batch-invariant prefill makes exact.
+The backend's store is what the pool stands for (the reference backend's caches grow with a
+request; the cuda backend's static slots are a request's whole context each); the count is
+what keeps their sum within ``server.num_kv_blocks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .request import Request
+
+
+@dataclass(frozen=True)
+class BlockPool:
+    size: int  # tokens a block (server.block_size)
+    total: int  # blocks in the pool
+    lookahead: int  # positions past a request's booked length that its rounds in flight may write
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.size)
+
+    def demand(self, req: Request) -> int:
+        """Blocks a running (or admitted) request holds: its whole prompt (or, resumed, what its
+        prefill recomputes) and the first token drawn after it, or what it has generated, plus
+        the lookahead."""
+        return self.blocks(max(req.prefill_len + 1, req.seq_len) + self.lookahead)
+
+    def most(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Blocks a request needs at its longest."""
+        return self.blocks(prompt_tokens + max_new_tokens + self.lookahead)
+
+    def victims(self, running: list[Request]) -> list[Request]:
+        """The newest requests whose preemption lets the others' next rounds fit (the oldest
+        always stays: a request that fits the pool alone is never preempted by itself)."""
+        held = sum(self.demand(r) for r in running)
+        out = []
+        for req in sorted(running, key=lambda r: r.rid, reverse=True)[:-1]:
+            if held <= self.total:
+                break
+            out.append(req)
+            held -= self.demand(req)
+        return out

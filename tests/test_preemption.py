@@ -1,0 +1,89 @@
+"""Admission and preemption by KV blocks: requests are admitted while the pool's blocks last;
+when the running requests' next rounds need more, the newest is preempted, and finishes
+later with exactly the output it would have had; nothing is lost, and a request that can never
+fit is refused up front."""
+
+import random
+
+import pytest
+
+from conftest import tiny_spec
+from draftline.core.engine import Engine, RequestError, kv_blocks
+from draftline.core.machine import Phase
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import load_spec
+
+PROMPTS = ["def f(x):", "import os\nclass A:\n    def run(self, n):", "x = [", "for i in range(10):\n    print(i)"]
+
+
+def _with_server(engine: Engine, **server) -> Engine:
+    data = engine.spec.model_dump(mode="python")
+    data["server"] |= server
+    return Engine(type(engine.spec).model_validate(data), engine.target, engine.tokenizer, draft_policy="always")
+
+
+def _tight(engine: Engine, block_size: int, prompts: list[str], new: int) -> int:
+    """A pool every request fits alone, but too small for all of them to run to their end."""
+    data = engine.spec.model_dump(mode="python")
+    data["server"]["block_size"] = block_size
+    pool = kv_blocks(type(engine.spec).model_validate(data), engine.plan, engine.machine.depth)
+    longest = max(pool.most(len(engine.encode(p)), new) for p in prompts)
+    return longest + longest // 2
+
+
+@pytest.mark.parametrize("path", ["specs/tiny-dflash.yaml", "specs/tiny-eagle3.yaml", "specs/tiny-gemma4-mtp.yaml"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_preempted_requests_emit_what_they_emit_unpreempted(path, temperature):
+    free = Engine(load_spec(path), draft_policy="always")
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=11)
+    want = free.generate(PROMPTS, params)
+    assert all(c.meta_info["preemptions"] == 0 for c in want)  # the default pool holds every whole context
+    tight = _with_server(free, block_size=8, num_kv_blocks=_tight(free, 8, PROMPTS, 24))
+    got = tight.generate(PROMPTS, params)
+    assert sum(c.meta_info["preemptions"] for c in got) > 0
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    assert tight.machine.clock.preemptions == sum(c.meta_info["preemptions"] for c in got)
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_up_front():
+    engine = Engine(tiny_spec({"method": "none"}))
+    small = _with_server(engine, block_size=4, num_kv_blocks=6)
+    with pytest.raises(RequestError, match="num_kv_blocks"):
+        small.add_request("x" * 40, SamplingParams(max_new_tokens=8))
+    small.add_request("x", SamplingParams(max_new_tokens=8))  # 1 + 8 + 1 lookahead: 3 blocks
+
+
+def test_random_arrivals_and_cancels_keep_the_pool_within_its_blocks_and_lose_nothing():
+    """A property test: whenever a round is launched, the running requests hold at most the
+    pool's blocks; the oldest running request is never the one preempted; every request ends:
+    at its length, or aborted when cancelled."""
+    rng = random.Random(3)
+    engine = _with_server(Engine(tiny_spec({"method": "none"}, max_batch_size=6)), block_size=4, num_kv_blocks=24)
+    pool, reqs, launches = engine.blocks, [], []
+    launch = engine.backend.launch
+
+    def checked(rows, draft):
+        running = [r for r in engine.scheduler.running if r.phase is not Phase.FINISHED]
+        launches.append(sum(pool.demand(r) for r in running))
+        return launch(rows, draft)
+
+    engine.backend.launch = checked
+    for step in range(400):
+        if rng.random() < 0.3 and len(reqs) < 40:
+            n = rng.randrange(1, 30)
+            reqs.append(engine.add_request([rng.randrange(2, 200) for _ in range(n)],
+                                           SamplingParams(max_new_tokens=rng.randrange(1, 40), ignore_eos=True)))
+        if reqs and rng.random() < 0.05:
+            rng.choice(reqs).cancelled = True
+        before = {r.rid: r.preemptions for r in engine.scheduler.running if r.phase is not Phase.FINISHED}
+        engine.step()
+        preempted = [r.rid for r in reqs if r.rid in before and r.preemptions > before[r.rid]]
+        assert min(before, default=None) not in preempted  # the oldest runs on
+    while engine.scheduler.has_work():
+        engine.step()
+    assert launches and max(launches) <= pool.total
+    assert reqs and all(r.phase is Phase.FINISHED for r in reqs)
+    for r in reqs:
+        if r.finish_reason["type"] != "abort":
+            assert len(r.output_ids) == r.params.max_new_tokens
+    assert sum(r.preemptions for r in reqs) > 0
