@@ -2,10 +2,11 @@
 
 A running request holds the blocks its tokens need plus a lookahead: the positions the rounds
 in flight for it may write past its booked length (each a verify window, or a DFlash block).
-A waiting request is admitted while the pool has the blocks of its whole prompt (it is never
-preempted part-way through its prefill for lack of them); when the running requests' next
-rounds need more blocks than the pool has, the newest are preempted: their KV is dropped and
-recomputed when they are admitted again, which the batch-invariant prefill makes exact.
+A waiting request is admitted while the pool has the blocks of its whole prompt; when the
+running requests' next rounds need more blocks than the pool has, the newest past their
+prefill are preempted first (a prompt part-way through its chunks would lose them): their KV
+is dropped and recomputed when they are admitted again, which the batch-invariant prefill
+makes exact.
 The backend's store is what the pool stands for (the reference backend's caches grow with a
 request; the cuda backend's static slots are a request's whole context each); the count is
 what keeps their sum within ``server.num_kv_blocks``.
@@ -34,15 +35,18 @@ class BlockPool:
         return self.blocks(max(req.prefill_len + 1, req.seq_len) + self.lookahead)
 
     def most(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Blocks a request needs at its longest."""
-        return self.blocks(prompt_tokens + max_new_tokens + self.lookahead)
+        """Blocks a request needs at its longest (a first token is drawn even for max_new_tokens 0)."""
+        return self.blocks(prompt_tokens + max(max_new_tokens, 1) + self.lookahead)
 
     def victims(self, running: list[Request]) -> list[Request]:
-        """The newest requests whose preemption lets the others' next rounds fit (the oldest
-        always stays: a request that fits the pool alone is never preempted by itself)."""
+        """The requests whose preemption lets the others' next rounds fit: the newest past their
+        prefill first, then the newest part-way through it (the oldest always stays: a request
+        that fits the pool alone is never preempted by itself)."""
         held = sum(self.demand(r) for r in running)
+        oldest = min(running, key=lambda r: r.rid, default=None)
         out = []
-        for req in sorted(running, key=lambda r: r.rid, reverse=True)[:-1]:
+        for req in sorted((r for r in running if r is not oldest), key=lambda r: (r.prefilled >= r.prefill_len, r.rid),
+                          reverse=True):
             if held <= self.total:
                 break
             out.append(req)

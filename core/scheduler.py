@@ -64,16 +64,20 @@ class Scheduler:
         return prefills, running
 
     def _fits(self, req: Request) -> bool:
+        """Whether the pool has the request's blocks beside the running ones' (alone, it always
+        fits: a request that could not was refused when it came)."""
         if self.pool is None:
             return True
-        held = sum(self.pool.demand(r) for r in self.running if r.phase is not Phase.FINISHED)
-        return held + self.pool.demand(req) <= self.pool.total
+        live = self._live()
+        return not live or sum(map(self.pool.demand, live + [req])) <= self.pool.total
 
     def victims(self) -> list[Request]:
         """The running requests to preempt so the others' next rounds get their blocks."""
-        if self.pool is None:
-            return []
-        return self.pool.victims([r for r in self.running if r.phase is not Phase.FINISHED])
+        return [] if self.pool is None else self.pool.victims(self._live())
+
+    def _live(self) -> list[Request]:
+        """The running requests that hold blocks on: not ended, nor cancelled (ended this step)."""
+        return [r for r in self.running if r.phase is not Phase.FINISHED and not r.cancelled]
 
     def requeue(self, req: Request) -> None:
         """A preempted request: out of the running, first in line again."""

@@ -131,7 +131,8 @@ class ServerSpec(Strict):
     block_size: int = Field(16, ge=1, le=1024)
     # KV blocks (of block_size tokens) the running requests may hold together: requests are
     # admitted while their prompts' blocks last, and the newest preempted (recomputed later,
-    # with the same output) when the others' next rounds need more. null: every running request
+    # with the same output: exact with model.batch_invariant on the cuda backend, its default)
+    # when the others' next rounds need more. null: every running request
     # can hold a whole max_model_len context, so none is ever preempted
     num_kv_blocks: int | None = Field(None, ge=1)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token

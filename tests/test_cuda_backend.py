@@ -635,11 +635,16 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
         assert sorted(held + store.spare) == list(range(7))
 
 
-def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once():
+@pytest.mark.parametrize("copy_bytes", [64 << 20, 1])
+def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(copy_bytes, monkeypatch):
     """A slot's blocks saved to the store and loaded into another slot land at the same
-    positions of every layer, keys and values, and nothing past them is touched."""
+    positions of every layer, keys and values, and nothing past them is touched (in one copy,
+    or a block a copy where the copies' temporaries are bounded)."""
+    from draftline.backends.cuda import prefix
     from draftline.backends.cuda.kv import StaticKV
     from draftline.backends.cuda.prefix import BlockPool
+
+    monkeypatch.setattr(prefix, "COPY_BYTES", copy_bytes)
 
     cache = StaticKV(3, 2, 2, 32, 4, torch.float32, torch.device(DEV))
     cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)).to(DEV))

@@ -51,6 +51,26 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_up_front():
     with pytest.raises(RequestError, match="num_kv_blocks"):
         small.add_request("x" * 40, SamplingParams(max_new_tokens=8))
     small.add_request("x", SamplingParams(max_new_tokens=8))  # 1 + 8 + 1 lookahead: 3 blocks
+    # a prompt scored without new tokens still draws a first one: counted, so it runs
+    scored = small.add_request("x" * 7, SamplingParams(max_new_tokens=0, prompt_logprobs=0))
+    while small.scheduler.has_work():
+        small.step()
+    assert scored.finish_reason["type"] == "length"
+
+
+def test_the_newest_request_past_its_prefill_is_preempted_first_and_never_the_oldest():
+    from types import SimpleNamespace
+
+    from draftline.core.blocks import BlockPool
+
+    def req(rid, prompt, made, prefilled):
+        return SimpleNamespace(rid=rid, prefill_len=prompt, seq_len=prompt + made, prefilled=prefilled)
+
+    pool = BlockPool(size=4, total=10, lookahead=0)
+    old, decoding, chunking = req(0, 8, 7, 8), req(1, 8, 3, 8), req(2, 12, 0, 4)  # 4 + 3 + 4 blocks
+    assert pool.victims([old, decoding, chunking]) == [decoding]  # not the newer one part-way through its chunks
+    assert pool.victims([old, chunking]) == []
+    assert pool.victims([req(0, 40, 1, 40)]) == []  # alone, the oldest always runs on
 
 
 def test_random_arrivals_and_cancels_keep_the_pool_within_its_blocks_and_lose_nothing():

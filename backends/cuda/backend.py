@@ -441,6 +441,7 @@ class CudaBackend(Prefilling):
         return packed
 
     def free(self, req: Request) -> None:
+        self.bufs.forget()  # a preempted request comes back under its id in other slots
         if self.prefix_store is not None:
             self.prefix_store.release(req)
         if req.kv is not None:

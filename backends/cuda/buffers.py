@@ -79,6 +79,10 @@ class Buffers:
             copied.record()
         self._key = key
 
+    def forget(self) -> None:
+        """The next load copies its rows in even if their ids are those loaded last."""
+        self._key = None
+
     def gather(self, bucket: int) -> None:
         """meta's LAST and START rows from each row's slot state: what a graph opens with."""
         _gather_kernel[(bucket,)](self.meta, self.state, self.meta.stride(0), self.state.stride(0),

@@ -29,6 +29,8 @@ from draftline.core.request import Request
 from .buffers import FeatureRing
 from .kv import StaticKV, StaticStore
 
+COPY_BYTES = 64 << 20  # a block copy's temporaries at most (a long prefix moves in a few copies)
+
 
 @dataclass(frozen=True)
 class BlockPool:
@@ -46,17 +48,25 @@ class BlockPool:
     def capacity(self) -> int:
         return self.blocks.shape[0]
 
+    def _groups(self, ids: Tensor) -> list[tuple[int, Tensor]]:
+        """(first block, ids) in groups whose copies' temporaries stay within COPY_BYTES."""
+        step = max(1, COPY_BYTES // (self.blocks[0].numel() * self.blocks.element_size()))
+        return [(a, ids[a : a + step]) for a in range(0, ids.shape[0], step)]
+
     def load(self, cache: StaticKV, slot: int, ids: Tensor) -> None:
         """Blocks ``ids`` [nb] into positions 0 .. nb * block - 1 of ``slot``, every layer at once."""
-        nb, block = ids.shape[0], self.blocks.shape[4]
-        kv = self.blocks[ids].permute(1, 2, 3, 0, 4, 5)  # [2, layers, Hkv, nb, block, D]
-        cache.data[:, :, slot, :, : nb * block] = kv.flatten(3, 4)
+        block = self.blocks.shape[4]
+        for a, group in self._groups(ids):
+            kv = self.blocks[group].permute(1, 2, 3, 0, 4, 5)  # [2, layers, Hkv, n, block, D]
+            cache.data[:, :, slot, :, a * block : (a + group.shape[0]) * block] = kv.flatten(3, 4)
 
     def save(self, cache: StaticKV, slot: int, ids: Tensor, first: int) -> None:
         """Positions of ``slot``'s blocks first .. first + nb - 1 into blocks ``ids`` [nb]."""
-        nb, block = ids.shape[0], self.blocks.shape[4]
-        kv = cache.data[:, :, slot, :, first * block : (first + nb) * block]  # [2, layers, Hkv, nb * block, D]
-        self.blocks[ids] = kv.unflatten(3, (nb, block)).permute(3, 0, 1, 2, 4, 5)
+        block = self.blocks.shape[4]
+        for a, group in self._groups(ids):
+            at, n = (first + a) * block, group.shape[0]
+            kv = cache.data[:, :, slot, :, at : at + n * block]  # [2, layers, Hkv, n * block, D]
+            self.blocks[group] = kv.unflatten(3, (n, block)).permute(3, 0, 1, 2, 4, 5)
 
 
 class DevicePrefix:
