@@ -44,6 +44,7 @@ class Options:
     max_model_len: int = 0  # 0: the spec's
     prefix_caching: bool = True  # False: server.enable_prefix_caching off
     batched_tokens: int = 0  # server.max_num_batched_tokens (0: the spec's)
+    kv_blocks: int = 0  # server.num_kv_blocks (0: the spec's)
 
     def count(self, concurrency: int) -> int:
         return self.requests or max(8, 8 * concurrency)
@@ -132,6 +133,7 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
     model = spec.model.model_copy(update={"max_model_len": opts.max_model_len}) if opts.max_model_len else spec.model
     server = {"max_batch_size": max(opts.levels)} | ({} if opts.prefix_caching else {"enable_prefix_caching": False})
     server |= {"max_num_batched_tokens": opts.batched_tokens} if opts.batched_tokens else {}
+    server |= {"num_kv_blocks": opts.kv_blocks} if opts.kv_blocks else {}
     spec = spec.model_copy(update={"model": model, "server": spec.server.model_copy(update=server)})
     rows, target, continuations, prompts, long_prompt = [], (), None, None, None
     for mode in opts.modes:
@@ -151,16 +153,18 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
 
 def _table(rows: list[dict], opts: Options) -> str:
     head = (f"{'drafting':>8} {'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT ms':>8} {'p50':>7} "
-            f"{'TPOT ms':>8} {'ITL p50':>8} {'gap x':>6} {'tau':>5} {'cached':>6}"
+            f"{'TPOT ms':>8} {'ITL p50':>8} {'gap x':>6} {'tau':>5} {'cached':>6} {'preempt':>7}"
             + (f" {'long TTFT':>9}" if opts.long_prompt else ""))
     lines = [head] + [
         f"{r['drafting']:>8} {r['concurrency']:>5} {r['requests']:>5} {r['req_per_s']:>7} {r['out_tok_per_s']:>10} "
         f"{r['ttft_ms']:>8} {r['ttft_p50_ms']:>7} {r['tpot_ms']:>8} {r['itl_p50_ms']:>8} {r['gap_ratio']:>6} "
-        f"{r['tau']:>5} {r['cached_share']:>6}" + (f" {r['long_ttft_ms']:>9}" if opts.long_prompt else "") for r in rows
+        f"{r['tau']:>5} {r['cached_share']:>6} {r['preemptions']:>7}"
+        + (f" {r['long_ttft_ms']:>9}" if opts.long_prompt else "") for r in rows
     ]
     lines += [f"auto after concurrency {r['concurrency']}: " + "; ".join(r["policy"]) for r in rows if r.get("policy")]
     if opts.acceptance:
         lines.insert(0, f"SIMULATED acceptance (--acceptance {opts.acceptance}): drafts replaced by each prompt's "
                         "greedy continuation, wrong at one position a round")
     return "\n".join(lines + ["gap x: the worst request's longest gap between streamed chunks over its median gap; "
-                              "cached: the share of prompt tokens the prefix cache gave"])
+                              "cached: the share of prompt tokens the prefix cache gave; preempt: requests' "
+                              "preemptions for KV blocks (server.num_kv_blocks)"])

@@ -38,7 +38,8 @@ async def one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, 
     n = last["meta_info"]["completion_tokens"]
     return {"ttft": arrivals[0] - start, "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tau": last["meta_info"]["spec_accept_length"],
-            "prompt": last["meta_info"]["prompt_tokens"], "cached": last["meta_info"]["cached_tokens"]}
+            "prompt": last["meta_info"]["prompt_tokens"], "cached": last["meta_info"]["cached_tokens"],
+            "preemptions": last["meta_info"].get("preemptions", 0)}
 
 
 async def level(url: str, prompts: list, concurrency: int, count: int, max_new: int, speculative: bool,
@@ -74,6 +75,7 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             "gap_ratio": round(max(ratios), 2) if ratios else 0.0,  # worst request: its longest gap / its median
             "long_ttft_ms": round(1e3 * long[0]["ttft"], 1) if long else None,
             "tau": round(mean(r["tau"] for r in results), 2),
-            "cached_share": round(sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)), 3)}
+            "cached_share": round(sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)), 3),
+            "preemptions": sum(r["preemptions"] for r in results)}
 
 

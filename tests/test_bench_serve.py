@@ -59,3 +59,14 @@ def test_levels_report_ttft_gaps_and_the_long_prompt_through_http():
     table = run_bench(SPEC, Options([1], requests=2, max_new=8, modes=("auto",)), as_json=False)
     assert "TTFT ms" in table and "gap x" in table and "long TTFT" not in table
     assert "auto after concurrency 1: batch 1: drafting " in table  # what the policy measured and chose
+
+
+def test_a_small_kv_pool_preempts_through_http_and_every_request_completes():
+    """Four streams in a pool of 12 blocks of 16 tokens: all four are admitted (3 blocks each
+    with their lookahead), and as they grow the newest are preempted and resumed; every
+    request still streams its 24 tokens, and the level reports the preemptions."""
+    opts = Options([4], requests=8, max_new=24, prompt_len=16, modes=("always",), kv_blocks=12)
+    row = json.loads(run_bench(SPEC, opts, as_json=True))[0]
+    assert row["requests"] == 8 and row["out_tok_per_s"] > 0 and row["preemptions"] > 0
+    assert json.loads(run_bench(SPEC, Options([4], requests=8, max_new=24, prompt_len=16, modes=("always",)),
+                                as_json=True))[0]["preemptions"] == 0
