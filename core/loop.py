@@ -111,7 +111,7 @@ class EngineLoop:
         with self.cond:
             if self.dead:
                 raise EngineDead("the engine loop has stopped; see the server log")
-            if len(self.inbox) + len(self.engine.scheduler.waiting) >= self.max_queue:
+            if len(self.inbox) + self.engine.scheduler.queued() >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests already waiting (server.max_queue); retry shortly")
             handle.req = self.engine.make_request(prompt, params, speculate=speculate, stop=stop)
             self.inbox.append(handle)

@@ -25,6 +25,10 @@ class Scheduler:
         req.phase = Phase.WAITING
         self.waiting.append(req)
 
+    def queued(self) -> int:
+        """Requests waiting for their first admission (a preempted one was accepted already)."""
+        return sum(1 for r in self.waiting if not r.preemptions)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.cancelled)
 
