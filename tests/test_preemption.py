@@ -107,3 +107,20 @@ def test_random_arrivals_and_cancels_keep_the_pool_within_its_blocks_and_lose_no
         if r.finish_reason["type"] != "abort":
             assert len(r.output_ids) == r.params.max_new_tokens
     assert sum(r.preemptions for r in reqs) > 0
+
+
+def test_a_preempted_request_does_not_count_against_the_queue():
+    """server.max_queue bounds the requests not yet admitted: a preempted one was accepted."""
+    engine = _with_server(Engine(tiny_spec({"method": "none"}, max_batch_size=4)), block_size=4, num_kv_blocks=8)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request("ab", params) for _ in range(3)]
+    for _ in range(100):  # three requests of 2 + 12 + 1 tokens (4 blocks each) in 8 blocks
+        engine.step()
+        if any(r.preemptions for r in reqs):
+            break
+    waiting = list(engine.scheduler.waiting)
+    assert any(r.preemptions for r in waiting)
+    assert engine.scheduler.queued() == sum(1 for r in waiting if not r.preemptions)
+    while engine.scheduler.has_work():
+        engine.step()
+    assert all(len(r.output_ids) == 12 for r in reqs)
