@@ -191,10 +191,11 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds max_model_len "
                 f"({self.spec.model.max_model_len}); ask for at most {budget} new tokens"
             )
-        if self.blocks.most(len(prompt_ids), params.max_new_tokens) > self.blocks.total:
+        blocks = self.blocks.most(len(prompt_ids), params.max_new_tokens)
+        if blocks > self.blocks.total:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
-                f"{self.blocks.most(len(prompt_ids), params.max_new_tokens)} KV blocks of {self.blocks.size} tokens "
+                f"{blocks} KV blocks of {self.blocks.size} tokens "
                 f"(with {self.blocks.lookahead} positions of lookahead), and the pool has {self.blocks.total} "
                 "(server.num_kv_blocks); ask for fewer tokens or raise server.num_kv_blocks")
         eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)

@@ -181,7 +181,8 @@ class Prefilling:
             raise RuntimeError(f"prefill: a {max(map(len, chunks))}-token chunk in a group {width} wide")
         # every position's hidden states for prompt_logprobs (a resumed request's were reported)
         scratch, hidden = self.cache.scratch, [] if any(_prompt_logprobs(r) for r in reqs) else None
-        self._load_prefill(reqs, chunks, starts, ends, rows, width)
+        ending = [e >= r.prefill_len for r, e in zip(reqs, ends)]  # chunks that end their prompts
+        self._load_prefill(reqs, chunks, starts, ending, rows, width)
         later = any(starts)  # later chunks (a prefix hit's rest among them) have graphs of their own
         logits, features, packed = self.prefill_graphs.run((rows, width, later),
                                                            lambda: self._prefill_step(rows, width, None, later)) \
@@ -190,7 +191,7 @@ class Prefilling:
         logits, features, packed = logits[:n], None if features is None else features[:n], packed[:n]
         if self.prefix_store is not None:
             self.prefix_store.stage([r.kv for r in reqs], starts, ends, features)
-        done = [i for i, (r, e) in enumerate(zip(reqs, ends)) if e >= r.prefill_len]
+        done = [i for i, last in enumerate(ending) if last]
         for i in done:
             if self._caches(reqs[i]):
                 self.prefix_store.save(reqs[i], draft_slot(reqs[i].draft_state, scratch))
@@ -212,14 +213,14 @@ class Prefilling:
         packed[pick] = first
         return packed, _as_rows_of(reported, done)
 
-    def _load_prefill(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], ends: list[int],
+    def _load_prefill(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], ending: list[bool],
                       rows: int, width: int) -> None:
         """The chunks, right-padded to ``width``, and their columns into the prefill buffers;
         padding rows (to ``rows``) prefill one token in the scratch slot and end nothing."""
         scratch, pad = self.cache.scratch, rows - len(reqs)
         ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch), s,
-                                                               r.params.seed, r.params.top_k, int(e >= r.prefill_len)]
-                                for r, c, s, e in zip(reqs, chunks, starts, ends)]
+                                                               r.params.seed, r.params.top_k, int(last)]
+                                for r, c, s, last in zip(reqs, chunks, starts, ending)]
                                + [[0] * width + [1, scratch, scratch, 0, 0, -1, 0]] * pad, torch.int64)
         temps = torch.tensor([r.params.temperature for r in reqs] + [0.0] * pad)
         floats = torch.stack([temps, torch.tensor([r.params.top_p for r in reqs] + [1.0] * pad),
