@@ -7,6 +7,7 @@ they never run concurrently and each keeps its outputs referenced, so none reuse
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable, Hashable
 
 import torch
@@ -40,7 +41,13 @@ class Graphs:
                 step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = step()
+        collecting = gc.isenabled()
+        gc.disable()  # a collection inside the capture may destroy an unreachable engine's graph, which
+        try:  # CUDA refuses while a stream captures: it invalidates this capture
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = step()
+        finally:
+            if collecting:
+                gc.enable()
         self._pool = graph.pool()
         return graph, out
