@@ -11,12 +11,15 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from draftline.backends.cuda.fused import add_norm, head_argmax, linear, lm_logits, norm  # noqa: E402
+from draftline.backends.cuda.embedding import embed_beside  # noqa: E402
+from draftline.backends.cuda.fused import add_norm, head_argmax, linear, linear_norm, lm_logits, norm  # noqa: E402
 from draftline.backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, device_tiling,  # noqa: E402
                                   matvec, matvec_argmax, matvec_draw)
 from draftline.backends.cuda.sampling import sample  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEV == "cpu", reason="the Triton interpreter misreads bf16 tensors; the GPU runs these"))
 
 
 def _ref(x, w, gated):
@@ -91,6 +94,40 @@ def test_norm_adds_partial_sums(m):
     y = x @ w.T
     want = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
     torch.testing.assert_close(norm(a, norm_w, 1e-6, m), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_linear_norm_keeps_the_projection_it_normalizes(m, dtype):
+    """A chain step's entry (an MTP pre-projection and the first layer's norm): the projection
+    rounded to the model dtype, as the library's would be, and its norm, from one norm launch."""
+    torch.manual_seed(m)
+    x = torch.randn(m, 512, device=DEV).to(dtype)
+    w = (torch.randn(256, 512, device=DEV) / 16).to(dtype)
+    norm_w = (torch.rand(256, device=DEV) + 0.5).to(dtype)
+    h, normed = linear_norm(x, w, norm_w, 1e-6)
+    want = (x.double() @ w.double().T).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    assert h.dtype == normed.dtype == dtype and h.shape == normed.shape == (m, 256)
+    torch.testing.assert_close(h, want, **tol)
+    ref = want.float() * torch.rsqrt(want.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(normed, (ref.to(dtype) * norm_w), **tol)
+    torch.testing.assert_close(normed, norm(h, norm_w, 1e-6, m))  # what a norm of the kept h gives
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_embed_beside_is_the_scaled_rows_then_the_other(dtype):
+    """An MTP step's input in one launch: exactly torch.cat([table[ids] * s, other]), the
+    multiply in float32 and rounded, as PyTorch's GPU kernels multiply a tensor by a number
+    (its CPU kernels round the number to bf16 first)."""
+    torch.manual_seed(0)
+    table = torch.randn(100, 48, device=DEV).to(dtype)
+    ids = torch.tensor([[3], [99], [0], [3]], device=DEV)
+    other = torch.randn(4, 1, 40, device=DEV).to(dtype)
+    got = embed_beside(table, ids, 16.0 ** 0.5 * 1.1, other)
+    assert torch.equal(got, torch.cat([(table[ids].float() * (16.0 ** 0.5 * 1.1)).to(dtype), other], dim=-1))
+    with pytest.raises(ValueError, match="does not follow ids"):
+        embed_beside(table, ids, 2.0, other[:3])
 
 
 @pytest.mark.parametrize("m", [1, 15])

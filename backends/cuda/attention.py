@@ -232,6 +232,7 @@ def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
 
 
 INVARIANT_SPLIT = 256  # keys per split of the batch-invariant plan, at fixed offsets 0, 256, 512, ...
+INVARIANT_MERGE_MOST = 16  # splits past which the invariant plan keeps a combine kernel
 INVARIANT_QUERY_ROWS = 64  # query rows per (row, kv head) tile in that plan: G x W up to 64 (Qwen3-8B: 4 x 16)
 
 
@@ -244,12 +245,16 @@ def invariant_split_plan(max_len: int) -> Splits:
     decode row, inside a verify window, or beside any other rows. Keys past a query's own
     position are masked, which adds exact zeros. Under the interpreter, one split over the
     whole cache, which is as fixed, in 64-key steps (its summed tile products, tile_dot, stay
-    small)."""
+    small).
+
+    The last split merges them for caches of up to INVARIANT_MERGE_MOST splits (4096 keys): it
+    reads only the row's live splits (one a 256 keys it holds), so a short row's merge is short,
+    and a combine launch a layer is gone (the tiny pair's round runs 18 attention launches)."""
     if interpreted():
         return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=INVARIANT_QUERY_ROWS)
     split = min(INVARIANT_SPLIT, triton.next_power_of_2(max_len))
     count = triton.cdiv(max_len, split)
-    return Splits(count, split, merge=count <= 4, rows=INVARIANT_QUERY_ROWS)
+    return Splits(count, split, merge=count <= INVARIANT_MERGE_MOST, rows=INVARIANT_QUERY_ROWS)
 
 
 def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:

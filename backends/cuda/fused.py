@@ -50,9 +50,9 @@ def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
 
 @triton.jit
 def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, KEEP: tl.constexpr = False):
     """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w.
-    Without HAS_H, s = a (its partial sums added and rounded), and h_out is not written. h and
+    Without HAS_H, s = a (its partial sums added and rounded), written to h_out only with KEEP. h and
     h_out rows are ``sh`` and ``so`` apart (a tapped layer's output goes into the features); a's
     partial sums ``part`` elements (rows x H, from the host: past 2^31 in a long prefill)."""
     overlap.gate(PDL)
@@ -61,6 +61,8 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, HAS_ADD: tl.co
     inside = cols < H
     if not HAS_H:
         s = _summed(a, r * H + cols, inside, part, y_out.dtype.element_ty, PARTS)
+        if KEEP:
+            tl.store(h_out + r * so + cols, s.to(h_out.dtype.element_ty), mask=inside)
     else:
         s = tl.load(h + r * sh + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_ADD and HAS_H:
@@ -177,15 +179,24 @@ def _norm_warps(rows: int, invariant: bool) -> int:
     return 4 if rows == 1 or invariant else 16
 
 
-def norm(a: Tensor, weight: Tensor, eps: float, rows: int) -> Tensor:
+def norm(a: Tensor, weight: Tensor, eps: float, rows: int, keep: Tensor | None = None) -> Tensor:
     """rmsnorm(a) * weight -> [rows, H], where ``a`` is a linear's result [rows, H] or its
-    float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read)."""
+    float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read); with
+    ``keep`` [rows, H] the rounded sum is written there too (a residual stream's start)."""
     out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
     width = weight.shape[0]
-    _add_norm_kernel[(rows,)](a, a, weight, out, out, width, eps, rows * width, width, width, HAS_ADD=True, HAS_H=False,
+    _add_norm_kernel[(rows,)](a, a, weight, out if keep is None else keep, out, width, eps, rows * width, width,
+                              width if keep is None else keep.stride(0), HAS_ADD=True, HAS_H=False,
                               PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
-                              num_warps=16 if rows > 1 else 4, **overlap.launch(release=True))
+                              num_warps=16 if rows > 1 else 4, KEEP=keep is not None, **overlap.launch(release=True))
     return out
+
+
+def linear_norm(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h, rmsnorm(h) * norm_weight) for h = x [M, K] @ weight.T rounded to x's dtype: the
+    matvec and one norm launch that also writes h (where the matrix library and a norm took two)."""
+    h = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    return h, norm(linear(x, weight), norm_weight, eps, x.shape[0], keep=h)
 
 
 def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtype | None = None,

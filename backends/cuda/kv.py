@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import INVARIANT_QUERY_ROWS, CacheAttention, Splits, attend, invariant_split_plan, split_plan, store_kv
-from .fused import add_norm, layer_body, norm, project_kv_stack, query_layer_body, run_stack
+from .embedding import embed_beside
+from .fused import add_norm, layer_body, linear_norm, norm, project_kv_stack, query_layer_body, run_stack
 from .sliding import Window, attend_window, layer_windows, window_mask
 
 
@@ -426,4 +427,12 @@ class FrozenTargetKV:
         out, normed = add_norm(mlp, h, final_norm.weight, final_norm.eps)
         return out.view(n, w, -1), normed.view(n, w, -1)
 
+    @staticmethod
+    def project_norm(x: Tensor, projection, norm_module) -> tuple[Tensor, Tensor]:
+        """(h, norm_module(h)) [..., N] each, for h = projection(x) (a bias-free Linear) of x [..., K]."""
+        flat = x.reshape(-1, x.shape[-1])
+        h, normed = linear_norm(flat, projection.weight, norm_module.weight, norm_module.eps)
+        return h.view(*x.shape[:-1], -1), normed.view(*x.shape[:-1], -1)
+
     norm = staticmethod(rms_norm)
+    embed_beside = staticmethod(embed_beside)

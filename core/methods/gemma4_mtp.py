@@ -150,7 +150,7 @@ class MTPDrafter(Drafter):
         token, hidden, position = rows.last_token[:, None], rows.features[:, None], rows.start[:, None]
         tokens = []
         for _ in range(self.plan.num_speculative_tokens):
-            hidden = self.model.step_fused(self.target.embed(token), hidden, position, rows.target_kv, self.kv_layer)
+            hidden = self.model.step_fused(token, self.readout.weight, hidden, position, rows.target_kv, self.kv_layer)
             token = rows.head_argmax(self.readout, hidden[:, 0])[:, None]  # [N, 1]
             tokens.append(token)
         return torch.cat(tokens, dim=1)

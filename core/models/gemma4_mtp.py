@@ -100,12 +100,13 @@ class Gemma4MTPModel(nn.Module):
             h = layer(h, cos, sin, read)
         return self.post_projection(self.norm(h))
 
-    def step_fused(self, embeds: Tensor, hidden: Tensor, positions: Tensor, kv, kv_layer: int) -> Tensor:
-        """step() through a target cache's fused forms (``norm``, ``query_layer``: a backend's
-        kernels, the same math) reading target layer ``kv_layer``."""
-        scaled = embeds * math.sqrt(self.config.target_hidden_size)
-        h = self.pre_projection(torch.cat([scaled, hidden], dim=-1))
-        x = kv.norm(h, self.layers[0].input_layernorm)
+    def step_fused(self, tokens: Tensor, embedding: Tensor, hidden: Tensor, positions: Tensor, kv, kv_layer: int
+                   ) -> Tensor:
+        """step() for tokens [B, T] (rows of ``embedding``) through a target cache's fused forms
+        (``embed_beside``, ``project_norm``, ``query_layer``: a backend's kernels, the same math)
+        reading target layer ``kv_layer``."""
+        inputs = kv.embed_beside(embedding, tokens, math.sqrt(self.config.target_hidden_size), hidden)
+        h, x = kv.project_norm(inputs, self.pre_projection, self.layers[0].input_layernorm)
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = kv.query_layer(layer, h, x, positions, self.rotary, kv_layer, after)
