@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftline.backends.cuda.attention import CacheAttention, Splits, attend, device_split_plan  # noqa: E402
+from draftline.backends.cuda.pages import Pages  # noqa: E402
 from draftline.backends.reference.kv import attend as reference_attend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -211,3 +212,78 @@ def test_bf16_merge_of_bf16_partials_stays_close():
                                 v_cache[s, :, :length].float().cpu(), True)
         for out in outs:
             assert float((out[i].cpu() - want).norm() / want.norm()) < 1e-2
+
+
+def _in_pages(cache, size, gen):
+    """A static cache [slots, Hkv, L, D] scattered over a pool of ``size``-position pages in a
+    shuffled order, with pages no row owns among them -> (pool [pages, Hkv, size, D], Pages)."""
+    slots, hkv, max_len, d = cache.shape
+    per_row = max_len // size
+    order = torch.randperm(slots * per_row + 5, generator=gen)[: slots * per_row]
+    pool = torch.randn(slots * per_row + 5, hkv, size, d, generator=gen).to(cache.device)  # unowned: noise
+    pool[order.to(cache.device)] = cache.view(slots, hkv, per_row, size, d).transpose(1, 2).reshape(-1, hkv, size, d)
+    return pool, Pages(order.view(slots, per_row).to(torch.int32).to(cache.device), size)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("splits", [Splits(4, 16), Splits(2, 128, merge=True)])
+def test_keys_read_and_stored_through_pages_as_in_a_static_cache(causal, splits):
+    """Paged KV: the same rows over the same keys, held in 16-position pages scattered through a
+    pool (pages.py), store their new keys at the same positions and attend to the bit as over
+    the static cache; the sliding-window kernel reads through the pages alike."""
+    from draftline.backends.cuda.sliding import ANCHOR_OWN, Window, attend_window
+
+    gen = torch.Generator().manual_seed(3)
+    n, hq, hkv, w, d, max_len = 3, 8, 2, 5, 32, 256
+    k_cache, v_cache = _cache(6, hkv, max_len, d, gen)
+    k_pool, pages = _in_pages(k_cache, 16, torch.Generator().manual_seed(9))
+    v_pool, _ = _in_pages(v_cache, 16, torch.Generator().manual_seed(9))  # the same order
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
+    kv_len = torch.tensor([7, 130, 200], dtype=torch.int32, device=DEV)
+    q = torch.randn(n, hq, w, d, generator=gen).to(DEV)
+    k_new = torch.randn(n, hkv, w, d, generator=gen).to(DEV)
+    v_new = torch.randn(n, hkv, w, d, generator=gen).to(DEV)
+    static = CacheAttention([k_cache], [v_cache], slots, kv_len, causal, splits)(0, q, k_new, v_new)
+    paged = CacheAttention([k_pool], [v_pool], slots, kv_len, causal, splits, pages=pages)(0, q, k_new, v_new)
+    assert torch.equal(paged, static)
+    table = pages.table.long()
+    for i in range(n):  # the new keys landed in the rows' own pages, at their positions
+        s, length = int(slots[i]), int(kv_len[i])
+        gathered = k_pool[table[s]].transpose(0, 1).reshape(hkv, max_len, d)
+        assert torch.equal(gathered[:, :length], k_cache[s, :, :length])
+    window = Window(40, causal, ANCHOR_OWN)
+    assert torch.equal(attend_window(q, k_pool, v_pool, slots, kv_len, window, pages=pages),
+                       attend_window(q, k_cache, v_cache, slots, kv_len, window))
+
+
+def test_a_fused_layer_stores_and_attends_through_pages():
+    """A fused decoder layer (fused.py: the q/k/v kernel's q/k-norm, RoPE and K/V store, then
+    the decode kernel) over a cache held in scattered 16-position pages gives the static
+    cache's output to the bit and stores its new keys and values at the same positions."""
+    from draftline.backends.cuda.fused import layer_body
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.core.models.layers import DecoderLayer, Rotary
+    from draftline.core.models.presets import target_preset
+
+    torch.manual_seed(0)
+    cfg = target_preset("tiny-qwen3")
+    layer, rotary = DecoderLayer(cfg).to(DEV), Rotary(cfg.rope, cfg.head_dim).to(DEV)
+    hkv, d, max_len, n, w = cfg.num_kv_heads, cfg.head_dim, 64, 3, 4
+    static = StaticKV(1, 4, hkv, max_len, d, torch.float32, torch.device(DEV))
+    static.data.normal_()
+    paged = StaticKV(1, 4, hkv, max_len, d, torch.float32, torch.device(DEV))
+    gen = torch.Generator().manual_seed(5)
+    k_pool, paged.pages = _in_pages(static.k[0].clone(), 16, gen)
+    v_pool, _ = _in_pages(static.v[0].clone(), 16, torch.Generator().manual_seed(5))
+    paged.k, paged.v = [k_pool], [v_pool]
+    slots = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEV)
+    kv_len = torch.tensor([9, 40, 64], dtype=torch.int32, device=DEV)
+    positions = (kv_len[:, None] - w + torch.arange(w, device=DEV)[None, :]).long()
+    h, x = torch.randn(n * w, cfg.hidden_size, device=DEV), torch.randn(n * w, cfg.hidden_size, device=DEV)
+    want = layer_body(layer, h, x, positions, rotary, static, 0, slots, kv_len, True)
+    got = layer_body(layer, h, x, positions, rotary, paged, 0, slots, kv_len, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    table = paged.pages.table.long()
+    for cache, pool in ((static.k[0], k_pool), (static.v[0], v_pool)):
+        gathered = pool[table].permute(0, 2, 1, 3, 4).reshape(cache.shape)
+        assert torch.equal(gathered, cache)  # every slot's positions, the new ones too

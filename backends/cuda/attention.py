@@ -3,7 +3,8 @@ each row's queries attend over its own cached length, split along the keys (flas
 How many keys a split takes is read on the device from the row's length (``Splits``), so a
 short row uses few splits and a long one many, in the same graph.
 
-Cache layout per layer: [slots, Hkv, max_len, D], so one (slot, head)'s keys are contiguous.
+Cache layout per layer: [pages, Hkv, page size, D], a row's pages found through its slot's line
+of a table (pages.py); a static cache is its own pages ([slots, Hkv, max_len, D], a page a slot).
 A row's W new tokens sit at positions kv_len - W .. kv_len - 1. With ``causal`` query t sees
 keys up to its own position (verify); without, every key below kv_len (the DFlash block over
 its context). Shapes are fixed by (rows, W, cache), so the launches are graph-safe; only
@@ -21,12 +22,13 @@ from torch import Tensor
 
 from . import overlap
 from .matvec import interpreted, summed, tile_dot
+from .pages import Pages, launch_args, paged
 
 
 @triton.jit
-def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, W,
-                  skn, skh, skt, svn, svh, svt, sc_slot, sc_head, sc_pos,
-                  D: tl.constexpr, PDL: tl.constexpr):
+def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, table, ts, W,
+                  skn, skh, skt, svn, svh, svt, sc_page, sc_head, sc_pos,
+                  D: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, new token, kv head): copy its k and v rows into the cache."""
     overlap.gate(PDL)
     pid, h = tl.program_id(0), tl.program_id(1)
@@ -34,7 +36,7 @@ def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, W,
     slot = tl.load(slots + n).to(tl.int64)
     pos = (tl.load(kv_len + n) - W + t).to(tl.int64)
     d = tl.arange(0, D)
-    dst = slot * sc_slot + h * sc_head + pos * sc_pos + d
+    dst = paged(table, ts, slot, pos, pos >= 0, PAGE, sc_page, sc_pos) + h * sc_head + d
     tl.store(k_cache + dst, tl.load(k_new + n * skn + h * skh + t * skt + d))
     tl.store(v_cache + dst, tl.load(v_new + n * svn + h * svh + t * svt + d))
 
@@ -47,23 +49,23 @@ def _split_keys(length, count, least, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_slot, sc_head, sc_pos,
-                    num_slots, max_len, BLOCK_N: tl.constexpr, KEYS: tl.constexpr, LINES: tl.constexpr,
-                    D: tl.constexpr):
+def _prefetch_split(k_cache, v_cache, slots, kv_len, table, ts, n, h, s, count, least, sc_page, sc_head, sc_pos,
+                    num_slots, num_pages, max_len, BLOCK_N: tl.constexpr, KEYS: tl.constexpr, LINES: tl.constexpr,
+                    D: tl.constexpr, PAGE: tl.constexpr):
     """Ask L2 for the first KEYS cached keys and values of split s (128-byte lines). Issued
     before the gate, while the kernel ahead still runs, so the length and slot read here may
     be stale: whatever memory held before a kernel ahead wrote it (a tensor just allocated).
-    Nothing here is trusted afterwards (the program reads everything again), and the slot and
-    key are clamped into the cache, so a stale value only fetches useless lines of it: a
-    prefetch of an address outside it faults like a load (an illegal memory access that ends
-    the process)."""
+    Nothing here is trusted afterwards (the program reads everything again), and the slot, key
+    and page are clamped into the table and the cache, so a stale value only fetches useless
+    lines of it: a prefetch of an address outside it faults like a load (an illegal memory
+    access that ends the process)."""
     length = tl.load(kv_len + n)
     slot = tl.minimum(tl.maximum(tl.load(slots + n).to(tl.int64), 0), num_slots - 1)
-    base = slot * sc_slot + h * sc_head
     split = _split_keys(length, count, least, BLOCK_N)
     j = s * split + tl.arange(0, KEYS)
-    j = tl.minimum(tl.maximum(tl.where(j < tl.minimum(s * split + split, length), j, 0), 0), max_len - 1)
-    at = base + j.to(tl.int64)[:, None] * sc_pos + \
+    j = tl.minimum(tl.maximum(tl.where(j < tl.minimum(s * split + split, length), j, 0), 0), max_len - 1).to(tl.int64)
+    page = tl.minimum(tl.maximum(tl.load(table + slot * ts + j // PAGE).to(tl.int64), 0), num_pages - 1)
+    at = (page * sc_page + h * sc_head + (j % PAGE) * sc_pos)[:, None] + \
         (tl.arange(0, LINES) * (D // LINES))[None, :]  # [KEYS, LINES]: a key's D elements are LINES lines
     _prefetch_l2(k_cache + at)
     _prefetch_l2(v_cache + at)
@@ -77,11 +79,11 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets, o, scale,
-                   HQ, HKV, W, G, sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, so_n, so_h, so_t, count, least,
-                   num_slots, max_len, CAUSAL: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
+def _attend_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, o_part, lse_part, tickets, o, scale,
+                   HQ, HKV, W, G, sc_page, sc_head, sc_pos, sq_n, sq_h, sq_t, so_n, so_h, so_t, count, least,
+                   num_slots, num_pages, max_len, CAUSAL: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1,
+                   PAGE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1,
                    SUMMED: tl.constexpr = False):
     """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
     [s*split, (s+1)*split) ∩ [0, kv_len), split from _split_keys; writes the normalized partial
@@ -92,8 +94,8 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
     pid, s = tl.program_id(0), tl.program_id(1)
     n, h = (pid // HKV).to(tl.int64), pid % HKV  # int64: a long prefill's rows x strides pass 2^31
     if PREFETCH:
-        _prefetch_split(k_cache, v_cache, slots, kv_len, n, h, s, count, least, sc_slot, sc_head, sc_pos,
-                        num_slots, max_len, BLOCK_N, 128, LINES, D)
+        _prefetch_split(k_cache, v_cache, slots, kv_len, table, ts, n, h, s, count, least, sc_page, sc_head,
+                        sc_pos, num_slots, num_pages, max_len, BLOCK_N, 128, LINES, D, PAGE)
     overlap.gate(PDL)
     m = tl.arange(0, BLOCK_M)  # query row = g * W + t
     d = tl.arange(0, D)
@@ -103,7 +105,6 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
     length = tl.load(kv_len + n)
     own = length - W + m % W  # each query's own position
     slot = tl.load(slots + n).to(tl.int64)
-    base = slot * sc_slot + h * sc_head
     split = _split_keys(length, count, least, BLOCK_N)
     lo = s * split
     hi = tl.minimum(lo + split, length)
@@ -113,7 +114,8 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         inside = j < hi
-        k_tile = tl.load(k_cache + base + j[:, None] * sc_pos + d[None, :], mask=inside[:, None], other=0.0)
+        at = (paged(table, ts, slot, j.to(tl.int64), inside, PAGE, sc_page, sc_pos) + h * sc_head)[:, None] + d[None, :]
+        k_tile = tl.load(k_cache + at, mask=inside[:, None], other=0.0)
         scores = tile_dot(q_tile, tl.trans(k_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), PRECISION,
                           SUMMED) * scale  # [BLOCK_M, BLOCK_N] fp32
         visible = inside[None, :]
@@ -125,7 +127,7 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_tile = tl.load(v_cache + base + j[:, None] * sc_pos + d[None, :], mask=inside[:, None], other=0.0)
+        v_tile = tl.load(v_cache + at, mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tile_dot(p.to(v_tile.dtype), v_tile, tl.zeros((BLOCK_M, D), tl.float32),
                                               PRECISION, SUMMED)
         m_i = m_new
@@ -193,12 +195,16 @@ def _combine_kernel(o_part, lse_part, kv_len, out, HQ, HKV, W, G, so_n, so_h, so
     tl.store(out + n * so_n + (h * G + m // W) * so_h + (m % W) * so_t + d, res.to(out.dtype.element_ty))
 
 
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor) -> None:
-    """k, v [N, Hkv, W, D] (any strides) -> cache rows at positions kv_len - W .. kv_len - 1."""
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor,
+             pages: Pages | None = None) -> None:
+    """k, v [N, Hkv, W, D] (any strides) -> cache rows at positions kv_len - W .. kv_len - 1
+    (through ``pages``; without, the cache [slots, Hkv, max_len, D] is its own pages)."""
+    pages = Pages.of(k_cache, pages)
     n, hkv, w, d = k.shape
-    _store_kernel[(n * w, hkv)](k, v, k_cache, v_cache, slots, kv_len, w, k.stride(0), k.stride(1), k.stride(2),
-                                v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
-                                k_cache.stride(2), D=d, **overlap.launch(release=False))
+    _store_kernel[(n * w, hkv)](k, v, k_cache, v_cache, slots, kv_len, *launch_args(pages), w, k.stride(0),
+                                k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0),
+                                k_cache.stride(1), k_cache.stride(2), D=d, PAGE=pages.size,
+                                **overlap.launch(release=False))
 
 
 @dataclass(frozen=True)
@@ -285,12 +291,16 @@ def _combine_warps(elements: int, query_rows: int) -> int:
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor, causal: bool,
-           splits: Splits, out: Tensor | None = None, tickets: Tensor | None = None) -> Tensor:
+           splits: Splits, out: Tensor | None = None, tickets: Tensor | None = None, pages: Pages | None = None
+           ) -> Tensor:
     """q [N, Hq, W, D] over each row's cached keys -> out [N, Hq, W, D] in q's dtype. q and out
     may have any strides with unit stride along D: the fused stack passes [N, W, Hq, D] buffers
-    viewed transposed, so the output projection reads them without a copy."""
+    viewed transposed, so the output projection reads them without a copy. The cache's keys lie
+    in ``pages`` (pages.py; without, the cache [slots, Hkv, max_len, D] is its own pages); a
+    row's length is at most ``max_len``, its table's pages times their size."""
     n, hq, w, d = q.shape
-    hkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    pages = Pages.of(k_cache, pages)
+    hkv, max_len = k_cache.shape[1], pages.table.shape[1] * pages.size
     g = hq // hkv
     block_m = splits.rows or max(16, triton.next_power_of_2(g * w))
     if g * w > block_m:
@@ -313,10 +323,10 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     plan = (splits.count, splits.least)
     _attend_kernel[(n * hkv, splits.count)](
-        q, k_cache, v_cache, slots, kv_len, o_part, lse_part, tickets, out, d**-0.5, hq, hkv, w, g,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), *plan, k_cache.shape[0], max_len,
-        CAUSAL=causal, SPLITS=padded, MERGE=splits.merge, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
+        q, k_cache, v_cache, slots, kv_len, *launch_args(pages), o_part, lse_part, tickets, out, d**-0.5, hq, hkv,
+        w, g, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), *plan, pages.table.shape[0], k_cache.shape[0], max_len,
+        CAUSAL=causal, SPLITS=padded, MERGE=splits.merge, BLOCK_M=block_m, BLOCK_N=splits.block, D=d, PAGE=pages.size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False),
         PREFETCH=overlap.enabled(), LINES=max(1, d * k_cache.element_size() // 128), SUMMED=summed(splits.rows > 0))
@@ -338,15 +348,16 @@ class CacheAttention:
     int32 picks its cache slot. Both are device tensors the caller fills before a replay.
     """
 
-    k: list[Tensor]  # per layer [slots, Hkv, max_len, D]
+    k: list[Tensor]  # per layer [pages, Hkv, page size, D]
     v: list[Tensor]
     slots: Tensor  # [N] int32
     kv_len: Tensor  # [N] int32
     causal: bool
     splits: Splits
     tickets: Tensor | None = None  # [>= N * Hkv] int32 zeros, kept zero between launches (attend)
+    pages: Pages | None = None  # where each slot's positions lie (None: the cache is its own pages)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        store_kv(k, v, self.k[layer], self.v[layer], self.slots, self.kv_len)
+        store_kv(k, v, self.k[layer], self.v[layer], self.slots, self.kv_len, self.pages)
         return attend(q, self.k[layer], self.v[layer], self.slots, self.kv_len, self.causal, self.splits,
-                      tickets=self.tickets)
+                      tickets=self.tickets, pages=self.pages)

@@ -32,6 +32,7 @@ from . import overlap
 from .attention import attend
 from .matvec import (MAX_ROWS, ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, invariant_tiling, matvec,
                      matvec_argmax, matvec_draw)
+from .pages import launch_args, paged
 from .sliding import Window, attend_window
 
 if TYPE_CHECKING:
@@ -77,10 +78,10 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, HAS_ADD: tl.co
 
 
 @triton.jit
-def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cache, slots, kv_len,
-                HQ, HKV, W, eps, sc_slot, sc_head, sc_pos, part_stride, N_TOK,
+def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cache, slots, kv_len, table, ts,
+                HQ, HKV, W, eps, sc_page, sc_head, sc_pos, part_stride, N_TOK,
                 QK_NORM: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-                TOKENS: tl.constexpr, PDL: tl.constexpr):
+                TOKENS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
     """Program (block of TOKENS tokens, block of HEADS heads) of the fused QKV output (PARTS
     partial sums of it), one tile row per (token, head): q heads are normed, rotated and written
     as [N, W, Hq, D]; k heads normed, rotated and stored in the cache; v heads stored. Each
@@ -118,7 +119,8 @@ def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cach
     q_dst = q_out + (tok[:, None] * HQ + row) * D + half[None, :]
     tl.store(q_dst, o1, mask=live & is_q[:, None])
     tl.store(q_dst + D // 2, o2, mask=live & is_q[:, None])
-    cached = slot[:, None] * sc_slot + cache_pos[:, None] * sc_pos + half[None, :]
+    stored = (is_k | is_v) & (cache_pos >= 0)
+    cached = paged(table, ts, slot, cache_pos, stored, PAGE, sc_page, sc_pos)[:, None] + half[None, :]
     k_dst = k_cache + cached + (row - HQ) * sc_head
     tl.store(k_dst, o1, mask=live & is_k[:, None])
     tl.store(k_dst + D // 2, o2, mask=live & is_k[:, None])
@@ -348,10 +350,10 @@ def layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rotary, c
     if attention is not None:
         out = attention(q, i)
     elif window is not None:
-        out = attend_window(q, cache.k[i], cache.v[i], slots, kv_len, window)  # [N, Hq, W, D] view
+        out = attend_window(q, cache.k[i], cache.v[i], slots, kv_len, window, pages=cache.pages)  # [N, Hq, W, D] view
     else:
         out = attend(q, cache.k[i], cache.v[i], slots, kv_len, causal, cache.splits(n),
-                     tickets=cache.tickets)  # [N, Hq, W, D] view
+                     tickets=cache.tickets, pages=cache.pages)  # [N, Hq, W, D] view
     return _out_and_mlp(layer, out, h, gate_up_w, cache.invariant)
 
 
@@ -375,7 +377,7 @@ def query_layer_body(layer, h: Tensor, x: Tensor, positions: Tensor, rotary: Rot
     a = layer.self_attn
     q = _q_only(a, linear(x, a.q_proj.weight), positions, rotary, cache, slots, kv_len, n, w)
     out = attend(q, cache.k[kv_layer], cache.v[kv_layer], slots, kv_len, False, cache.splits(n),
-                 tickets=cache.tickets)  # [N, Hq, W, D] view
+                 tickets=cache.tickets, pages=cache.pages)  # [N, Hq, W, D] view
     return _out_and_mlp(layer, out, h, fused_gate_up(layer))
 
 
@@ -390,9 +392,10 @@ def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticK
     grid, tokens, heads = qkv_tiles(n * w, a.num_heads)
     _qkv_kernel[grid](
         q_proj, a.q_norm.weight if qk_norm else q_proj, a.q_norm.weight if qk_norm else q_proj, rotary.inv_freq, positions, q, k_cache, cache.v[0],
-        slots, kv_len, a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, n * w, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim,
-        HEADS=heads, TOKENS=tokens, **overlap.launch(release=True))
+        slots, kv_len, *launch_args(cache.pages), a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, n * w,
+        QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads, TOKENS=tokens, PAGE=cache.pages.size,
+        **overlap.launch(release=True))
     return q.transpose(1, 2)
 
 
@@ -470,8 +473,8 @@ def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, ca
     grid, tokens, heads = qkv_tiles(n * w, hq + 2 * a.num_kv_heads)
     _qkv_kernel[grid](
         qkv, a.q_norm.weight if qk_norm else qkv, a.k_norm.weight if qk_norm else qkv, rotary.inv_freq, positions,
-        q, k_cache, cache.v[i], slots, kv_len, hq, a.num_kv_heads, w,
+        q, k_cache, cache.v[i], slots, kv_len, *launch_args(cache.pages), hq, a.num_kv_heads, w,
         a.k_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         qkv.stride(0) if parts > 1 else 0, n * w, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads,
-        TOKENS=tokens, **overlap.launch(release=True))
+        TOKENS=tokens, PAGE=cache.pages.size, **overlap.launch(release=True))
     return q.transpose(1, 2) if with_q else None

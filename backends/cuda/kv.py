@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .attention import INVARIANT_QUERY_ROWS, CacheAttention, Splits, attend, invariant_split_plan, split_plan, store_kv
 from .embedding import embed_beside
 from .fused import add_norm, layer_body, linear_norm, norm, project_kv_stack, query_layer_body, run_stack
+from .pages import Pages
 from .sliding import Window, attend_window, layer_windows, window_mask
 
 
@@ -71,6 +72,7 @@ class StaticKV:
         # [(slots + 1) * Hkv] arrival counts of attention's splits, one per (row, kv head) (attend)
         self.tickets = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
         self.slots = SlotPool(num_slots, "KV")
+        self.pages = Pages.identity(num_slots + 1, max_len, device)  # a slot's one page is its own
 
     def allocate(self) -> int:
         return self.slots.allocate()
@@ -86,7 +88,8 @@ class StaticKV:
         return split_plan(self.max_len, rows, self.kv_heads)
 
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
-        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets)
+        return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets,
+                              self.pages)
 
     def prefill_attention(self, slots: Tensor, windows: dict[int, Window] | None = None,
                           start: Tensor | None = None) -> "PrefillAttention":
@@ -162,12 +165,13 @@ class InvariantPrefill(PrefillAttention):
             m = min(whole, first + per_launch) - first
             span = slice(first * chunk, (first + m) * chunk)
             rows = q[:, :, span].reshape(n, hq, m, chunk, d).permute(2, 0, 1, 3, 4).reshape(m * n, hq, chunk, d)
-            done = attend(rows, k, v, self.slots.repeat(m), kv_lens[first : first + m].reshape(-1), True, splits)
+            done = attend(rows, k, v, self.slots.repeat(m), kv_lens[first : first + m].reshape(-1), True, splits,
+                          pages=self.cache.pages)
             out[:, :, span] = done.reshape(m, n, hq, chunk, d).permute(1, 2, 0, 3, 4).reshape(n, hq, m * chunk, d)
         if w % chunk:  # the last window, shorter
             tail = slice(whole * chunk, w)
             attend(q[:, :, tail], k, v, self.slots, kv_lens[whole], True, splits, out=out[:, :, tail],
-                   tickets=self.cache.tickets)
+                   tickets=self.cache.tickets, pages=self.cache.pages)
         return out
 
 
@@ -226,11 +230,11 @@ class RowsAttention:
         long = self._long(q.shape[2], q.shape[1])
         if layer not in self.windows and not long:
             return self.cache.attention(self.rows.slots, kv_len, self.causal)(layer, q, k, v)
-        store_kv(k, v, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len)
+        store_kv(k, v, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len, self.cache.pages)
         if long:
             return self._in_windows(layer, q, kv_len)
         return attend_window(q, self.cache.k[layer], self.cache.v[layer], self.rows.slots, kv_len,
-                             self.windows[layer])
+                             self.windows[layer], pages=self.cache.pages)
 
     def _in_windows(self, layer: int, q: Tensor, kv_len: Tensor) -> Tensor:
         """Causal queries [N, Hq, W, D] too many for one tile (a later prompt chunk's drafter
@@ -245,9 +249,9 @@ class RowsAttention:
             lens = kv_len - (w - b)
             if window is None:
                 attend(q[:, :, a:b], k, v, slots, lens, True, self.cache.splits(n), out=out[:, :, a:b],
-                       tickets=self.cache.tickets)
+                       tickets=self.cache.tickets, pages=self.cache.pages)
             else:
-                attend_window(q[:, :, a:b], k, v, slots, lens, window, out=out[:, :, a:b])
+                attend_window(q[:, :, a:b], k, v, slots, lens, window, out=out[:, :, a:b], pages=self.cache.pages)
         return out
 
     def decoder_stack(self, layers, final_norm, rotary, h: Tensor, positions: Tensor, taps: tuple[int, ...] = ()
@@ -369,8 +373,8 @@ class SlotAttention:
         start = torch.tensor([s.filled[layer] for s in self.caches], device=dev)
         window = self.windows.get(layer)
         if window is not None and w * (q.shape[1] // k.shape[1]) <= LONG_WINDOW:
-            store_kv(k, v, cache.k[layer], cache.v[layer], slots, start + w)
-            out = attend_window(q, cache.k[layer], cache.v[layer], slots, start + w, window)
+            store_kv(k, v, cache.k[layer], cache.v[layer], slots, start + w, cache.pages)
+            out = attend_window(q, cache.k[layer], cache.v[layer], slots, start + w, window, pages=cache.pages)
         elif w * (q.shape[1] // k.shape[1]) <= LONG_WINDOW:
             out = cache.attention(slots, start + w, self.causal)(layer, q, k, v)
         else:
@@ -385,7 +389,7 @@ class SlotAttention:
         """A long window (a prompt's drafter entries, at prefill): the decode kernel keeps a
         row's whole window in one tile, so these go through PyTorch's attention, row by row."""
         w = k.shape[2]
-        store_kv(k, v, cache.k[layer], cache.v[layer], slots, start + w)
+        store_kv(k, v, cache.k[layer], cache.v[layer], slots, start + w, cache.pages)
         out = []
         for i, (slot, first) in enumerate(zip(slots.tolist(), start.tolist())):
             keys, values = cache.k[layer][slot, :, : first + w], cache.v[layer][slot, :, : first + w]  # [Hkv, S, D]
@@ -414,7 +418,7 @@ class FrozenTargetKV:
 
     def read(self, layer: int, q: Tensor) -> Tensor:
         return attend(q, self.cache.k[layer], self.cache.v[layer], self.slots, self.start, False,
-                      self.cache.splits(self.slots.shape[0]), tickets=self.cache.tickets)
+                      self.cache.splits(self.slots.shape[0]), tickets=self.cache.tickets, pages=self.cache.pages)
 
     def query_layer(self, layer, residual: Tensor, x: Tensor, positions: Tensor, rotary, kv_layer: int,
                     final_norm) -> tuple[Tensor, Tensor]:

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
+from .pages import Pages, launch_args, paged
 
 ANCHOR_OWN, ANCHOR_BLOCK, ANCHOR_ROW = 0, 1, 2  # where a query's window is measured from (see Window)
 
@@ -37,10 +38,10 @@ class Window:
 
 
 @triton.jit
-def _window_kernel(q, k_cache, v_cache, slots, kv_len, anchors, o, scale, HKV, W, G, window,
-                   sc_slot, sc_head, sc_pos, sq_n, sq_h, sq_t, so_n, so_h, so_t,
+def _window_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, anchors, o, scale, HKV, W, G, window,
+                   sc_page, sc_head, sc_pos, sq_n, sq_h, sq_t, so_n, so_h, so_t,
                    CAUSAL: tl.constexpr, ANCHOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   D: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
     """Program (row n, kv head h): the G*W query rows of h's query heads over the keys their
     windows leave them, online softmax in float32 -> o [N, Hq, W, D] (any strides, unit on D)."""
     overlap.gate(PDL)
@@ -61,14 +62,15 @@ def _window_kernel(q, k_cache, v_cache, slots, kv_len, anchors, o, scale, HKV, W
         anchor = own
     lo = tl.minimum(own, anchor) - window + 1  # [BLOCK_M] first visible key of each query
     first = tl.maximum(tl.min(tl.where(m < rows, lo, length), axis=0), 0)
-    base = tl.load(slots + n).to(tl.int64) * sc_slot + h * sc_head
+    slot = tl.load(slots + n).to(tl.int64)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     for start in range(first, length, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         inside = j < length
-        k_tile = tl.load(k_cache + base + j[:, None] * sc_pos + d[None, :], mask=inside[:, None], other=0.0)
+        at = (paged(table, ts, slot, j.to(tl.int64), inside, PAGE, sc_page, sc_pos) + h * sc_head)[:, None] + d[None, :]
+        k_tile = tl.load(k_cache + at, mask=inside[:, None], other=0.0)
         scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         visible = inside[None, :] & (j[None, :] >= lo[:, None])
         if CAUSAL:
@@ -79,7 +81,7 @@ def _window_kernel(q, k_cache, v_cache, slots, kv_len, anchors, o, scale, HKV, W
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_tile = tl.load(v_cache + base + j[:, None] * sc_pos + d[None, :], mask=inside[:, None], other=0.0)
+        v_tile = tl.load(v_cache + at, mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -88,10 +90,11 @@ def _window_kernel(q, k_cache, v_cache, slots, kv_len, anchors, o, scale, HKV, W
 
 
 def attend_window(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: Tensor, window: Window,
-                  out: Tensor | None = None) -> Tensor:
+                  out: Tensor | None = None, pages: Pages | None = None) -> Tensor:
     """q [N, Hq, W, D] (rotated; any strides, unit on D) over each row's cached keys, already
-    stored, through ``window`` -> out [N, Hq, W, D] in q's dtype (a view of [N, W, Hq, D]
-    memory, as attention.attend gives it)."""
+    stored (in ``pages``, as attention.attend reads them), through ``window`` -> out [N, Hq, W,
+    D] in q's dtype (a view of [N, W, Hq, D] memory, as attention.attend gives it)."""
+    pages = Pages.of(k_cache, pages)
     n, hq, w, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
@@ -104,10 +107,11 @@ def attend_window(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     anchors = window.rows if window.anchor == ANCHOR_ROW else kv_len  # not read unless ANCHOR_ROW
     _window_kernel[(n * hkv,)](
-        q, k_cache, v_cache, slots, kv_len, anchors, out, d**-0.5, hkv, w, g, window.size,
+        q, k_cache, v_cache, slots, kv_len, *launch_args(pages), anchors, out, d**-0.5, hkv, w, g, window.size,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         CAUSAL=window.causal, ANCHOR=window.anchor, BLOCK_M=block_m, BLOCK_N=64 if block_m <= 64 else 32, D=d,
+        PAGE=pages.size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False))
     return out
