@@ -27,6 +27,9 @@ class Capacity:
     invariant: bool = False  # a target row's results independent of the rows beside it (model.batch_invariant)
     invariant_required: bool = False  # the spec set it: a backend that cannot keep it refuses to start
     prefix_block: int = 0  # tokens a prefix-cache block (server.block_size); 0: no prefix caching
+    kv_pages: int = 0  # paged KV: blocks in the target's pool (server.num_kv_blocks); 0: a whole context a slot
+    kv_page: int = 16  # tokens a KV block (server.block_size)
+    kv_lookahead: int = 0  # positions past its booked length a request's rounds in flight may write (BlockPool)
 
 
 @dataclass(frozen=True)

@@ -126,20 +126,23 @@ class Engine:
         self.chat_template = load_chat_template(spec.model.tokenizer or spec.model.path)  # None: the checkpoint has none
         method = METHODS.get(spec.speculative.method)(spec.speculative)
         self.plan: Plan = method.plan(target.config)
+        backend = BACKENDS.get(self.backend_name)
+        depth = spec.server.pipeline_depth
+        depth = min(backend.default_depth if depth == "auto" else depth, backend.max_depth)
+        self.blocks = kv_blocks(spec, self.plan, depth)
         capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager,
                             invariant=spec.model.batch_invariant is not False,
                             invariant_required=spec.model.batch_invariant is True,
-                            prefix_block=spec.server.block_size if spec.server.enable_prefix_caching else 0)
-        self.backend = BACKENDS.get(self.backend_name)(target, method, self.plan, self.device, self.dtype, capacity)
+                            prefix_block=spec.server.block_size if spec.server.enable_prefix_caching else 0,
+                            kv_pages=spec.server.num_kv_blocks or 0, kv_page=spec.server.block_size,
+                            kv_lookahead=self.blocks.lookahead)
+        self.backend = backend(target, method, self.plan, self.device, self.dtype, capacity)
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
         if capacity.prefix_block and getattr(self.backend, "prefix", None) is None:
             log.info("prefix_caching.unavailable", backend=self.backend_name,
                      detail="every prompt is prefilled whole: the cuda backend caches prefixes with its "
                             "chunked prefill, which needs model.batch_invariant")
         # the server loop bounds its queue
-        depth = spec.server.pipeline_depth
-        depth = min(self.backend.default_depth if depth == "auto" else depth, self.backend.max_depth)
-        self.blocks = kv_blocks(spec, self.plan, depth)
         self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
                                    chunked=getattr(self.backend, "chunked_prefill", False),
                                    pool=self.blocks if spec.server.num_kv_blocks else None)  # unset: nothing to count

@@ -132,8 +132,10 @@ class ServerSpec(Strict):
     # KV blocks (of block_size tokens) the running requests may hold together: requests are
     # admitted while their prompts' blocks last, and the newest preempted (recomputed later,
     # with the same output: exact with model.batch_invariant on the cuda backend, its default)
-    # when the others' next rounds need more. null: every running request
-    # can hold a whole max_model_len context, so none is ever preempted
+    # when the others' next rounds need more. On the cuda backend the target's KV is then a
+    # paged pool of that many blocks, taken by requests as they grow, so the slots
+    # (max_batch_size) no longer each hold a whole context. null: every running request
+    # can hold a whole max_model_len context (a static slot each), so none is ever preempted
     num_kv_blocks: int | None = Field(None, ge=1)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token
     # rounds a request may have in flight while the host books the one before: 0 launches and

@@ -610,6 +610,28 @@ def test_a_preempted_request_resumes_exactly(method):
     assert all(b.refs == 0 for b in backend.prefix.blocks.values())
 
 
+@pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
+def test_paged_kv_serves_what_static_slots_serve(method):
+    """server.num_kv_blocks on the cuda backend: the target's keys live in a shared pool of
+    4-token pages that rows take as they grow (their pages interleaved), two rounds in flight
+    and the prefix cache on, and every output equals the static slots'; the pool holds less
+    than the slots would, and every page comes back."""
+    free = _engine(method, "cuda", depth=2, batch_invariant=True)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 4, 7)]
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    want = free.generate(prompts, params)
+    data = free.spec.model_dump(mode="python")
+    data["server"] |= {"block_size": 4, "num_kv_blocks": 60}
+    paged = Engine(type(free.spec).model_validate(data), free.target, free.tokenizer)
+    cache = paged.backend.cache
+    assert cache.pager is not None and cache.data.shape[2] == 61  # 60 pages and the scratch one
+    assert cache.data.numel() < free.backend.cache.data.numel() // 2
+    got = paged.generate(prompts, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    assert cache.pager.in_use == 0 and sorted(cache.pager.free) == list(range(60))
+    assert bool((cache.pages.table == cache.pager.scratch).all())  # every line back to the scratch page
+
+
 def test_the_prefix_store_gives_each_cached_block_its_own_place_through_evictions():
     """The cuda prefix store's places: every cached block holds one no other block holds, and
     the places not held are exactly the spare ones, through saves that evict and releases."""

@@ -128,6 +128,7 @@ def buckets_for(max_batch: int) -> list[int]:
 class CudaBackend(Prefilling):
     name = "cuda"
     default_depth = 2
+    max_depth = MAX_DEPTH
     # everything SamplingParams asks; rounds whose rows use none keep the graph-decided path
     features = frozenset({"penalties", "logprobs", "prompt_logprobs"})
 
@@ -138,8 +139,10 @@ class CudaBackend(Prefilling):
         self.capacity = capacity
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
+        paged = (capacity.kv_pages, capacity.kv_page) if capacity.kv_pages else None  # server.num_kv_blocks
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
-                              cfg.head_dim, dtype, device, invariant=_invariant(capacity, cfg, width))
+                              cfg.head_dim, dtype, device, invariant=_invariant(capacity, cfg, width), paged=paged,
+                              put=self._put)
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         # a prompt may be prefilled in chunks: through the invariant prefill, which attends over
@@ -152,7 +155,6 @@ class CudaBackend(Prefilling):
             raise ConfigError(f"method {plan.method}: its drafter is not graph-safe (it reads the host's requests, "
                               "not the device's rows), and the cuda backend runs rounds ahead of the host; "
                               "use backend: reference for this method")
-        self.max_depth = MAX_DEPTH
         self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device)
         self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
         if self.drafter is not None and self.drafter.reads_last_features:
@@ -275,6 +277,8 @@ class CudaBackend(Prefilling):
     def launch(self, reqs: list[Request], draft: bool) -> Launch:
         n, bucket = len(reqs), self.bucket(len(reqs))
         width = self.width if draft and self.drafter is not None else 1
+        for r in reqs:  # paged KV: pages for the positions this round and those in flight may write
+            self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
         span = self._span_start()
         self.bufs.load(reqs, bucket)
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits

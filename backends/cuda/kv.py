@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .attention import INVARIANT_QUERY_ROWS, CacheAttention, Splits, attend, invariant_split_plan, split_plan, store_kv
 from .embedding import embed_beside
 from .fused import add_norm, layer_body, linear_norm, norm, project_kv_stack, query_layer_body, run_stack
-from .pages import Pages
+from .pages import Pages, PageTable
 from .sliding import Window, attend_window, layer_windows, window_mask
 
 
@@ -58,13 +58,21 @@ class SlotPool:
 class StaticKV:
     """Per layer K and V [slots + 1, Hkv, max_len, D] (views of one tensor) and the pool of slots. ``invariant``: the
     rows attending through it, and the matvecs of the stack it serves, take the batch-invariant
-    kernel forms (model.batch_invariant)."""
+    kernel forms (model.batch_invariant). With ``paged`` (pages, size) the layers are [pages + 1,
+    Hkv, size, D] instead, a pool whose pages slots take as their rows grow (pages.PageTable:
+    ``reserve``), so the slots share the KV memory rather than each holding a whole context."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, invariant: bool = False):
+                 dtype: torch.dtype, device: torch.device, invariant: bool = False,
+                 paged: tuple[int, int] | None = None, put=None):
         shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
-        # [2, layers, slots + 1, Hkv, max_len, D]: keys then values of every layer in one tensor, so a
-        # slot's positions move in one copy for all layers (the prefix store's blocks); k[l], v[l] its views
+        self.pager = None
+        if paged is not None:
+            pages, size = paged
+            shape = (pages + 1, num_kv_heads, size, head_dim)  # the last page: positions no page holds
+            self.pager = PageTable(num_slots, -(-max_len // size), pages, size, device, put)
+        # [2, layers, slots + 1 (or pages + 1), Hkv, max_len (or page size), D]: keys then values of every
+        # layer in one tensor, so positions move in one copy for all layers (the prefix store's blocks)
         self.data = torch.zeros((2, num_layers) + shape, dtype=dtype, device=device)
         self.k, self.v = list(self.data[0]), list(self.data[1])
         self.max_len, self.kv_heads, self.scratch = max_len, num_kv_heads, num_slots
@@ -72,12 +80,20 @@ class StaticKV:
         # [(slots + 1) * Hkv] arrival counts of attention's splits, one per (row, kv head) (attend)
         self.tickets = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
         self.slots = SlotPool(num_slots, "KV")
-        self.pages = Pages.identity(num_slots + 1, max_len, device)  # a slot's one page is its own
+        # a static slot's one page is its own
+        self.pages = self.pager.pages if self.pager else Pages.identity(num_slots + 1, max_len, device)
 
     def allocate(self) -> int:
         return self.slots.allocate()
 
+    def reserve(self, slot: int, positions: int) -> None:
+        """Room for the slot's positions 0 .. positions - 1 (a static slot has its whole context)."""
+        if self.pager is not None:
+            self.pager.reserve(slot, min(positions, self.max_len))
+
     def release(self, slot: int) -> None:
+        if self.pager is not None:
+            self.pager.release(slot)
         self.slots.release(slot)
 
     def splits(self, rows: int) -> Splits:
@@ -114,8 +130,8 @@ class PrefillAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = k.shape[2]
-        self.cache.k[layer][self.slots, :, :n] = k
-        self.cache.v[layer][self.slots, :, :n] = v
+        lengths = torch.full((k.shape[0],), n, dtype=torch.int32, device=k.device)
+        store_kv(k, v, self.cache.k[layer], self.cache.v[layer], self.slots, lengths, self.cache.pages)
         window = self.windows.get(layer)
         if window is None:
             return causal_sdpa(q, k, v)

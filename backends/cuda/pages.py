@@ -54,3 +54,54 @@ def paged(table, ts, slot, pos, mask, PAGE: tl.constexpr, sc_page, sc_pos):
 def launch_args(pages: Pages) -> tuple[Tensor, int]:
     """The table and its row stride, as the kernels take them (PAGE=pages.size beside)."""
     return pages.table, pages.table.stride(0)
+
+
+class PageTable:
+    """A pool of ``num_pages`` pages of ``size`` positions handed to slots as their rows grow
+    (paged KV): a slot's table line holds its pages in position order and, past them, the
+    scratch page (index ``num_pages``), where whatever a kernel writes beyond a row's pages
+    lands (a padded prefill's tail, the padding rows of a graph bucket) and nothing that is
+    read as a key. ``put`` moves a host tensor to the device in stream order (the backend's),
+    so a table line changes after every launch already queued has read it."""
+
+    def __init__(self, num_slots: int, per_row: int, num_pages: int, size: int, device: torch.device, put=None):
+        self.scratch, self.size, self.per_row = num_pages, size, per_row
+        table = torch.full((num_slots + 1, per_row), num_pages, dtype=torch.int32, device=device)
+        self.pages = Pages(table, size)
+        self.owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
+        self.free = list(range(num_pages - 1, -1, -1))  # lowest first
+        self.put = put or (lambda host: host.to(device))
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """Pages for the slot's positions 0 .. positions - 1 (at most a row's worth)."""
+        have = self.owned[slot]
+        need = min(-(-positions // self.size), self.per_row)
+        if need <= len(have):
+            return
+        if need - len(have) > len(self.free):
+            raise PagesExhausted(f"{need - len(have)} more KV pages wanted, {len(self.free)} free; "
+                                 "raise server.num_kv_blocks or lower server.max_batch_size")
+        new = [self.free.pop() for _ in range(need - len(have))]
+        self.pages.table[slot, len(have) : need] = self.put(torch.tensor(new, dtype=torch.int32))
+        have.extend(new)
+
+    def release(self, slot: int) -> None:
+        have = self.owned[slot]
+        if have:
+            self.pages.table[slot, : len(have)] = self.scratch
+            self.free.extend(reversed(have))
+            self.owned[slot] = []
+
+    def of(self, slot: int, first: int, count: int) -> list[int]:
+        """The slot's pages first .. first + count - 1 (which must be its own)."""
+        if first + count > len(self.owned[slot]):
+            raise ValueError(f"slot {slot} holds {len(self.owned[slot])} pages, not {first + count}")
+        return self.owned[slot][first : first + count]
+
+    @property
+    def in_use(self) -> int:
+        return sum(map(len, self.owned))
+
+
+class PagesExhausted(RuntimeError):
+    pass

@@ -133,6 +133,8 @@ class Prefilling:
         """A new request's slots, and the prefix cache's blocks its prompt starts with, copied
         in -> where its first prefill ends (past what the cache gave: at least one token)."""
         req.kv = self.cache.allocate()
+        if req.rid >= 0:  # paged KV: the prompt's pages (start-up's warm-up prompts write the scratch page)
+            self.cache.reserve(req.kv, req.prefill_len + self.capacity.kv_lookahead)
         if self.drafter is not None:
             self.drafter.admit(req)
         if self.draft_override is not None and req.rid >= 0:

@@ -54,9 +54,14 @@ class BlockPool:
         return [(a, ids[a : a + step]) for a in range(0, ids.shape[0], step)]
 
     def load(self, cache: StaticKV, slot: int, ids: Tensor) -> None:
-        """Blocks ``ids`` [nb] into positions 0 .. nb * block - 1 of ``slot``, every layer at once."""
+        """Blocks ``ids`` [nb] into positions 0 .. nb * block - 1 of ``slot``, every layer at once
+        (a paged cache's pages are blocks: each goes to the slot's page of its place)."""
         block = self.blocks.shape[4]
         for a, group in self._groups(ids):
+            if cache.pager is not None:
+                pages = self._pages(cache, slot, a, group.shape[0])
+                cache.data[:, :, pages] = self.blocks[group].permute(1, 2, 0, 3, 4, 5)  # [2, layers, n, Hkv, block, D]
+                continue
             kv = self.blocks[group].permute(1, 2, 3, 0, 4, 5)  # [2, layers, Hkv, n, block, D]
             cache.data[:, :, slot, :, a * block : (a + group.shape[0]) * block] = kv.flatten(3, 4)
 
@@ -65,8 +70,17 @@ class BlockPool:
         block = self.blocks.shape[4]
         for a, group in self._groups(ids):
             at, n = (first + a) * block, group.shape[0]
+            if cache.pager is not None:
+                self.blocks[group] = cache.data[:, :, self._pages(cache, slot, first + a, n)].permute(2, 0, 1, 3, 4, 5)
+                continue
             kv = cache.data[:, :, slot, :, at : at + n * block]  # [2, layers, Hkv, n * block, D]
             self.blocks[group] = kv.unflatten(3, (n, block)).permute(3, 0, 1, 2, 4, 5)
+
+    def _pages(self, cache: StaticKV, slot: int, first: int, count: int) -> Tensor:
+        """A paged cache's pages of ``slot`` first .. first + count - 1, as a device index."""
+        if cache.pager.size != self.blocks.shape[4]:
+            raise ValueError(f"prefix blocks of {self.blocks.shape[4]} tokens over KV pages of {cache.pager.size}")
+        return cache.pager.put(torch.tensor(cache.pager.of(slot, first, count)))  # in stream order, no wait
 
 
 class DevicePrefix:
