@@ -287,3 +287,29 @@ def test_a_fused_layer_stores_and_attends_through_pages():
     for cache, pool in ((static.k[0], k_pool), (static.v[0], v_pool)):
         gathered = pool[table].permute(0, 2, 1, 3, 4).reshape(cache.shape)
         assert torch.equal(gathered, cache)  # every slot's positions, the new ones too
+
+
+def test_page_table_never_gives_a_page_twice():
+    """Random reserves and releases over a small pool: every page is free or held by exactly
+    one slot, a slot's table line is its pages in order then the scratch page, and a reserve
+    the pool cannot meet is refused with a message, changing nothing."""
+    import random
+
+    from draftline.backends.cuda.pages import PagesExhausted, PageTable
+
+    pool = PageTable(num_slots=5, per_row=6, num_pages=12, size=4, device=torch.device(DEV))
+    rng = random.Random(1)
+    for _ in range(400):
+        slot = rng.randrange(5)
+        if rng.random() < 0.3:
+            pool.release(slot)
+        else:
+            try:
+                pool.reserve(slot, rng.randrange(0, 30))
+            except PagesExhausted as err:
+                assert "server.num_kv_blocks" in str(err)
+        pool.flush()
+        held = [p for line in pool.owned for p in line]
+        assert sorted(held + pool.free) == list(range(12)) and len(set(held)) == len(held)
+        for s, line in enumerate(pool.owned):
+            assert pool.pages.table[s].tolist() == line + [pool.scratch] * (6 - len(line))

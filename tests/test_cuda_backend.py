@@ -632,6 +632,28 @@ def test_paged_kv_serves_what_static_slots_serve(method):
     assert bool((cache.pages.table == cache.pager.scratch).all())  # every line back to the scratch page
 
 
+def test_paged_kv_runs_four_times_the_requests_in_the_memory_of_static_slots():
+    """Paging's measure on the tiny target: in the KV memory that two static slots of a
+    128-token context take, eight requests of up to 47 tokens run at once, none preempted,
+    each with the output the static slots give it."""
+    static = _engine("none", "cuda", depth=2, slots=2, batch_invariant=True)
+    per_page = 4 * static.backend.cache.data[:, :, 0, :, :1].numel()  # one 4-token page, every layer
+    data = static.spec.model_dump(mode="python")
+    data["server"] |= {"block_size": 4, "max_batch_size": 8, "enable_prefix_caching": False,
+                       "num_kv_blocks": static.backend.cache.data.numel() // per_page - 1}
+    paged = Engine(type(static.spec).model_validate(data), static.target, static.tokenizer)
+    assert paged.backend.cache.data.numel() <= static.backend.cache.data.numel()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = [p + str(i) for i in range(2) for p in PROMPTS]  # 8 prompts of 3 to 36 bytes
+    reqs = [paged.add_request(p, params) for p in prompts]
+    most = 0
+    while paged.scheduler.has_work():
+        paged.step()
+        most = max(most, len(paged.scheduler.running))
+    assert most == 8 and all(r.preemptions == 0 for r in reqs)
+    assert [r.output_ids for r in reqs] == [c.output_ids for c in static.generate(prompts, params)]
+
+
 def test_the_prefix_store_gives_each_cached_block_its_own_place_through_evictions():
     """The cuda prefix store's places: every cached block holds one no other block holds, and
     the places not held are exactly the spare ones, through saves that evict and releases."""

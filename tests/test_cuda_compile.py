@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 from draftline.backends.cuda import attention
 
 kernel, constants = attention._attend_kernel, json.loads(sys.argv[1])
-pointers = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "slots": "*i64", "kv_len": "*i32",
+pointers = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "slots": "*i64", "kv_len": "*i32", "table": "*i32",
             "o_part": "*fp32", "lse_part": "*fp32", "tickets": "*i32", "o": "*bf16"}
 names = list(inspect.signature(kernel.fn).parameters)
 signature = {n: pointers.get(n) or ("constexpr" if n in constants else "fp32" if n == "scale" else "i64")
@@ -43,7 +43,8 @@ def test_attention_with_pdl_and_its_prefetch_compiles_for_hopper(causal):
     """The prefetch runs before the PDL gate, on a length and slot that may be stale; it clamps
     them into the cache (attention._prefetch_split), which only a GPU build compiles."""
     constants = {"CAUSAL": causal, "SPLITS": 16, "MERGE": False, "BLOCK_M": 64, "BLOCK_N": 64, "D": 128,
-                 "PRECISION": "tf32", "PDL": 1, "PREFETCH": True, "LINES": 2, "SUMMED": False}
+                 "PRECISION": "tf32", "PDL": 1, "PREFETCH": True, "LINES": 2, "SUMMED": False,
+                 "PAGE": 16}  # paged KV's pages (a static cache's page is its whole row)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(constants)], capture_output=True, text=True,
                           env=env, timeout=300)

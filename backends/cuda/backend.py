@@ -279,6 +279,7 @@ class CudaBackend(Prefilling):
         width = self.width if draft and self.drafter is not None else 1
         for r in reqs:  # paged KV: pages for the positions this round and those in flight may write
             self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
+        self.cache.flush()
         span = self._span_start()
         self.bufs.load(reqs, bucket)
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits

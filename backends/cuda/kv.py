@@ -87,9 +87,14 @@ class StaticKV:
         return self.slots.allocate()
 
     def reserve(self, slot: int, positions: int) -> None:
-        """Room for the slot's positions 0 .. positions - 1 (a static slot has its whole context)."""
+        """Room for the slot's positions 0 .. positions - 1 (a static slot has its whole context);
+        ``flush`` before the launch that writes them."""
         if self.pager is not None:
             self.pager.reserve(slot, min(positions, self.max_len))
+
+    def flush(self) -> None:
+        if self.pager is not None:
+            self.pager.flush()
 
     def release(self, slot: int) -> None:
         if self.pager is not None:

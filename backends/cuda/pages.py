@@ -71,9 +71,11 @@ class PageTable:
         self.owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
         self.free = list(range(num_pages - 1, -1, -1))  # lowest first
         self.put = put or (lambda host: host.to(device))
+        self.pending: list[tuple[int, int]] = []  # (place in the flattened table, page) not yet on the device
 
     def reserve(self, slot: int, positions: int) -> None:
-        """Pages for the slot's positions 0 .. positions - 1 (at most a row's worth)."""
+        """Pages for the slot's positions 0 .. positions - 1 (at most a row's worth), written to
+        the device's table by the next ``flush``."""
         have = self.owned[slot]
         need = min(-(-positions // self.size), self.per_row)
         if need <= len(have):
@@ -81,11 +83,19 @@ class PageTable:
         if need - len(have) > len(self.free):
             raise PagesExhausted(f"{need - len(have)} more KV pages wanted, {len(self.free)} free; "
                                  "raise server.num_kv_blocks or lower server.max_batch_size")
-        new = [self.free.pop() for _ in range(need - len(have))]
-        self.pages.table[slot, len(have) : need] = self.put(torch.tensor(new, dtype=torch.int32))
-        have.extend(new)
+        for i in range(len(have), need):
+            have.append(self.free.pop())
+            self.pending.append((slot * self.per_row + i, have[-1]))
+
+    def flush(self) -> None:
+        """The pages reserved since the last flush into the device's table, in one copy."""
+        if self.pending:
+            moved = self.put(torch.tensor(self.pending, dtype=torch.int64))  # [n, 2]: place, page
+            self.pages.table.view(-1)[moved[:, 0]] = moved[:, 1].to(torch.int32)
+            self.pending = []
 
     def release(self, slot: int) -> None:
+        self.flush()  # a page reserved and released before any launch: its entry is reset after it
         have = self.owned[slot]
         if have:
             self.pages.table[slot, : len(have)] = self.scratch

@@ -116,6 +116,7 @@ class Prefilling:
         captured at start-up for their (rows, width) bucket. One copy back for all."""
         ends = [e if r.kv is not None else self._admit(r, e)
                 for r, e in zip(reqs, ends or [r.prefill_len for r in reqs])]
+        self.cache.flush()  # the admitted prompts' pages, before anything reads the table
         groups = self._prefill_groups(reqs, ends)
         if len(groups) == 1:
             packed, reported = self._prefill_group(reqs, ends)
