@@ -145,6 +145,7 @@ class Machine:
         begin = time.perf_counter()
         self._preempt()
         prefills, running = self.scheduler.schedule()
+        done = self.scheduler.reap(self.free)  # cancelled now, or ended in _preempt's drain: their KV goes first
         if prefills:
             self._prefill(prefills)
         known = {id(r) for r in running}  # the running, and those admitted now, join the round once
@@ -157,7 +158,7 @@ class Machine:
         while self.flights and all(r.phase is Phase.FINISHED for r in self.flights[0].reqs):
             self._collect(self.flights.popleft())  # rounds only stopped requests ran: the device does them anyway
         self.clock.step_s += time.perf_counter() - begin
-        return self.scheduler.reap(self.free)
+        return done + self.scheduler.reap(self.free)
 
     def _preempt(self) -> None:
         """When the running requests' next rounds need more KV blocks than the pool has, the

@@ -69,13 +69,12 @@ class Scheduler:
 
     def _fits(self, req: Request) -> bool:
         """Whether the pool has the request's blocks beside the running ones' (alone, it always
-        fits: a request that could not was refused when it came). A request cancelled this step
-        still holds its blocks until it is reaped at the step's end (a paged cache's pages are
-        freed then), so it counts here."""
+        fits: a request that could not was refused when it came). Those ended or cancelled are
+        not counted: the machine frees them before this step launches anything."""
         if self.pool is None:
             return True
-        held = [r for r in self.running if r.phase is not Phase.FINISHED or r.cancelled]
-        return not held or sum(map(self.pool.demand, held + [req])) <= self.pool.total
+        live = self._live()
+        return not live or sum(map(self.pool.demand, live + [req])) <= self.pool.total
 
     def victims(self) -> list[Request]:
         """The running requests to preempt so the others' next rounds get their blocks."""

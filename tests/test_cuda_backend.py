@@ -654,6 +654,29 @@ def test_paged_kv_runs_four_times_the_requests_in_the_memory_of_static_slots():
     assert [r.output_ids for r in reqs] == [c.output_ids for c in static.generate(prompts, params)]
 
 
+def test_a_full_page_pool_takes_a_cancelled_requests_pages():
+    """Paged KV with a pool three running requests fill and a fourth waiting: one is cancelled
+    near its end; the others go on into new pages, the fourth is admitted into the freed ones,
+    each ends with its full output, and every page comes back."""
+    static = _engine("none", "cuda", depth=2, slots=3, batch_invariant=True)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    data = static.spec.model_dump(mode="python")
+    data["server"] |= {"block_size": 4, "enable_prefix_caching": False}
+    pool = kv_blocks(type(static.spec).model_validate(data), static.plan, static.machine.depth)
+    data["server"]["num_kv_blocks"] = 3 * pool.most(len(static.encode(PROMPTS[1])), 24) - 2  # three barely fit
+    paged = Engine(type(static.spec).model_validate(data), static.target, static.tokenizer)
+    reqs = [paged.add_request(PROMPTS[1], params) for _ in range(4)]
+    while len(reqs[0].output_ids) < 20:
+        paged.step()
+    reqs[0].cancelled = True  # while three nearly done fill the pool and the fourth waits
+    while paged.scheduler.has_work():
+        paged.step()
+    want = static.generate([PROMPTS[1]], params)[0].output_ids
+    assert reqs[0].finish_reason["type"] == "abort" and all(r.output_ids == want for r in reqs[1:])
+    pager = paged.backend.cache.pager
+    assert pager.in_use == 0 and len(pager.free) == data["server"]["num_kv_blocks"]
+
+
 def test_the_prefix_store_gives_each_cached_block_its_own_place_through_evictions():
     """The cuda prefix store's places: every cached block holds one no other block holds, and
     the places not held are exactly the spare ones, through saves that evict and releases."""

@@ -32,13 +32,14 @@ def _store_kernel(k_new, v_new, k_cache, v_cache, slots, kv_len, table, ts, W,
     """One program per (row, new token, kv head): copy its k and v rows into the cache."""
     overlap.gate(PDL)
     pid, h = tl.program_id(0), tl.program_id(1)
-    n, t = pid // W, pid % W
+    n, t = (pid // W).to(tl.int64), pid % W  # int64: a long prefill's rows x strides pass 2^31
     slot = tl.load(slots + n).to(tl.int64)
     pos = (tl.load(kv_len + n) - W + t).to(tl.int64)
     d = tl.arange(0, D)
+    ok = d < tl.where(pos >= 0, D, 0)  # a position before the row's start has no page: nothing is stored
     dst = paged(table, ts, slot, pos, pos >= 0, PAGE, sc_page, sc_pos) + h * sc_head + d
-    tl.store(k_cache + dst, tl.load(k_new + n * skn + h * skh + t * skt + d))
-    tl.store(v_cache + dst, tl.load(v_new + n * svn + h * svh + t * svt + d))
+    tl.store(k_cache + dst, tl.load(k_new + n * skn + h * skh + t * skt + d), mask=ok)
+    tl.store(v_cache + dst, tl.load(v_new + n * svn + h * svh + t * svt + d), mask=ok)
 
 
 @triton.jit

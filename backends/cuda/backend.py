@@ -460,10 +460,12 @@ class CudaBackend(Prefilling):
 
 
 def _prefix_blocks(capacity: Capacity) -> int:
-    """Blocks the prefix store keeps: a quarter of the static slots' positions, at least one
-    longest prompt's (its keys cost a quarter of the KV cache's memory again)."""
+    """Blocks the prefix store keeps: a quarter of the KV cache's positions (the static slots', or
+    the paged pool's), at least one longest prompt's (its keys cost a quarter of the KV cache's
+    memory again)."""
     size = capacity.prefix_block
-    return max(capacity.max_model_len // size, capacity.max_batch * capacity.max_model_len // (4 * size))
+    positions = capacity.kv_pages * capacity.kv_page if capacity.kv_pages else capacity.max_batch * capacity.max_model_len
+    return max(capacity.max_model_len // size, positions // (4 * size))
 
 
 def _invariant(capacity: Capacity, cfg, width: int) -> bool:

@@ -122,11 +122,11 @@ def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cach
     stored = (is_k | is_v) & (cache_pos >= 0)
     cached = paged(table, ts, slot, cache_pos, stored, PAGE, sc_page, sc_pos)[:, None] + half[None, :]
     k_dst = k_cache + cached + (row - HQ) * sc_head
-    tl.store(k_dst, o1, mask=live & is_k[:, None])
-    tl.store(k_dst + D // 2, o2, mask=live & is_k[:, None])
+    tl.store(k_dst, o1, mask=live & (is_k & stored)[:, None])
+    tl.store(k_dst + D // 2, o2, mask=live & (is_k & stored)[:, None])
     v_dst = v_cache + cached + (row - HQ - HKV) * sc_head
-    tl.store(v_dst, v1.to(dt), mask=live & is_v[:, None])
-    tl.store(v_dst + D // 2, v2.to(dt), mask=live & is_v[:, None])
+    tl.store(v_dst, v1.to(dt), mask=live & (is_v & stored)[:, None])
+    tl.store(v_dst + D // 2, v2.to(dt), mask=live & (is_v & stored)[:, None])
 
 
 def qkv_tiles(tokens: int, heads: int) -> tuple[tuple[int, int], int, int]:
