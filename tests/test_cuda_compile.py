@@ -38,13 +38,13 @@ print(json.dumps({"prefetch": "prefetch.global.L2" in ptx, "gate": "griddepcontr
 """
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_attention_with_pdl_and_its_prefetch_compiles_for_hopper(causal):
+@pytest.mark.parametrize("causal,page", [(True, 0), (False, 16)])  # a static cache's slots; paged KV's pages
+def test_attention_with_pdl_and_its_prefetch_compiles_for_hopper(causal, page):
     """The prefetch runs before the PDL gate, on a length and slot that may be stale; it clamps
     them into the cache (attention._prefetch_split), which only a GPU build compiles."""
     constants = {"CAUSAL": causal, "SPLITS": 16, "MERGE": False, "BLOCK_M": 64, "BLOCK_N": 64, "D": 128,
                  "PRECISION": "tf32", "PDL": 1, "PREFETCH": True, "LINES": 2, "SUMMED": False,
-                 "PAGE": 16}  # paged KV's pages (a static cache's page is its whole row)
+                 "PAGE": page}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(constants)], capture_output=True, text=True,
                           env=env, timeout=300)

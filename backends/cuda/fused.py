@@ -32,7 +32,7 @@ from . import overlap
 from .attention import attend
 from .matvec import (MAX_ROWS, ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, invariant_tiling, matvec,
                      matvec_argmax, matvec_draw)
-from .pages import launch_args, paged
+from .pages import launch_args, page_size, paged
 from .sliding import Window, attend_window
 
 if TYPE_CHECKING:
@@ -394,7 +394,7 @@ def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticK
         q_proj, a.q_norm.weight if qk_norm else q_proj, a.q_norm.weight if qk_norm else q_proj, rotary.inv_freq, positions, q, k_cache, cache.v[0],
         slots, kv_len, *launch_args(cache.pages), a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, n * w,
-        QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads, TOKENS=tokens, PAGE=cache.pages.size,
+        QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads, TOKENS=tokens, PAGE=page_size(cache.pages),
         **overlap.launch(release=True))
     return q.transpose(1, 2)
 
@@ -476,5 +476,5 @@ def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, ca
         q, k_cache, cache.v[i], slots, kv_len, *launch_args(cache.pages), hq, a.num_kv_heads, w,
         a.k_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         qkv.stride(0) if parts > 1 else 0, n * w, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads,
-        TOKENS=tokens, PAGE=cache.pages.size, **overlap.launch(release=True))
+        TOKENS=tokens, PAGE=page_size(cache.pages), **overlap.launch(release=True))
     return q.transpose(1, 2) if with_q else None

@@ -81,7 +81,7 @@ class StaticKV:
         self.tickets = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
         self.slots = SlotPool(num_slots, "KV")
         # a static slot's one page is its own
-        self.pages = self.pager.pages if self.pager else Pages.identity(num_slots + 1, max_len, device)
+        self.pages = self.pager.pages if self.pager else Pages.identity_of(num_slots + 1, max_len, device)
 
     def allocate(self) -> int:
         return self.slots.allocate()

@@ -23,17 +23,18 @@ from torch import Tensor
 class Pages:
     table: Tensor  # [slots + 1, pages a row] int32: a slot's i-th page's index in the cache tensor
     size: int  # positions a page
+    identity: bool = False  # a static cache's table: the kernels address the slot directly, not reading it
 
     @staticmethod
-    def identity(num_slots: int, size: int, device: torch.device | str) -> "Pages":
+    def identity_of(num_slots: int, size: int, device: torch.device | str) -> "Pages":
         """A static cache's table: slot s's positions 0 .. size - 1 are page s."""
-        return Pages(torch.arange(num_slots, dtype=torch.int32, device=device).view(-1, 1), size)
+        return Pages(torch.arange(num_slots, dtype=torch.int32, device=device).view(-1, 1), size, identity=True)
 
     @staticmethod
     def of(cache: Tensor, pages: "Pages | None") -> "Pages":
         """``pages``, or a fresh identity table over a static cache [slots, Hkv, max_len, D] (the
         callers outside the backend's caches: kernel tests and benches; it is made eagerly)."""
-        return pages if pages is not None else Pages.identity(cache.shape[0], cache.shape[2], cache.device)
+        return pages if pages is not None else Pages.identity_of(cache.shape[0], cache.shape[2], cache.device)
 
     def check(self, cache: Tensor) -> None:
         """The table's pages must lie in ``cache`` and its pages hold ``size`` positions."""
@@ -46,14 +47,23 @@ class Pages:
 def paged(table, ts, slot, pos, mask, PAGE: tl.constexpr, sc_page, sc_pos):
     """The offset in a cache tensor of position ``pos`` (scalar or vector, int64) of ``slot``'s
     row: its page's index times the page stride, plus its place in the page. The table is read
-    only where ``mask`` holds (a masked position may lie past the row's pages)."""
+    only where ``mask`` holds (a masked position may lie past the row's pages). PAGE 0: a static
+    cache, whose slot is its one page (the table is not read)."""
+    if PAGE == 0:
+        return slot * sc_page + pos * sc_pos
     page = tl.load(table + slot * ts + pos // PAGE, mask=mask, other=0).to(tl.int64)
     return page * sc_page + (pos % PAGE) * sc_pos
 
 
 def launch_args(pages: Pages) -> tuple[Tensor, int]:
-    """The table and its row stride, as the kernels take them (PAGE=pages.size beside)."""
+    """The table and its row stride, as the kernels take them (PAGE=page_size(pages) beside)."""
     return pages.table, pages.table.stride(0)
+
+
+def page_size(pages: Pages) -> int:
+    """The kernels' PAGE: the page size, or 0 for a static cache (each slot addressed directly:
+    no table read, no division, as before pages)."""
+    return 0 if pages.identity else pages.size
 
 
 class PageTable:

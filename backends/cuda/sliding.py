@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
-from .pages import Pages, launch_args, paged
+from .pages import Pages, launch_args, page_size, paged
 
 ANCHOR_OWN, ANCHOR_BLOCK, ANCHOR_ROW = 0, 1, 2  # where a query's window is measured from (see Window)
 
@@ -111,7 +111,7 @@ def attend_window(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         CAUSAL=window.causal, ANCHOR=window.anchor, BLOCK_M=block_m, BLOCK_N=64 if block_m <= 64 else 32, D=d,
-        PAGE=pages.size,
+        PAGE=page_size(pages),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False))
     return out
