@@ -277,9 +277,10 @@ class CudaBackend(Prefilling):
     def launch(self, reqs: list[Request], draft: bool) -> Launch:
         n, bucket = len(reqs), self.bucket(len(reqs))
         width = self.width if draft and self.drafter is not None else 1
-        for r in reqs:  # paged KV: pages for the positions this round and those in flight may write
-            self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
-        self.cache.flush()
+        if self.cache.pager is not None:  # paged KV: pages for the positions this round and those in flight write
+            for r in reqs:
+                self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
+            self.cache.flush()
         span = self._span_start()
         self.bufs.load(reqs, bucket)
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
