@@ -8,8 +8,8 @@ prefill are preempted first (a prompt part-way through its chunks would lose the
 is dropped and recomputed when they are admitted again, which the batch-invariant prefill
 makes exact.
 The backend's store is what the pool stands for (the reference backend's caches grow with a
-request; the cuda backend's static slots are a request's whole context each); the count is
-what keeps their sum within ``server.num_kv_blocks``.
+request; the cuda backend's target KV is then a pool of as many pages, taken as rows grow);
+the count is what keeps their sum within ``server.num_kv_blocks``.
 """
 
 from __future__ import annotations

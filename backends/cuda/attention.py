@@ -66,12 +66,12 @@ def _prefetch_split(k_cache, v_cache, slots, kv_len, table, ts, n, h, s, count, 
     j = s * split + tl.arange(0, KEYS)
     j = tl.minimum(tl.maximum(tl.where(j < tl.minimum(s * split + split, length), j, 0), 0), max_len - 1).to(tl.int64)
     if PAGE == 0:  # a static cache: the slot is its page
-        at = (slot * sc_page + h * sc_head + j * sc_pos)[:, None] + \
-            (tl.arange(0, LINES) * (D // LINES))[None, :]
+        key = slot * sc_page + j * sc_pos
     else:
         page = tl.minimum(tl.maximum(tl.load(table + slot * ts + j // PAGE).to(tl.int64), 0), num_pages - 1)
-        at = (page * sc_page + h * sc_head + (j % PAGE) * sc_pos)[:, None] + \
-            (tl.arange(0, LINES) * (D // LINES))[None, :]  # [KEYS, LINES]: a key's D elements are LINES lines
+        key = page * sc_page + (j % PAGE) * sc_pos
+    at = (key + h * sc_head)[:, None] + \
+        (tl.arange(0, LINES) * (D // LINES))[None, :]  # [KEYS, LINES]: a key's D elements are LINES lines
     _prefetch_l2(k_cache + at)
     _prefetch_l2(v_cache + at)
 
@@ -331,7 +331,8 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
         q, k_cache, v_cache, slots, kv_len, *launch_args(pages), o_part, lse_part, tickets, out, d**-0.5, hq, hkv,
         w, g, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2), *plan, pages.table.shape[0], k_cache.shape[0], max_len,
-        CAUSAL=causal, SPLITS=padded, MERGE=splits.merge, BLOCK_M=block_m, BLOCK_N=splits.block, D=d, PAGE=page_size(pages),
+        CAUSAL=causal, SPLITS=padded, MERGE=splits.merge, BLOCK_M=block_m, BLOCK_N=splits.block, D=d,
+        PAGE=page_size(pages),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact for differential tests
         num_warps=4 if block_m <= 64 else 8, **overlap.launch(release=False),
         PREFETCH=overlap.enabled(), LINES=max(1, d * k_cache.element_size() // 128), SUMMED=summed(splits.rows > 0))

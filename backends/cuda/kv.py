@@ -90,7 +90,7 @@ class StaticKV:
         """Room for the slot's positions 0 .. positions - 1 (a static slot has its whole context);
         ``flush`` before the launch that writes them."""
         if self.pager is not None:
-            self.pager.reserve(slot, min(positions, self.max_len))
+            self.pager.reserve(slot, positions)  # at most a row's pages
 
     def flush(self) -> None:
         if self.pager is not None:

@@ -36,12 +36,6 @@ class Pages:
         callers outside the backend's caches: kernel tests and benches; it is made eagerly)."""
         return pages if pages is not None else Pages.identity_of(cache.shape[0], cache.shape[2], cache.device)
 
-    def check(self, cache: Tensor) -> None:
-        """The table's pages must lie in ``cache`` and its pages hold ``size`` positions."""
-        if cache.shape[2] != self.size or self.table.dtype != torch.int32 or self.table.dim() != 2:
-            raise ValueError(f"pages of {self.size} positions (an int32 table [slots, pages]) do not fit a cache "
-                             f"{tuple(cache.shape)} of {cache.shape[2]}-position pages")
-
 
 @triton.jit
 def paged(table, ts, slot, pos, mask, PAGE: tl.constexpr, sc_page, sc_pos):
