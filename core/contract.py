@@ -30,6 +30,7 @@ class Capacity:
     kv_pages: int = 0  # paged KV: blocks in the target's pool (server.num_kv_blocks); 0: a whole context a slot
     kv_page: int = 16  # tokens a KV block (server.block_size)
     kv_lookahead: int = 0  # positions past its booked length a request's rounds in flight may write (BlockPool)
+    kv_memory: float = 0.0  # paged KV sized to this share of the GPU's memory (server.gpu_memory_utilization)
 
 
 @dataclass(frozen=True)

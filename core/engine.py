@@ -100,13 +100,17 @@ def build_target(spec: Spec, device: torch.device | str = "cpu",
     return target, tokenizer
 
 
-def kv_blocks(spec: Spec, plan: Plan, depth: int) -> BlockPool:
-    """The KV pool in blocks: server.num_kv_blocks, or a whole context for every running request.
-    A request's rounds in flight (``depth`` beyond the one being booked) may write a window, or
-    a DFlash block, each past its booked length: its lookahead."""
+def kv_lookahead(plan: Plan, depth: int) -> int:
+    """Positions past its booked length a request's rounds in flight (``depth`` beyond the one
+    being booked) may write: a window, or a DFlash block, each."""
+    return (depth + 1) * max(plan.num_speculative_tokens + 1, plan.block_size or 0)
+
+
+def kv_blocks(spec: Spec, lookahead: int, pages: int = 0) -> BlockPool:
+    """The KV pool in blocks: the backend's paged pool (``pages``: server.num_kv_blocks, or what
+    server.gpu_memory_utilization fits), or a whole context for every running request."""
     size = spec.server.block_size
-    lookahead = (depth + 1) * max(plan.num_speculative_tokens + 1, plan.block_size or 0)
-    total = spec.server.num_kv_blocks or spec.server.max_batch_size * -(-(spec.model.max_model_len + lookahead) // size)
+    total = pages or spec.server.max_batch_size * -(-(spec.model.max_model_len + lookahead) // size)
     return BlockPool(size, total, lookahead)
 
 
@@ -129,14 +133,16 @@ class Engine:
         backend = BACKENDS.get(self.backend_name)
         depth = spec.server.pipeline_depth
         depth = min(backend.default_depth if depth == "auto" else depth, backend.max_depth)
-        self.blocks = kv_blocks(spec, self.plan, depth)
         capacity = Capacity(spec.server.max_batch_size, spec.model.max_model_len, graphs=not spec.model.enforce_eager,
                             invariant=spec.model.batch_invariant is not False,
                             invariant_required=spec.model.batch_invariant is True,
                             prefix_block=spec.server.block_size if spec.server.enable_prefix_caching else 0,
                             kv_pages=spec.server.num_kv_blocks or 0, kv_page=spec.server.block_size,
-                            kv_lookahead=self.blocks.lookahead)
+                            kv_lookahead=kv_lookahead(self.plan, depth),
+                            kv_memory=spec.server.gpu_memory_utilization or 0.0)
         self.backend = backend(target, method, self.plan, self.device, self.dtype, capacity)
+        paged = spec.server.num_kv_blocks or getattr(self.backend, "kv_pages", 0)  # the cuda backend's pool
+        self.blocks = kv_blocks(spec, capacity.kv_lookahead, paged)
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
         if capacity.prefix_block and getattr(self.backend, "prefix", None) is None:
             log.info("prefix_caching.unavailable", backend=self.backend_name,
@@ -145,7 +151,7 @@ class Engine:
         # the server loop bounds its queue
         self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
                                    chunked=getattr(self.backend, "chunked_prefill", False),
-                                   pool=self.blocks if spec.server.num_kv_blocks else None)  # unset: nothing to count
+                                   pool=self.blocks if paged else None)  # unpaged: nothing to count
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         self.stops = Stops(self._decode)
         self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops, depth)
@@ -200,7 +206,8 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
                 f"{blocks} KV blocks of {self.blocks.size} tokens "
                 f"(with {self.blocks.lookahead} positions of lookahead), and the pool has {self.blocks.total} "
-                "(server.num_kv_blocks); ask for fewer tokens or raise server.num_kv_blocks")
+                "(server.num_kv_blocks, or what server.gpu_memory_utilization fits); ask for fewer tokens "
+                "or raise server.num_kv_blocks or server.gpu_memory_utilization")
         eos = set() if params.ignore_eos else set(self.target.config.eos_token_ids)
         req = Request(
             rid=next(self._ids),

@@ -137,6 +137,11 @@ class ServerSpec(Strict):
     # (max_batch_size) no longer each hold a whole context. null: every running request
     # can hold a whole max_model_len context (a static slot each), so none is ever preempted
     num_kv_blocks: int | None = Field(None, ge=1)
+    # the share of the GPU's memory the engine may hold (vLLM's name; the cuda backend): set, the
+    # KV is paged (as with num_kv_blocks) in a pool of every block that fits once the weights are
+    # loaded and a workspace for the largest forward is set aside. num_kv_blocks, when also set,
+    # fixes the pool instead. null: static slots (or num_kv_blocks' pool)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     api_key_env: str | None = None  # name of the environment variable holding a bearer token
     # rounds a request may have in flight while the host books the one before: 0 launches and
     # collects each round in turn; 1 or 2 let the device run ahead of the host. "auto" takes the

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from conftest import INTERPRETED, respec, tiny_spec  # noqa: E402
-from draftline.core.engine import Engine, kv_blocks  # noqa: E402
+from draftline.core.engine import Engine, kv_blocks, kv_lookahead  # noqa: E402
 from draftline.core.sampling import SamplingParams  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
 
@@ -597,7 +597,7 @@ def test_a_preempted_request_resumes_exactly(method):
     want = free.generate(prompts, params)
     data = free.spec.model_dump(mode="python")
     data["server"] |= {"block_size": 4}
-    pool = kv_blocks(type(free.spec).model_validate(data), free.plan, free.machine.depth)
+    pool = kv_blocks(type(free.spec).model_validate(data), kv_lookahead(free.plan, free.machine.depth))
     admitted = [pool.blocks(len(free.encode(p)) + 1 + pool.lookahead) for p in prompts]
     data["server"] |= {"num_kv_blocks": sum(admitted)}  # both admitted, then too few blocks for both to go on
     assert sum(pool.most(len(free.encode(p)), 8) for p in prompts) > sum(admitted)
@@ -627,6 +627,10 @@ def test_paged_kv_serves_what_static_slots_serve(method):
     assert cache.pager is not None and cache.data.shape[2] == 61  # 60 pages and the scratch one
     assert cache.data.numel() < free.backend.cache.data.numel() // 2
     got = paged.generate(prompts, params)
+    drafter = paged.backend.kv.cache  # DFlash's context and EAGLE-3's layer page with the target's table
+    if method in ("dflash", "eagle3"):
+        assert drafter.pager is cache.pager and drafter.data.shape[2] == 61
+        assert drafter.data.numel() < free.backend.kv.cache.data.numel() // 2
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
     assert cache.pager.in_use == 0 and sorted(cache.pager.free) == list(range(60))
     assert bool((cache.pages.table == cache.pager.scratch).all())  # every line back to the scratch page
@@ -662,7 +666,7 @@ def test_a_full_page_pool_takes_a_cancelled_requests_pages():
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     data = static.spec.model_dump(mode="python")
     data["server"] |= {"block_size": 4, "enable_prefix_caching": False}
-    pool = kv_blocks(type(static.spec).model_validate(data), static.plan, static.machine.depth)
+    pool = kv_blocks(type(static.spec).model_validate(data), kv_lookahead(static.plan, static.machine.depth))
     data["server"]["num_kv_blocks"] = 3 * pool.most(len(static.encode(PROMPTS[1])), 24) - 2  # three barely fit
     paged = Engine(type(static.spec).model_validate(data), static.target, static.tokenizer)
     reqs = [paged.add_request(PROMPTS[1], params) for _ in range(4)]

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from conftest import tiny_spec
-from draftline.core.engine import Engine, RequestError, kv_blocks
+from draftline.core.engine import Engine, RequestError, kv_blocks, kv_lookahead
 from draftline.core.machine import Phase
 from draftline.core.sampling import SamplingParams
 from draftline.core.spec import load_spec
@@ -26,7 +26,7 @@ def _tight(engine: Engine, block_size: int, prompts: list[str], new: int) -> int
     """A pool every request fits alone, but too small for all of them to run to their end."""
     data = engine.spec.model_dump(mode="python")
     data["server"]["block_size"] = block_size
-    pool = kv_blocks(type(engine.spec).model_validate(data), engine.plan, engine.machine.depth)
+    pool = kv_blocks(type(engine.spec).model_validate(data), kv_lookahead(engine.plan, engine.machine.depth))
     longest = max(pool.most(len(engine.encode(p)), new) for p in prompts)
     return longest + longest // 2
 

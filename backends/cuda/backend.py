@@ -48,6 +48,7 @@ from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
 from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
+from .memory import KVBudget, size_pool
 from .penalties import SlotPenalties
 from .prefill import PREFILL_WIDTHS, PrefillBuffers, Prefilling, draw_scores
 from .prefix import DevicePrefix
@@ -139,12 +140,16 @@ class CudaBackend(Prefilling):
         self.capacity = capacity
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
-        paged = (capacity.kv_pages, capacity.kv_page) if capacity.kv_pages else None  # server.num_kv_blocks
+        self.buckets = buckets_for(capacity.max_batch)
+        self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
+        self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+        self.kv_budget = self._kv_budget(capacity, width, dtype)  # once the weights are on the device
+        self.kv_pages = capacity.kv_pages or (self.kv_budget.pages if self.kv_budget else 0)  # 0: static slots
+        paged = (self.kv_pages, capacity.kv_page) if self.kv_pages else None
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
                               cfg.head_dim, dtype, device, invariant=_invariant(capacity, cfg, width), paged=paged,
                               put=self._put)
-        self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
-        self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+        self.kv.share(self.cache.pager)  # the drafter's caches page with the target's table
         # a prompt may be prefilled in chunks: through the invariant prefill, which attends over
         # the cache (the library's whole-prompt attention sees only the tokens it is given)
         self.chunked_prefill = self.cache.invariant
@@ -164,7 +169,6 @@ class CudaBackend(Prefilling):
         # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
         self.prefill_graphs = Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0")
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
-        self.buckets = buckets_for(capacity.max_batch)
         self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len, device)
         self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: launches' GPU spans
@@ -172,9 +176,22 @@ class CudaBackend(Prefilling):
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
         # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
         seeded = self.ring if getattr(self.drafter, "extends_from_features", False) else None  # a hit's chunk reads it
-        self.prefix_store = DevicePrefix(capacity.prefix_block, _prefix_blocks(capacity), self.cache, self.kv,
+        self.prefix_store = DevicePrefix(capacity.prefix_block, _prefix_blocks(capacity, self.kv_pages), self.cache, self.kv,
                                          seeded, self._put) if capacity.prefix_block and self.chunked_prefill else None
         self.prefix = None if self.prefix_store is None else self.prefix_store.index
+
+    def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype) -> KVBudget | None:
+        """The paged pool server.gpu_memory_utilization fits (memory.py), when the spec sets it
+        and not server.num_kv_blocks."""
+        if not capacity.kv_memory or capacity.kv_pages:
+            return None
+        if self.device.type != "cuda":
+            log.info("kv.pool", detail="server.gpu_memory_utilization ignored: no GPU (static slots)")
+            return None
+        budget = size_pool(capacity, self.target.config, getattr(self.drafter, "model", None), width, self.buckets,
+                           dtype, torch.cuda.mem_get_info(self.device))
+        log.info("kv.pool", gpu_memory_utilization=capacity.kv_memory, **budget.summary())
+        return budget
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -460,12 +477,12 @@ class CudaBackend(Prefilling):
             self.drafter.release(req)
 
 
-def _prefix_blocks(capacity: Capacity) -> int:
+def _prefix_blocks(capacity: Capacity, pages: int) -> int:
     """Blocks the prefix store keeps: a quarter of the KV cache's positions (the static slots', or
-    the paged pool's), at least one longest prompt's (its keys cost a quarter of the KV cache's
-    memory again)."""
+    the paged pool's ``pages``), at least one longest prompt's (its keys cost a quarter of the KV
+    cache's memory again: memory.PREFIX_SHARE)."""
     size = capacity.prefix_block
-    positions = capacity.kv_pages * capacity.kv_page if capacity.kv_pages else capacity.max_batch * capacity.max_model_len
+    positions = pages * capacity.kv_page if pages else capacity.max_batch * capacity.max_model_len
     return max(capacity.max_model_len // size, positions // (4 * size))
 
 

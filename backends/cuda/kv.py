@@ -9,6 +9,7 @@ padding rows of a graph bucket.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -64,13 +65,14 @@ class StaticKV:
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, invariant: bool = False,
-                 paged: tuple[int, int] | None = None, put=None):
+                 paged: tuple[int, int] | PageTable | None = None, put=None):
         shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
-        self.pager = None
-        if paged is not None:
+        self.pager = paged if isinstance(paged, PageTable) else None  # another cache's table: its rows' pages
+        if isinstance(paged, tuple):
             pages, size = paged
-            shape = (pages + 1, num_kv_heads, size, head_dim)  # the last page: positions no page holds
             self.pager = PageTable(num_slots, -(-max_len // size), pages, size, device, put)
+        if self.pager is not None:  # the last page: positions no page holds
+            shape = (self.pager.scratch + 1, num_kv_heads, self.pager.size, head_dim)
         # [2, layers, slots + 1 (or pages + 1), Hkv, max_len (or page size), D]: keys then values of every
         # layer in one tensor, so positions move in one copy for all layers (the prefix store's blocks)
         self.data = torch.zeros((2, num_layers) + shape, dtype=dtype, device=device)
@@ -301,12 +303,31 @@ class RowsAttention:
 class StaticStore:
     """The KVStore the cuda backend lends to drafters that own a cache. Its caches are made on
     the first write, when the drafter's geometry is known (before any graph is captured); a
-    handle's slot is taken at ``new()``, so the buffers can name it before anything is stored."""
+    handle's slot is taken at ``new()``, so the buffers can name it before anything is stored.
+    ``share`` pages them with the target's table: a request's drafter entries then lie at its
+    target row's pages (positions alike), so the handles take the target's slots (``bound``)."""
 
     def __init__(self, num_slots: int, max_len: int, device: torch.device):
         self.num_slots, self.max_len, self.device = num_slots, max_len, device
         self.cache: StaticKV | None = None
         self.slots = SlotPool(num_slots, "drafter KV")
+        self.pager: PageTable | None = None
+        self._bound: int | None = None  # the target slot the next handle takes (paged)
+
+    def share(self, pager: PageTable | None) -> None:
+        """Page the caches (made later) with the target's table ``pager`` (None: static slots)."""
+        if self.cache is not None:
+            raise RuntimeError("StaticStore.share: the drafter's caches exist already")
+        self.pager = pager
+
+    @contextmanager
+    def bound(self, slot: int):
+        """Handles made inside take target slot ``slot`` (paged: the table's row is the target's)."""
+        self._bound = slot
+        try:
+            yield
+        finally:
+            self._bound = None
 
     def _ensure(self, num_layers: int, k: Tensor) -> StaticKV:
         """The caches, made on the first write from its keys [..., Hkv, T, D]."""
@@ -314,14 +335,22 @@ class StaticStore:
 
     def _make(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> StaticKV:
         if self.cache is None:
-            self.cache = StaticKV(num_layers, self.num_slots, kv_heads, self.max_len, head_dim, dtype, self.device)
+            self.cache = StaticKV(num_layers, self.num_slots, kv_heads, self.max_len, head_dim, dtype, self.device,
+                                  paged=self.pager)
         return self.cache
 
     def new(self, num_layers: int) -> Slot:
-        return Slot(index=self.slots.allocate(), filled=[0] * num_layers)
+        if self.pager is None:
+            return Slot(index=self.slots.allocate(), filled=[0] * num_layers)
+        if self._bound is None:
+            raise RuntimeError("a paged drafter cache's handle is made at admission, bound to the target's slot")
+        return Slot(index=self._bound, filled=[0] * num_layers)
 
     def append(self, cache: Slot, layer: int, k: Tensor, v: Tensor) -> None:
         store = self._ensure(len(cache.filled), k)
+        if store.pager is not None:
+            raise RuntimeError("StaticStore.append: an eager drafter's writes need static slots (paged KV is "
+                               "for drafters that write through rows)")
         a, b = cache.filled[layer], cache.filled[layer] + k.shape[1]
         store.k[layer][cache.index, :, a:b] = k
         store.v[layer][cache.index, :, a:b] = v
@@ -334,9 +363,9 @@ class StaticStore:
         cache.filled = [min(f, length) for f in cache.filled]
 
     def release(self, cache: Slot) -> None:
-        if cache.index >= 0:
+        if cache.index >= 0 and self.pager is None:  # a paged handle's slot is the target's
             self.slots.release(cache.index)
-            cache.index = -1
+        cache.index = -1
 
     def write_projected(self, rows: Rows, layers, x: Tensor, positions: Tensor, rotary, fc=None, hidden_norm=None
                         ) -> None:
@@ -373,6 +402,9 @@ class StaticStore:
         ``anchor`` per row [N]."""
         sliding = layer_windows(windows, causal, anchor, block_causal, per_query)
         if isinstance(caches, list):
+            if self.pager is not None:
+                raise RuntimeError("an eager drafter's handles need static slots (paged KV is for drafters "
+                                   "that write through rows)")
             return SlotAttention(self, caches, causal, persist, sliding)
         return RowsAttention(self.cache, caches, causal, windows=sliding)
 

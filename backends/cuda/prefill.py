@@ -137,7 +137,8 @@ class Prefilling:
         if req.rid >= 0:  # paged KV: the prompt's pages (start-up's warm-up prompts write the scratch page)
             self.cache.reserve(req.kv, req.prefill_len + self.capacity.kv_lookahead)
         if self.drafter is not None:
-            self.drafter.admit(req)
+            with self.kv.bound(req.kv):  # a paged drafter cache's row is the target's
+                self.drafter.admit(req)
         if self.draft_override is not None and req.rid >= 0:
             self.draft_override.admit(req.kv, req.prompt_ids)
         if self._caches(req):

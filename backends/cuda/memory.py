@@ -1,0 +1,83 @@
+"""How many KV pages fit in the share of the GPU's memory the spec gives the engine
+(server.gpu_memory_utilization, vLLM's name).
+
+The pool is sized once the target's and the drafter's weights are on the device: what the
+device holds then (this process's and any other's) is spent, a workspace for the largest
+forward and the logits the captured graphs keep is set aside, and every page left that fits
+takes a page of the target's keys and values at every layer, the drafter's (DFlash's
+context, EAGLE-3's layer: they share the target's page table) and its share of the prefix
+store. The workspace is an estimate; start-up measures the peak beside it (``report``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from draftline.core.contract import Capacity
+from draftline.core.models.config import ConfigError
+
+from .prefill import PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS
+
+GIB = float(1 << 30)
+PREFIX_SHARE = 0.25  # the prefix store keeps a quarter of the pool's positions (backend._prefix_blocks)
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """A pool sized from gpu_memory_utilization: its pages and what the sizing assumed (bytes)."""
+
+    pages: int
+    page_bytes: int  # a page's target and drafter keys and values, its prefix-store share included
+    limit: int  # utilization x the device's memory
+    held: int  # in use on the device when the pool was sized (weights, other processes)
+    workspace: int  # set aside for activations and the graphs' outputs
+
+    def summary(self) -> dict:
+        return {"kv_pages": self.pages, "kv_gib": round(self.pages * self.page_bytes / GIB, 2),
+                "limit_gib": round(self.limit / GIB, 2), "held_gib": round(self.held / GIB, 2),
+                "workspace_gib": round(self.workspace / GIB, 2)}
+
+
+def kv_bytes_per_token(module: nn.Module, itemsize: int) -> int:
+    """Keys and values a token costs in the caches of ``module``'s attention layers (each
+    module with a k projection keeps one; a query-only layer keeps none)."""
+    return sum(2 * m.k_proj.out_features * itemsize for m in module.modules() if isinstance(getattr(m, "k_proj", None),
+                                                                                             nn.Linear))
+
+
+def workspace_bytes(cfg, capacity: Capacity, width: int, buckets: list[int], itemsize: int) -> int:
+    """The largest prefill's activations (PREFILL_GRAPH_TOKENS tokens through a layer, twice
+    over for partial sums and the allocator's slack) and the float32 logits every captured
+    graph keeps as its output: each prefill graph's rows, each round graph's rows x width."""
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    activations = 2 * PREFILL_GRAPH_TOKENS * per_token * itemsize
+    prefill_rows = sum(2 * b * sum(1 for w in PREFILL_WIDTHS if b * w <= PREFILL_GRAPH_TOKENS) for b in buckets)
+    round_rows = sum(b * (width + 1) for b in buckets)
+    return activations + 4 * cfg.vocab_size * (prefill_rows + round_rows)
+
+
+def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, buckets: list[int],
+              dtype: torch.dtype, memory: tuple[int, int]) -> KVBudget:
+    """The pages of ``capacity.kv_page`` positions that fit in capacity.kv_memory of a device
+    whose ``memory`` is (free, total) bytes now (torch.cuda.mem_get_info)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    free, total = memory
+    limit, held = int(capacity.kv_memory * total), total - free
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    per_token += 0 if drafter is None else kv_bytes_per_token(drafter, itemsize)
+    page = int(per_token * capacity.kv_page * (1 + (PREFIX_SHARE if capacity.prefix_block else 0)))
+    workspace = workspace_bytes(cfg, capacity, width, buckets, itemsize)
+    pages = (limit - held - workspace) // page
+    row = -(-capacity.max_model_len // capacity.kv_page)
+    if pages < row:
+        raise ConfigError(
+            f"server.gpu_memory_utilization {capacity.kv_memory}: {limit / GIB:.1f} GiB of the device's "
+            f"{total / GIB:.1f}, of which {held / GIB:.1f} GiB is in use (weights) and {workspace / GIB:.1f} GiB is "
+            f"set aside for activations, leaves room for {max(pages, 0)} KV blocks of {capacity.kv_page} tokens, "
+            f"fewer than one {capacity.max_model_len}-token context needs ({row}); raise "
+            "server.gpu_memory_utilization, lower model.max_model_len, or set server.num_kv_blocks")
+    return KVBudget(int(pages), page, limit, held, workspace)
