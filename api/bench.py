@@ -45,6 +45,7 @@ class Options:
     prefix_caching: bool = True  # False: server.enable_prefix_caching off
     batched_tokens: int = 0  # server.max_num_batched_tokens (0: the spec's)
     kv_blocks: int = 0  # server.num_kv_blocks (0: the spec's)
+    memory: float = 0.0  # server.gpu_memory_utilization (0: the spec's)
 
     def count(self, concurrency: int) -> int:
         return self.requests or max(8, 8 * concurrency)
@@ -134,6 +135,7 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
     server = {"max_batch_size": max(opts.levels)} | ({} if opts.prefix_caching else {"enable_prefix_caching": False})
     server |= {"max_num_batched_tokens": opts.batched_tokens} if opts.batched_tokens else {}
     server |= {"num_kv_blocks": opts.kv_blocks} if opts.kv_blocks else {}
+    server |= {"gpu_memory_utilization": opts.memory} if opts.memory else {}
     spec = spec.model_copy(update={"model": model, "server": spec.server.model_copy(update=server)})
     rows, target, continuations, prompts, long_prompt = [], (), None, None, None
     for mode in opts.modes:
@@ -145,10 +147,19 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
             continuations = continuations or _continuations(engine, spec, opts, prompts, long_prompt)
             _simulate(engine, continuations, prompts, opts, rate)
         rows += _serve(spec, engine, mode, opts, prompts, long_prompt)
+        _report_pool(engine, mode)
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return json.dumps(rows) if as_json else _table(rows, opts)
+
+
+def _report_pool(engine: Engine, mode: str) -> None:
+    """The paged pool server.gpu_memory_utilization sized, and the device's peak beside its limit."""
+    budget = getattr(engine.backend, "kv_budget", None)
+    if budget is not None:
+        peak = torch.cuda.max_memory_reserved() / (1 << 30)
+        print(f"{mode}: KV pool {budget.summary()}, peak reserved {peak:.2f} GiB", flush=True)
 
 
 def _table(rows: list[dict], opts: Options) -> str:

@@ -152,6 +152,9 @@ def _serving_commands(sub, handlers: dict[str, Handler]) -> None:
     bs.add_argument("--no-prefix-caching", action="store_true", help="serve with server.enable_prefix_caching off")
     bs.add_argument("--num-kv-blocks", type=NON_NEGATIVE, default=0,
                     help="override server.num_kv_blocks, the KV blocks the running requests share (0: the spec's)")
+    bs.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                    help="override server.gpu_memory_utilization: page the KV in a pool of what fits in this share "
+                         "of the GPU's memory (0: the spec's)")
     bs.add_argument("--max-num-batched-tokens", type=NON_NEGATIVE, default=0,
                     help="override server.max_num_batched_tokens, the prompt tokens a step prefills (0: the spec's)")
     bs.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
