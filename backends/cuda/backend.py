@@ -188,8 +188,11 @@ class CudaBackend(Prefilling):
         if self.device.type != "cuda":
             log.info("kv.pool", detail="server.gpu_memory_utilization ignored: no GPU (static slots)")
             return None
+        torch.cuda.empty_cache()  # what the allocator caches (the weights' random init, an engine before) is free
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget = size_pool(capacity, self.target.config, getattr(self.drafter, "model", None), width, self.buckets,
-                           dtype, torch.cuda.mem_get_info(self.device))
+                           dtype, (free + cached, total))
         log.info("kv.pool", gpu_memory_utilization=capacity.kv_memory, **budget.summary())
         return budget
 

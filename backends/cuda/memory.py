@@ -63,7 +63,8 @@ def workspace_bytes(cfg, capacity: Capacity, width: int, buckets: list[int], ite
 def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, buckets: list[int],
               dtype: torch.dtype, memory: tuple[int, int]) -> KVBudget:
     """The pages of ``capacity.kv_page`` positions that fit in capacity.kv_memory of a device
-    whose ``memory`` is (free, total) bytes now (torch.cuda.mem_get_info)."""
+    whose ``memory`` is (free, total) bytes now (torch.cuda.mem_get_info, the allocator's
+    cached blocks counted free)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     free, total = memory
     limit, held = int(capacity.kv_memory * total), total - free
@@ -76,7 +77,7 @@ def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, bu
     if pages < row:
         raise ConfigError(
             f"server.gpu_memory_utilization {capacity.kv_memory}: {limit / GIB:.1f} GiB of the device's "
-            f"{total / GIB:.1f}, of which {held / GIB:.1f} GiB is in use (weights) and {workspace / GIB:.1f} GiB is "
+            f"{total / GIB:.1f}, of which {held / GIB:.1f} GiB is in use (weights, other processes) and {workspace / GIB:.1f} GiB is "
             f"set aside for activations, leaves room for {max(pages, 0)} KV blocks of {capacity.kv_page} tokens, "
             f"fewer than one {capacity.max_model_len}-token context needs ({row}); raise "
             "server.gpu_memory_utilization, lower model.max_model_len, or set server.num_kv_blocks")
