@@ -9,13 +9,21 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from draftline.backends.cuda.memory import kv_bytes_per_token, size_pool, workspace_bytes  # noqa: E402
+from draftline.backends.cuda import attention  # noqa: E402
+from draftline.backends.cuda.attention import device_split_plan, invariant_split_plan  # noqa: E402
+from draftline.backends.cuda.memory import attention_scratch, kv_bytes_per_token, size_pool, workspace_bytes  # noqa: E402
 from draftline.core.contract import Capacity  # noqa: E402
 from draftline.core.engine import Engine  # noqa: E402
 from draftline.core.models.config import ConfigError  # noqa: E402
+from draftline.core.models.presets import target_preset  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
 
 GIB = 1 << 30
+
+
+def plan(max_len: int = 256, invariant: bool = False):
+    """The cache's attention plan as the device would take it (the interpreter's is one split)."""
+    return (lambda rows: invariant_split_plan(max_len)) if invariant else (lambda rows: device_split_plan(max_len, rows))
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +38,20 @@ def test_a_page_holds_the_targets_and_the_drafters_keys_and_the_prefix_share(dfl
     assert kv_bytes_per_token(drafter, 2) == layers * 2 * drafter.layers[0].self_attn.k_proj.out_features * 2
     cap = Capacity(8, 256, prefix_block=16, kv_page=16, kv_memory=0.5)
     free, total = 30 * GIB, 40 * GIB  # 10 GiB held: the limit of 20 leaves 10 less the workspace
-    budget = size_pool(cap, cfg, drafter, 16, [1, 2, 4, 8], torch.bfloat16, (free, total))
+    budget = size_pool(cap, cfg, drafter, 16, [1, 2, 4, 8], torch.bfloat16, (free, total), plan())
     target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     assert budget.page_bytes == int((target + kv_bytes_per_token(drafter, 2)) * 16 * 1.25)
-    assert budget.workspace == workspace_bytes(cfg, cap, 16, [1, 2, 4, 8], 2)
+    assert budget.workspace == workspace_bytes(cfg, 16, [1, 2, 4, 8], 2, plan())
     assert budget.pages == (20 * GIB - 10 * GIB - budget.workspace) // budget.page_bytes
     unprefixed = size_pool(Capacity(8, 256, kv_page=16, kv_memory=0.5), cfg, None, 16, [1, 2, 4, 8], torch.bfloat16,
-                           (free, total))
+                           (free, total), plan())
     assert unprefixed.pages > budget.pages  # no drafter keys, no prefix share: more pages in the same bytes
 
 
 def test_a_share_that_leaves_no_context_is_refused_with_the_fix(dflash):
     cap = Capacity(8, 256, kv_page=16, kv_memory=0.3)
     with pytest.raises(ConfigError, match="gpu_memory_utilization 0.3.*raise server.gpu_memory_utilization"):
-        size_pool(cap, dflash.target.config, None, 16, [8], torch.bfloat16, (10 * GIB, 40 * GIB))  # 30 GiB held
+        size_pool(cap, dflash.target.config, None, 16, [8], torch.bfloat16, (10 * GIB, 40 * GIB), plan())  # 30 GiB held
 
 
 def test_the_spec_bounds_the_share():
@@ -52,3 +60,21 @@ def test_the_spec_bounds_the_share():
         data["server"]["gpu_memory_utilization"] = bad
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             type(load_spec("specs/tiny-dflash.yaml")).model_validate(data)
+
+
+def test_the_workspace_holds_the_widest_rounds_attention_partials(monkeypatch):
+    """An 8B-shaped target's verify at 256 rows over a 4,144-key invariant cache launches 17
+    splits padded to 32 per (row, kv head), each a 64-row float32 tile: 2 GiB of partials that
+    capture allocates, which the workspace must have set aside (an H200 ran out of memory in
+    capture at gpu_memory_utilization 0.9 when it had not)."""
+    monkeypatch.setattr(attention, "interpreted", lambda: False)  # the device's plan, not the interpreter's
+    cfg = target_preset("qwen3-8b")
+    invariant = plan(4096 + 48, invariant=True)
+    assert invariant(1).count == 17
+    scratch = attention_scratch(cfg, [(256, 16)], invariant)
+    assert scratch == 256 * cfg.num_kv_heads * 32 * 64 * (cfg.head_dim + 1) * 4
+    assert scratch > 2 * GIB
+    buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert workspace_bytes(cfg, 16, buckets, 2, invariant) > workspace_bytes(cfg, 16, buckets[:6], 2, invariant) + 2 * GIB
+    # a short cache's plan at one row: the partials of a 256-token prefill's 1,024-row tile
+    assert attention_scratch(cfg, [(1, 256)], plan(512)) == 1 * 8 * 4 * 1024 * 129 * 4

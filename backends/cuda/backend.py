@@ -46,7 +46,7 @@ from .attention import INVARIANT_QUERY_ROWS
 from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing
 from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
-from .kv import LONG_WINDOW, FrozenTargetKV, Rows, RowsAttention, StaticKV, StaticStore
+from .kv import LONG_WINDOW, FrozenTargetKV, cache_splits, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
 from .memory import KVBudget, size_pool
 from .penalties import SlotPenalties
@@ -143,11 +143,12 @@ class CudaBackend(Prefilling):
         self.buckets = buckets_for(capacity.max_batch)
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
-        self.kv_budget = self._kv_budget(capacity, width, dtype)  # once the weights are on the device
+        invariant = _invariant(capacity, cfg, width)
+        self.kv_budget = self._kv_budget(capacity, width, dtype, capacity.max_model_len + margin, invariant)
         self.kv_pages = capacity.kv_pages or (self.kv_budget.pages if self.kv_budget else 0)  # 0: static slots
         paged = (self.kv_pages, capacity.kv_page) if self.kv_pages else None
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
-                              cfg.head_dim, dtype, device, invariant=_invariant(capacity, cfg, width), paged=paged,
+                              cfg.head_dim, dtype, device, invariant=invariant, paged=paged,
                               put=self._put)
         self.kv.share(self.cache.pager)  # the drafter's caches page with the target's table
         # a prompt may be prefilled in chunks: through the invariant prefill, which attends over
@@ -180,9 +181,11 @@ class CudaBackend(Prefilling):
                                          seeded, self._put) if capacity.prefix_block and self.chunked_prefill else None
         self.prefix = None if self.prefix_store is None else self.prefix_store.index
 
-    def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype) -> KVBudget | None:
+    def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype, max_len: int, invariant: bool
+                   ) -> KVBudget | None:
         """The paged pool server.gpu_memory_utilization fits (memory.py), when the spec sets it
-        and not server.num_kv_blocks."""
+        and not server.num_kv_blocks; once the weights are on the device. ``max_len`` and
+        ``invariant``: the cache's, for its attention plan's scratch."""
         if not capacity.kv_memory or capacity.kv_pages:
             return None
         if self.device.type != "cuda":
@@ -192,7 +195,8 @@ class CudaBackend(Prefilling):
         free, total = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget = size_pool(capacity, self.target.config, getattr(self.drafter, "model", None), width, self.buckets,
-                           dtype, (free + cached, total))
+                           dtype, (free + cached, total), functools.partial(cache_splits, max_len, invariant,
+                                                                             self.target.config.num_kv_heads))
         log.info("kv.pool", gpu_memory_utilization=capacity.kv_memory, **budget.summary())
         return budget
 

@@ -56,6 +56,14 @@ class SlotPool:
         self.free.append(slot)
 
 
+def cache_splits(max_len: int, invariant: bool, kv_heads: int, rows: int) -> Splits:
+    """How attention splits a row's keys for a batch of ``rows`` over a cache of ``max_len``
+    positions (attention.split_plan; the invariant plan ignores ``rows``)."""
+    if invariant:
+        return invariant_split_plan(max_len)
+    return split_plan(max_len, rows, kv_heads)
+
+
 class StaticKV:
     """Per layer K and V [slots + 1, Hkv, max_len, D] (views of one tensor) and the pool of slots. ``invariant``: the
     rows attending through it, and the matvecs of the stack it serves, take the batch-invariant
@@ -104,11 +112,7 @@ class StaticKV:
         self.slots.release(slot)
 
     def splits(self, rows: int) -> Splits:
-        """How attention splits a row's keys for a batch of ``rows`` (attention.split_plan; the
-        invariant plan ignores ``rows``)."""
-        if self.invariant:
-            return invariant_split_plan(self.max_len)
-        return split_plan(self.max_len, rows, self.kv_heads)
+        return cache_splits(self.max_len, self.invariant, self.kv_heads, rows)
 
     def attention(self, slots: Tensor, kv_len: Tensor, causal: bool) -> CacheAttention:
         return CacheAttention(self.k, self.v, slots, kv_len, causal, self.splits(slots.shape[0]), self.tickets,

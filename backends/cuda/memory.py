@@ -12,13 +12,17 @@ store. The workspace is an estimate; start-up measures the peak beside it (``rep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import triton
 from torch import nn
 
 from draftline.core.contract import Capacity
 from draftline.core.models.config import ConfigError
 
+from .attention import Splits
+from .kv import PARTIALS_BYTES
 from .prefill import PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS
 
 GIB = float(1 << 30)
@@ -48,30 +52,50 @@ def kv_bytes_per_token(module: nn.Module, itemsize: int) -> int:
                                                                                              nn.Linear))
 
 
-def workspace_bytes(cfg, capacity: Capacity, width: int, buckets: list[int], itemsize: int) -> int:
+def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: Callable[[int], Splits]) -> int:
     """The largest prefill's activations (PREFILL_GRAPH_TOKENS tokens through a layer, twice
-    over for partial sums and the allocator's slack) and the float32 logits every captured
-    graph keeps as its output: each prefill graph's rows, each round graph's rows x width."""
+    over for partial sums and the allocator's slack), the largest attention launch's split
+    partials, and the float32 logits every captured graph keeps as its output: each prefill
+    graph's rows, each round graph's rows x width, twice (the target's and the drafter's)."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
     activations = 2 * PREFILL_GRAPH_TOKENS * per_token * itemsize
-    prefill_rows = sum(2 * b * sum(1 for w in PREFILL_WIDTHS if b * w <= PREFILL_GRAPH_TOKENS) for b in buckets)
-    round_rows = sum(b * (width + 1) for b in buckets)
-    return activations + 4 * cfg.vocab_size * (prefill_rows + round_rows)
+    prefill = [(b, w) for b in buckets for w in PREFILL_WIDTHS if b * w <= PREFILL_GRAPH_TOKENS]
+    rounds = [(b, width) for b in buckets]
+    prefill_rows = sum(2 * b for b, _ in prefill)
+    round_rows = sum(b * width for b, _ in rounds)
+    logits = 4 * cfg.vocab_size * (prefill_rows + 2 * round_rows)
+    return activations + attention_scratch(cfg, prefill + rounds, splits) + logits
+
+
+def attention_scratch(cfg, shapes: list[tuple[int, int]], splits: Callable[[int], Splits]) -> int:
+    """Bytes of the split partials (attention.attend's o_part and lse_part, float32) of the
+    largest launch among ``shapes`` ((rows, query tokens a row)), under the cache's plan for
+    that many rows. A batch-invariant prefill's windows go as rows of launches of at most
+    PARTIALS_BYTES (kv.py). Captures free them between graphs: the largest is what counts.
+    At a long context a round's are large: the invariant plan's 17 splits of a 4,144-key
+    cache pad to 32, 8 MiB a row at Qwen3-8B's shapes (2 GiB at 256 rows)."""
+    group, most = cfg.num_heads // cfg.num_kv_heads, 0
+    for rows, tokens in shapes:
+        plan = splits(rows)
+        tile = plan.rows or max(16, triton.next_power_of_2(group * tokens))
+        parts = rows * cfg.num_kv_heads * triton.next_power_of_2(plan.count) * tile
+        most = max(most, parts * (cfg.head_dim + 1) * 4, PARTIALS_BYTES if plan.rows else 0)
+    return most
 
 
 def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, buckets: list[int],
-              dtype: torch.dtype, memory: tuple[int, int]) -> KVBudget:
+              dtype: torch.dtype, memory: tuple[int, int], splits: Callable[[int], Splits]) -> KVBudget:
     """The pages of ``capacity.kv_page`` positions that fit in capacity.kv_memory of a device
     whose ``memory`` is (free, total) bytes now (torch.cuda.mem_get_info, the allocator's
-    cached blocks counted free)."""
+    cached blocks counted free); ``splits`` is the cache's attention plan for a number of rows."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     free, total = memory
     limit, held = int(capacity.kv_memory * total), total - free
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     per_token += 0 if drafter is None else kv_bytes_per_token(drafter, itemsize)
     page = int(per_token * capacity.kv_page * (1 + (PREFIX_SHARE if capacity.prefix_block else 0)))
-    workspace = workspace_bytes(cfg, capacity, width, buckets, itemsize)
+    workspace = workspace_bytes(cfg, width, buckets, itemsize, splits)
     pages = (limit - held - workspace) // page
     row = -(-capacity.max_model_len // capacity.kv_page)
     if pages < row:
