@@ -159,7 +159,8 @@ def _report_pool(engine: Engine, mode: str) -> None:
     budget = getattr(engine.backend, "kv_budget", None)
     if budget is not None:
         peak = torch.cuda.max_memory_reserved() / (1 << 30)
-        print(f"{mode}: KV pool {budget.summary()}, peak reserved {peak:.2f} GiB", flush=True)
+        print(f"{mode}: KV pool {budget.summary()}, start-up {engine.startup.get('memory')}, "
+              f"peak reserved {peak:.2f} GiB", flush=True)
 
 
 def _table(rows: list[dict], opts: Options) -> str:

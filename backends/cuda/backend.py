@@ -168,7 +168,8 @@ class CudaBackend(Prefilling):
             self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
         # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
-        self.prefill_graphs = Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0")
+        self.prefill_graphs = Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0",
+                                     pool=self.graphs)  # one pool: a prefill's temporaries are a round's
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
         self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len, device)
         self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
@@ -208,7 +209,7 @@ class CudaBackend(Prefilling):
         the graphs are captured again with it inside."""
         self.draft_override = override
         self.graphs = Graphs(enabled=self.graphs.enabled)
-        self.prefill_graphs = Graphs(enabled=self.prefill_graphs.enabled)
+        self.prefill_graphs = Graphs(enabled=self.prefill_graphs.enabled, pool=self.graphs)
         return self.prepare()
 
     # ------------------------------------------------------------------ start-up
@@ -222,7 +223,7 @@ class CudaBackend(Prefilling):
         then the short prefills' graphs, over the scratch slot."""
         if not self.graphs.enabled:
             return {"graphs": 0, "seconds": 0.0}
-        begin = time.perf_counter()
+        begin, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         graphed, self.prefill_graphs.enabled = self.prefill_graphs.enabled, False
         self._warm_prefill(2)  # eager: the drafter's caches are made outside any capture
         self.prefill_graphs.enabled = graphed
@@ -237,6 +238,7 @@ class CudaBackend(Prefilling):
         if self.prefix_store is not None:
             self.prefix_store.ready()  # the drafter's block store, now that its caches exist: not mid-serving
         self.bufs.load([], self.capacity.max_batch)
+        warmed = torch.cuda.memory_reserved(self.device) - reserved  # the eager prefills' temporaries, kept cached
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
                 self._replay(*key)
@@ -251,7 +253,12 @@ class CudaBackend(Prefilling):
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
         torch.cuda.synchronize()
-        return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3)}
+        gib = 1 << 30  # what start-up reserved, beside what the pool's sizing set aside (kv_budget.workspace)
+        memory = {"warm_up_gib": round(warmed / gib, 2), "graphs_gib": round((self.graphs.grown + self.prefill_graphs.grown)
+                                                                             / gib, 2),
+                  "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / gib, 2)}
+        return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3),
+                "memory": memory}
 
     def _warm_prefill(self, length: int, n: int = 1, chunk: int | None = None) -> None:
         """n prompts of ``length`` tokens prefilled (with ``chunk``: that many first, then the rest)."""

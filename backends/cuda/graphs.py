@@ -1,8 +1,10 @@
 """CUDA graphs keyed by (step, shape): captured on first use, replayed after.
 
 A step function reads its inputs from persistent buffers and returns its outputs; the graph
-keeps those output tensors, which every replay overwrites. All graphs share one memory pool:
-they never run concurrently and each keeps its outputs referenced, so none reuses another's.
+keeps those output tensors, which every replay overwrites. All graphs share one memory pool
+(and a second Graphs may share it: ``pool``): they never run concurrently, on one stream, and
+each keeps its outputs referenced, so none reuses another's; one capture's temporaries are the
+next one's. ``grown`` counts what the allocator reserved across captures (warm-ups included).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import torch
 
 
 class Graphs:
-    def __init__(self, enabled: bool, warmup: int = 2):
+    def __init__(self, enabled: bool, warmup: int = 2, pool: "Graphs | None" = None):
         self.enabled, self.warmup = enabled, warmup
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self._pool = None
+        self._pool = (pool._pool if pool is not None else torch.cuda.graph_pool_handle()) if enabled else None
+        self.grown = 0  # bytes the allocator's reservation grew across this object's captures
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -34,6 +37,7 @@ class Graphs:
         return out
 
     def _capture(self, step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        before = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile kernels and settle the allocator outside capture
@@ -49,5 +53,5 @@ class Graphs:
         finally:
             if collecting:
                 gc.enable()
-        self._pool = graph.pool()
+        self.grown += torch.cuda.memory_reserved() - before
         return graph, out
