@@ -254,8 +254,8 @@ class CudaBackend(Prefilling):
                                                 lambda: self._prefill_step(bucket, width, None, later))
         torch.cuda.synchronize()
         gib = 1 << 30  # what start-up reserved, beside what the pool's sizing set aside (kv_budget.workspace)
-        memory = {"warm_up_gib": round(warmed / gib, 2), "graphs_gib": round((self.graphs.grown + self.prefill_graphs.grown)
-                                                                             / gib, 2),
+        memory = {"warm_up_gib": round(warmed / gib, 2), "round_graphs_gib": round(self.graphs.grown / gib, 2),
+                  "prefill_graphs_gib": round(self.prefill_graphs.grown / gib, 2),
                   "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / gib, 2)}
         return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3),
                 "memory": memory}

@@ -20,6 +20,10 @@ class Graphs:
         self.enabled, self.warmup = enabled, warmup
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = (pool._pool if pool is not None else torch.cuda.graph_pool_handle()) if enabled else None
+        # One stream for every capture's warm-up runs: the allocator keeps a freed block for its
+        # stream, so a new stream a capture (torch hands out 32 in turn) kept up to 32 captures'
+        # temporaries reserved apart.
+        self._side = (pool._side if pool is not None else torch.cuda.Stream()) if enabled else None
         self.grown = 0  # bytes the allocator's reservation grew across this object's captures
 
     def __len__(self) -> int:
@@ -38,7 +42,7 @@ class Graphs:
 
     def _capture(self, step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         before = torch.cuda.memory_reserved()
-        side = torch.cuda.Stream()
+        side = self._side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile kernels and settle the allocator outside capture
             for _ in range(self.warmup):
