@@ -41,7 +41,7 @@ def test_a_page_holds_the_targets_and_the_drafters_keys_and_the_prefix_share(dfl
     budget = size_pool(cap, cfg, drafter, 16, [1, 2, 4, 8], torch.bfloat16, (free, total), plan())
     target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     assert budget.page_bytes == int((target + kv_bytes_per_token(drafter, 2)) * 16 * 1.25)
-    assert budget.workspace == workspace_bytes(cfg, 16, [1, 2, 4, 8], 2, plan())
+    assert budget.workspace == workspace_bytes(cfg, 16, [1, 2, 4, 8], 2, plan())  # no taps passed
     assert budget.pages == (20 * GIB - 10 * GIB - budget.workspace) // budget.page_bytes
     unprefixed = size_pool(Capacity(8, 256, kv_page=16, kv_memory=0.5), cfg, None, 16, [1, 2, 4, 8], torch.bfloat16,
                            (free, total), plan())
@@ -76,5 +76,8 @@ def test_the_workspace_holds_the_widest_rounds_attention_partials(monkeypatch):
     assert scratch > 2 * GIB
     buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert workspace_bytes(cfg, 16, buckets, 2, invariant) > workspace_bytes(cfg, 16, buckets[:6], 2, invariant) + 2 * GIB
+    # a drafter that reads 5 x 4,096 target features a token: each prefill graph keeps them
+    taps = workspace_bytes(cfg, 16, buckets, 2, invariant, taps=5 * 4096) - workspace_bytes(cfg, 16, buckets, 2, invariant)
+    assert taps >= 5 * GIB  # 146,464 prompt positions over the prefill graphs (measured: 5.59 GiB on an H200)
     # a short cache's plan at one row: the partials of a 256-token prefill's 1,024-row tile
     assert attention_scratch(cfg, [(1, 256)], plan(512)) == 1 * 8 * 4 * 1024 * 129 * 4

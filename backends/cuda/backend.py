@@ -197,7 +197,8 @@ class CudaBackend(Prefilling):
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget = size_pool(capacity, self.target.config, getattr(self.drafter, "model", None), width, self.buckets,
                            dtype, (free + cached, total), functools.partial(cache_splits, max_len, invariant,
-                                                                             self.target.config.num_kv_heads))
+                                                                             self.target.config.num_kv_heads),
+                           taps=len(self.plan.target_layer_ids) * self.target.config.hidden_size if self.drafter else 0)
         log.info("kv.pool", gpu_memory_utilization=capacity.kv_memory, **budget.summary())
         return budget
 

@@ -52,20 +52,28 @@ def kv_bytes_per_token(module: nn.Module, itemsize: int) -> int:
                                                                                              nn.Linear))
 
 
-def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: Callable[[int], Splits]) -> int:
-    """The largest prefill's activations (PREFILL_GRAPH_TOKENS tokens through a layer, twice
-    over for partial sums and the allocator's slack), the largest attention launch's split
-    partials, and the float32 logits every captured graph keeps as its output: each prefill
-    graph's rows, each round graph's rows x width, twice (the target's and the drafter's)."""
+def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: Callable[[int], Splits],
+                    taps: int = 0) -> int:
+    """What start-up's graphs and eager prefills reserve beside the weights and the pool, as
+    measured on an H200 (bench/memory_probe.py: 8B DFlash at 256 rows, 22.5 GiB in the graphs'
+    pool and 3.5 in the eager one, against 26.7 here). What the graphs keep as outputs: the
+    float32 logits of each prefill graph's rows and of each round graph's rows x width, twice
+    (the target's and the drafter's), and, for a drafter that reads ``taps`` features a token,
+    each prefill graph's tapped features of every prompt token. Temporaries twice, once in the
+    graphs' pool and once in the eager prefills': the largest prefill's activations
+    (PREFILL_GRAPH_TOKENS tokens through a layer, twice over for partial sums) and the largest
+    attention launch's split partials. A tenth more for the allocator's rounding."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
     activations = 2 * PREFILL_GRAPH_TOKENS * per_token * itemsize
     prefill = [(b, w) for b in buckets for w in PREFILL_WIDTHS if b * w <= PREFILL_GRAPH_TOKENS]
     rounds = [(b, width) for b in buckets]
-    prefill_rows = sum(2 * b for b, _ in prefill)
+    prefill_rows = sum(2 * b for b, _ in prefill)  # first chunks' graphs and later chunks'
     round_rows = sum(b * width for b, _ in rounds)
     logits = 4 * cfg.vocab_size * (prefill_rows + 2 * round_rows)
-    return activations + attention_scratch(cfg, prefill + rounds, splits) + logits
+    features = sum(2 * b * w for b, w in prefill) * taps * itemsize
+    temporaries = 2 * (activations + attention_scratch(cfg, prefill + rounds, splits))
+    return int(1.1 * (logits + features + temporaries))
 
 
 def attention_scratch(cfg, shapes: list[tuple[int, int]], splits: Callable[[int], Splits]) -> int:
@@ -85,17 +93,19 @@ def attention_scratch(cfg, shapes: list[tuple[int, int]], splits: Callable[[int]
 
 
 def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, buckets: list[int],
-              dtype: torch.dtype, memory: tuple[int, int], splits: Callable[[int], Splits]) -> KVBudget:
+              dtype: torch.dtype, memory: tuple[int, int], splits: Callable[[int], Splits], taps: int = 0
+              ) -> KVBudget:
     """The pages of ``capacity.kv_page`` positions that fit in capacity.kv_memory of a device
     whose ``memory`` is (free, total) bytes now (torch.cuda.mem_get_info, the allocator's
-    cached blocks counted free); ``splits`` is the cache's attention plan for a number of rows."""
+    cached blocks counted free); ``splits`` is the cache's attention plan for a number of rows;
+    ``taps``: the target features a token the drafter reads (0: none)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     free, total = memory
     limit, held = int(capacity.kv_memory * total), total - free
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     per_token += 0 if drafter is None else kv_bytes_per_token(drafter, itemsize)
     page = int(per_token * capacity.kv_page * (1 + (PREFIX_SHARE if capacity.prefix_block else 0)))
-    workspace = workspace_bytes(cfg, width, buckets, itemsize, splits)
+    workspace = workspace_bytes(cfg, width, buckets, itemsize, splits, taps)
     pages = (limit - held - workspace) // page
     row = -(-capacity.max_model_len // capacity.kv_page)
     if pages < row:
