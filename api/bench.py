@@ -9,6 +9,7 @@ random pairs): those numbers are simulated acceptance and are labelled so."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -76,15 +77,26 @@ def check(opts: Options, spec: Spec) -> None:
                           f"max_model_len {limit}; raise --max-model-len or shorten the prompts")
 
 
-def _continuations(engine: Engine, spec: Spec, opts: Options, prompts: list, long_prompt: list[int] | None
-                   ) -> dict[tuple[int, ...], list[int]]:
-    """Every prompt's greedy continuation, from a `none` engine over the same target."""
-    if engine.backend_name != "cuda":
+def _continuations(spec: Spec, opts: Options, target: tuple) -> tuple[dict, list, list[int] | None, tuple]:
+    """Every prompt's greedy continuation, from a `none` engine over the target, built first and
+    gone before the measured engine sizes its KV (a second pool would not fit beside it):
+    (continuations, prompts, the long prompt, (target, tokenizer))."""
+    none = Engine(spec.with_method({"method": "none"}), *target)
+    if none.backend_name != "cuda":
         raise ConfigError("--acceptance runs on the cuda backend (a GPU): set backend: cuda or auto on a GPU machine")
-    none = engine.with_method({"method": "none"})
+    prompts, long_prompt = workload(opts, none.target.config.vocab_size)
     ids = prompts + ([long_prompt] if long_prompt else [])
     beyond = min(64, spec.model.max_model_len - opts.max_new - max(len(p) for p in ids))  # drafts past the end
-    return benchmark.greedy_continuations(none, ids, opts.max_new + beyond)
+    return (benchmark.greedy_continuations(none, ids, opts.max_new + beyond), prompts, long_prompt,
+            (none.target, none.tokenizer))
+
+
+def _release() -> None:
+    """What an engine dropped by its last reference held on the device, its graphs and KV,
+    given back (the weights stay, shared)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _simulate(engine: Engine, continuations: dict, prompts: list, opts: Options, rate: float) -> None:
@@ -139,18 +151,19 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
     spec = spec.model_copy(update={"model": model, "server": spec.server.model_copy(update=server)})
     rows, target, continuations, prompts, long_prompt = [], (), None, None, None
     for mode in opts.modes:
+        if rate is not None and continuations is None:
+            continuations, prompts, long_prompt, target = _continuations(spec, opts, target)
+            _release()
         engine = Engine(spec, *target, draft_policy=MODES[mode][0])
         target = (engine.target, engine.tokenizer)
         if prompts is None:
             prompts, long_prompt = workload(opts, engine.target.config.vocab_size)
         if rate is not None:
-            continuations = continuations or _continuations(engine, spec, opts, prompts, long_prompt)
             _simulate(engine, continuations, prompts, opts, rate)
         rows += _serve(spec, engine, mode, opts, prompts, long_prompt)
         _report_pool(engine, mode)
         del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release()
     return json.dumps(rows) if as_json else _table(rows, opts)
 
 

@@ -211,6 +211,8 @@ class CudaBackend(Prefilling):
         self.draft_override = override
         self.graphs = Graphs(enabled=self.graphs.enabled)
         self.prefill_graphs = Graphs(enabled=self.prefill_graphs.enabled, pool=self.graphs)
+        if self.graphs.enabled:  # the old graphs' pool back to the device before the new ones' captures
+            torch.cuda.empty_cache()
         return self.prepare()
 
     # ------------------------------------------------------------------ start-up
