@@ -241,7 +241,7 @@ class CudaBackend(Prefilling):
         if self.prefix_store is not None:
             self.prefix_store.ready()  # the drafter's block store, now that its caches exist: not mid-serving
         self.bufs.load([], self.capacity.max_batch)
-        warmed = torch.cuda.memory_reserved(self.device) - reserved  # the eager prefills' temporaries, kept cached
+        warmed = torch.cuda.memory_reserved(self.device) - reserved  # the prefix store, and eager temporaries kept cached
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
                 self._replay(*key)
