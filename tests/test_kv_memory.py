@@ -1,5 +1,6 @@
 """server.gpu_memory_utilization: the paged pool's size from the device's memory (memory.py)."""
 
+import gc
 import os
 
 import pytest
@@ -81,3 +82,33 @@ def test_the_workspace_holds_the_widest_rounds_attention_partials(monkeypatch):
     assert taps >= 5 * GIB  # 146,464 prompt positions over the prefill graphs (measured: 5.59 GiB on an H200)
     # a short cache's plan at one row: the partials of a 256-token prefill's 1,024-row tile
     assert attention_scratch(cfg, [(1, 256)], plan(512)) == 1 * 8 * 4 * 1024 * 129 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["specs/tiny-dflash.yaml", "specs/tiny-none.yaml"])
+def test_start_up_reserves_no_more_than_the_workspace_set_aside(path):
+    """What an engine's start-up reserves past its weights and its pool (graphs, warm-ups) fits
+    the workspace the sizing sets aside for the same configuration: a pool sized from
+    gpu_memory_utilization leaves the rest of the device alone. A fixed pool here, so other
+    processes on the device do not move the numbers."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    spec = load_spec(path)
+    spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_batch_size": 16,
+                                                                            "num_kv_blocks": 1024})})
+    engine = Engine(spec)
+    backend = engine.backend
+    drafter = getattr(backend.drafter, "model", None)
+    weights = sum(p.numel() * p.element_size() for m in (engine.target, drafter) if m is not None
+                  for p in m.parameters())
+    cache = backend.cache
+    total = torch.cuda.mem_get_info()[1]
+    taps = len(backend.plan.target_layer_ids) * engine.target.config.hidden_size if drafter is not None else 0
+    prefix = spec.server.block_size if spec.server.enable_prefix_caching else 0
+    capacity = Capacity(16, spec.model.max_model_len, prefix_block=prefix, kv_page=cache.pager.size, kv_memory=1.0)
+    budget = size_pool(capacity, engine.target.config, drafter, backend.width, backend.buckets, cache.data.dtype,
+                       (total, total), cache.splits, taps)
+    spent = torch.cuda.max_memory_reserved() - base - weights - 1024 * budget.page_bytes
+    assert spent <= budget.workspace, (engine.startup, spent, budget.workspace)

@@ -26,6 +26,7 @@ from .kv import PARTIALS_BYTES
 from .prefill import PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS
 
 GIB = float(1 << 30)
+SEGMENTS = 512 << 20  # the allocator's rounding: each stream's and pool's segments, whatever the model
 PREFIX_SHARE = 0.25  # the prefix store keeps a quarter of the pool's positions (backend._prefix_blocks)
 
 
@@ -62,7 +63,7 @@ def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: 
     each prefill graph's tapped features of every prompt token. Temporaries twice, once in the
     graphs' pool and once in the eager prefills': the largest prefill's activations
     (PREFILL_GRAPH_TOKENS tokens through a layer, twice over for partial sums) and the largest
-    attention launch's split partials. A tenth more for the allocator's rounding."""
+    attention launch's split partials. A tenth more, and SEGMENTS, for the allocator's rounding."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
     activations = 2 * PREFILL_GRAPH_TOKENS * per_token * itemsize
@@ -73,7 +74,7 @@ def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: 
     logits = 4 * cfg.vocab_size * (prefill_rows + 2 * round_rows)
     features = sum(2 * b * w for b, w in prefill) * taps * itemsize
     temporaries = 2 * (activations + attention_scratch(cfg, prefill + rounds, splits))
-    return int(1.1 * (logits + features + temporaries))
+    return int(1.1 * (logits + features + temporaries)) + SEGMENTS
 
 
 def attention_scratch(cfg, shapes: list[tuple[int, int]], splits: Callable[[int], Splits]) -> int:
