@@ -96,8 +96,8 @@ def test_start_up_reserves_no_more_than_the_workspace_set_aside(path):
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     spec = load_spec(path)
-    spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_batch_size": 16,
-                                                                            "num_kv_blocks": 1024})})
+    spec = spec.model_copy(update={"backend": "cuda", "server": spec.server.model_copy(
+        update={"max_batch_size": 16, "num_kv_blocks": 1024})})
     engine = Engine(spec)
     backend = engine.backend
     drafter = getattr(backend.drafter, "model", None)
