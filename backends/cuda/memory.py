@@ -57,8 +57,8 @@ def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: 
                     taps: int = 0) -> int:
     """What start-up's graphs and eager prefills reserve beside the weights and the pool, as
     measured on an H200 (bench/memory_probe.py: 8B DFlash at 256 rows, 22.5 GiB in the graphs'
-    pool and 3.5 in the eager one, against 26.9 here, 27.4 with SEGMENTS). What the graphs keep as outputs: the
-    float32 logits of each prefill graph's rows and of each round graph's rows x width, twice
+    pool and 3.5 in the eager one, against 26.9 here, 27.4 with SEGMENTS). What the graphs
+    keep as outputs: the float32 logits of each prefill graph's rows and of each round graph's rows x width, twice
     (the target's and the drafter's), and, for a drafter that reads ``taps`` features a token,
     each prefill graph's tapped features of every prompt token. Temporaries twice, once in the
     graphs' pool and once in the eager prefills': the largest prefill's activations
