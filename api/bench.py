@@ -93,10 +93,12 @@ def _continuations(spec: Spec, opts: Options, target: tuple) -> tuple[dict, list
 
 def _release() -> None:
     """What an engine dropped by its last reference held on the device, its graphs and KV,
-    given back (the weights stay, shared)."""
+    given back (the weights stay, shared); the peak counted afresh, so the next engine's
+    printed peak is its own."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _simulate(engine: Engine, continuations: dict, prompts: list, opts: Options, rate: float) -> None:
