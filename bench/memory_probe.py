@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from draftline.backends.cuda.memory import weight_bytes
 from draftline.core.engine import Engine
 from draftline.core.spec import load_spec
 
@@ -27,8 +28,7 @@ def main(path: str, utilization: float, max_batch: int, max_len: int = 0) -> Non
     torch.cuda.memory._record_memory_history(max_entries=100000)
     engine = Engine(spec.model_copy(update={"server": server, "model": model}))
     backend = engine.backend
-    weights = sum(p.numel() * p.element_size() for m in (engine.target, getattr(backend.drafter, "model", None))
-                  if m is not None for p in m.parameters())
+    weights = weight_bytes(engine.target, getattr(backend.drafter, "model", None))
     kv = backend.cache.data.numel() * backend.cache.data.element_size()  # the target's keys and values
     free, total = torch.cuda.mem_get_info()
     print(json.dumps({"weights_gib": round(weights / GIB, 2), "target_kv_gib": round(kv / GIB, 2),
@@ -36,6 +36,7 @@ def main(path: str, utilization: float, max_batch: int, max_len: int = 0) -> Non
                       "startup": engine.startup, "allocated_gib": round(torch.cuda.memory_allocated() / GIB, 2),
                       "reserved_gib": round(torch.cuda.memory_reserved() / GIB, 2),
                       "device_used_gib": round((total - free) / GIB, 2), "total_gib": round(total / GIB, 2)}, indent=1))
+
 
 def segments() -> None:
     """Reserved and allocated GiB by (stream, pool); the largest live allocations by their site."""

@@ -1,5 +1,6 @@
 """server.gpu_memory_utilization: the paged pool's size from the device's memory (memory.py)."""
 
+import functools
 import gc
 import os
 
@@ -11,8 +12,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftline.backends.cuda import attention  # noqa: E402
-from draftline.backends.cuda.attention import device_split_plan, invariant_split_plan  # noqa: E402
-from draftline.backends.cuda.memory import attention_scratch, kv_bytes_per_token, size_pool, workspace_bytes  # noqa: E402
+from draftline.backends.cuda.kv import cache_splits  # noqa: E402
+from draftline.backends.cuda.memory import (attention_scratch, kv_bytes_per_token, size_pool, weight_bytes,  # noqa: E402
+                                            workspace_bytes)
 from draftline.core.contract import Capacity  # noqa: E402
 from draftline.core.engine import Engine  # noqa: E402
 from draftline.core.models.config import ConfigError  # noqa: E402
@@ -23,8 +25,8 @@ GIB = 1 << 30
 
 
 def plan(max_len: int = 256, invariant: bool = False):
-    """The cache's attention plan as the device would take it (the interpreter's is one split)."""
-    return (lambda rows: invariant_split_plan(max_len)) if invariant else (lambda rows: device_split_plan(max_len, rows))
+    """The attention plan of a cache of ``max_len`` positions and 8 kv heads, for a number of rows."""
+    return functools.partial(cache_splits, max_len, invariant, 8)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +103,7 @@ def test_start_up_reserves_no_more_than_the_workspace_set_aside(path):
     engine = Engine(spec)
     backend = engine.backend
     drafter = getattr(backend.drafter, "model", None)
-    weights = sum(p.numel() * p.element_size() for m in (engine.target, drafter) if m is not None
-                  for p in m.parameters())
+    weights = weight_bytes(engine.target, drafter)
     cache = backend.cache
     total = torch.cuda.mem_get_info()[1]
     taps = len(backend.plan.target_layer_ids) * engine.target.config.hidden_size if drafter is not None else 0

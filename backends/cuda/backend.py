@@ -48,7 +48,7 @@ from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
 from .kv import LONG_WINDOW, FrozenTargetKV, cache_splits, Rows, RowsAttention, StaticKV, StaticStore
 from .matvec import Draw, take_draws
-from .memory import KVBudget, size_pool
+from .memory import GIB, KVBudget, size_pool
 from .penalties import SlotPenalties
 from .prefill import PREFILL_WIDTHS, PrefillBuffers, Prefilling, draw_scores
 from .prefix import DevicePrefix
@@ -144,7 +144,9 @@ class CudaBackend(Prefilling):
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         invariant = _invariant(capacity, cfg, width)
-        self.kv_budget = self._kv_budget(capacity, width, dtype, capacity.max_model_len + margin, invariant)
+        taps = len(plan.target_layer_ids) * cfg.hidden_size  # target features a token the drafter reads
+        self.kv_budget = self._kv_budget(capacity, width, dtype, capacity.max_model_len + margin, invariant,
+                                         taps if self.drafter is not None else 0)
         self.kv_pages = capacity.kv_pages or (self.kv_budget.pages if self.kv_budget else 0)  # 0: static slots
         paged = (self.kv_pages, capacity.kv_page) if self.kv_pages else None
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
@@ -164,7 +166,6 @@ class CudaBackend(Prefilling):
         self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device)
         self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
         if self.drafter is not None and self.drafter.reads_last_features:
-            taps = len(plan.target_layer_ids) * cfg.hidden_size
             self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
         # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
@@ -182,11 +183,12 @@ class CudaBackend(Prefilling):
                                          seeded, self._put) if capacity.prefix_block and self.chunked_prefill else None
         self.prefix = None if self.prefix_store is None else self.prefix_store.index
 
-    def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype, max_len: int, invariant: bool
-                   ) -> KVBudget | None:
+    def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype, max_len: int, invariant: bool,
+                   taps: int) -> KVBudget | None:
         """The paged pool server.gpu_memory_utilization fits (memory.py), when the spec sets it
         and not server.num_kv_blocks; once the weights are on the device. ``max_len`` and
-        ``invariant``: the cache's, for its attention plan's scratch."""
+        ``invariant``: the cache's, for its attention plan's scratch; ``taps``: the features a
+        token the drafter reads, which the prefill graphs keep."""
         if not capacity.kv_memory or capacity.kv_pages:
             return None
         if self.device.type != "cuda":
@@ -197,8 +199,7 @@ class CudaBackend(Prefilling):
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget = size_pool(capacity, self.target.config, getattr(self.drafter, "model", None), width, self.buckets,
                            dtype, (free + cached, total), functools.partial(cache_splits, max_len, invariant,
-                                                                             self.target.config.num_kv_heads),
-                           taps=len(self.plan.target_layer_ids) * self.target.config.hidden_size if self.drafter else 0)
+                                                                             self.target.config.num_kv_heads), taps)
         log.info("kv.pool", gpu_memory_utilization=capacity.kv_memory, **budget.summary())
         return budget
 
@@ -256,10 +257,10 @@ class CudaBackend(Prefilling):
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
         torch.cuda.synchronize()
-        gib = 1 << 30  # what start-up reserved, beside what the pool's sizing set aside (kv_budget.workspace)
-        memory = {"warm_up_gib": round(warmed / gib, 2), "round_graphs_gib": round(self.graphs.grown / gib, 2),
-                  "prefill_graphs_gib": round(self.prefill_graphs.grown / gib, 2),
-                  "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / gib, 2)}
+        # what start-up reserved, beside what the pool's sizing set aside (kv_budget.workspace)
+        memory = {"warm_up_gib": round(warmed / GIB, 2), "round_graphs_gib": round(self.graphs.grown / GIB, 2),
+                  "prefill_graphs_gib": round(self.prefill_graphs.grown / GIB, 2),
+                  "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / GIB, 2)}
         return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3),
                 "memory": memory}
 

@@ -46,6 +46,12 @@ class KVBudget:
                 "workspace_gib": round(self.workspace / GIB, 2)}
 
 
+def weight_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the modules' parameters, each counted once (a drafter may share the target's)."""
+    params = {id(p): p for m in modules if m is not None for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
 def kv_bytes_per_token(module: nn.Module, itemsize: int) -> int:
     """Keys and values a token costs in the caches of ``module``'s attention layers (each
     module with a k projection keeps one; a query-only layer keeps none)."""
