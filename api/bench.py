@@ -125,14 +125,18 @@ def _serve(spec: Spec, engine: Engine, mode: str, opts: Options, prompts: list, 
 
 
 def _choices(engine: Engine) -> list[str]:
-    """What `auto` measured and chose so far, per batch bucket (as /spec shows it)."""
-    arms: dict[int, dict] = {}
+    """What `auto` measured and chose so far, per batch bucket (as /spec shows it): each verify
+    width's ms per token and rounds (width 1: plain), and the choice."""
+    arms: dict[int, list[dict]] = {}
     for arm in engine.policy.table():
-        arms.setdefault(arm["batch_bucket"], {})[arm["drafting"]] = arm
-    return [f"batch {size}: drafting {a[True]['ms_per_token']} ms/token ({a[True]['rounds']} rounds), plain "
-            f"{a[False]['ms_per_token']} ({a[False]['rounds']}), "
-            f"{'drafts' if a[True]['chosen'] else 'plain' if a[True]['chosen'] is False else 'measuring'}"
-            for size, a in sorted(arms.items()) if True in a and False in a]
+        arms.setdefault(arm["batch_bucket"], []).append(arm)
+    out = []
+    for size, rows in sorted(arms.items()):
+        chosen = next((a["width"] for a in rows if a["chosen"]), None)
+        measured = ", ".join(f"width {a['width']} {a['ms_per_token']} ms/token ({a['rounds']} rounds)" for a in rows)
+        verdict = "measuring" if chosen is None else "plain" if chosen == 1 else f"drafts, verifying {chosen}"
+        out.append(f"batch {size}: {measured}; {verdict}")
+    return out
 
 
 def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:

@@ -43,6 +43,10 @@ class Proposal:
     def rows(self, keep: list[int]) -> "Proposal":
         return Proposal(self.tokens[keep], None if self.probs is None else self.probs[keep])
 
+    def first(self, k: int) -> "Proposal":
+        """The first k drafts of every row (a narrower verify)."""
+        return self if k >= self.tokens.shape[1] else Proposal(self.tokens[:, :k], None if self.probs is None else self.probs[:, :k])
+
 
 @dataclass(frozen=True)
 class Verification:
@@ -133,6 +137,17 @@ class RoundResult:
     drafted: list[list[int]]  # the round's K drafts (empty lists for a round that did not draft)
 
 
+def narrowing_widths(k: int) -> tuple[int, ...]:
+    """Verify widths a drafting round may take with K drafts: K + 1, then halving down to 2
+    (K = 15: 16, 8, 4, 2). Later drafts are the least likely accepted, and past the batch size
+    where the verify turns compute-bound each costs as much as the first."""
+    out, w = [], k + 1
+    while w >= 2 and w not in out:
+        out.append(w)
+        w = (w + 1) // 2
+    return tuple(out)
+
+
 class Backend(Protocol):
     """Runs rounds for the machine. ``launch`` enqueues one round for the given rows (this
     round's draft, its verify and the acceptance, on the device) and returns at once with a
@@ -155,8 +170,14 @@ class Backend(Protocol):
         the rows done before it is collected. A backend whose ``chunked_prefill`` is false
         gets whole prompts only."""
 
-    def launch(self, reqs: list[Request], draft: bool) -> Any:
-        """Enqueue one round for ``reqs`` (drafting K tokens, or a plain decode step)."""
+    def verify_widths(self, rows: int) -> tuple[int, ...]:
+        """The drafting rounds' verify widths it runs for ``rows`` rows, widest (K + 1) first:
+        a narrower one verifies only the round's first drafts (narrowing_widths)."""
+
+    def launch(self, reqs: list[Request], width: int) -> Any:
+        """Enqueue one round for ``reqs`` verifying ``width`` tokens a row: the last token and the
+        first width - 1 of K drafts (1: a plain decode step). A backend may run a round wider
+        than asked (the drafts a row reports say what it ran), never narrower."""
 
     def collect(self, handle: Any) -> RoundResult:
         """Wait for a launched round (or a prefill) and return what it decided."""

@@ -100,7 +100,7 @@ class Flight:
 
     handle: Any  # the backend's
     reqs: tuple[Request, ...]  # its rows, in order
-    draft: bool
+    width: int  # the verify width asked: 1 (plain), or 1 + the drafts verified
     launched: float  # perf_counter at launch
     prefill: bool = False  # the rows' prefill: its result is each row's first token
 
@@ -187,7 +187,7 @@ class Machine:
                 advance(req, Phase.PREFILL)
             req.in_flight += 1
         handle = self.backend.prefill(reqs, [end for _, end in prefills])
-        self.flights.append(Flight(handle, tuple(reqs), False, time.perf_counter(), prefill=True))
+        self.flights.append(Flight(handle, tuple(reqs), 1, time.perf_counter(), prefill=True))
         self.clock.prefills += 1
         self.clock.prefill_s += time.perf_counter() - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
@@ -217,12 +217,13 @@ class Machine:
                 and not Stops.done_in_flight(r, r.in_flight)]
         if not rows:
             return False
-        drafting = self.plan.num_speculative_tokens > 0 and self.policy.should_draft(len(rows), _drafted(rows))
-        for group, draft in (([r for r in rows if drafting and r.speculate], True),
-                             ([r for r in rows if not (drafting and r.speculate)], False)):
+        widths = self.backend.verify_widths(len(rows)) if self.plan.num_speculative_tokens > 0 else ()
+        width = self.policy.choose(len(rows), widths, _drafted(rows))
+        for group, w in (([r for r in rows if width > 1 and r.speculate], width),
+                         ([r for r in rows if not (width > 1 and r.speculate)], 1)):
             if group:
                 launched = time.perf_counter()  # before the launch: a synchronous backend runs the round in it
-                self.flights.append(Flight(self.backend.launch(group, draft), tuple(group), draft, launched))
+                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), w, launched))
                 for req in group:
                     self.clock.ahead += req.in_flight > 0
                     req.in_flight += 1
@@ -240,21 +241,25 @@ class Machine:
             self._last_collect = now
             return
         self.clock.rounds += 1
-        emitted, live = 0, 0
+        # the width the round ran: a backend may widen it (rows that read logits take its full window)
+        width = 1 + max(map(len, result.drafted), default=0)
+        expected = self.policy.expected(width)
+        emitted, accepted = 0, []
         for i, req in enumerate(flight.reqs):
             req.in_flight -= 1
             if req.phase is Phase.FINISHED:  # stopped by an earlier round, cancelled or failed
                 continue
-            live += 1
             if not result.finite[i]:  # one request's failure ends that request, never the batch
                 abort(req, "non-finite logits in verify")
                 continue
+            accepted.append(result.accepted[i])
+            req.stats.expected_accepted += expected
             emitted += self._book(req, result.drafted[i], result.accepted[i], result.tokens[i])
         # the round's share of wall time: from its launch, or from the previous collect when it
         # ran behind that one. A round only stopped requests ran says nothing of its choice.
         since = max(flight.launched, self._last_collect or 0.0)
-        if live:
-            self.policy.record(len(flight.reqs), flight.draft, now - since, emitted)
+        if accepted:
+            self.policy.record(len(flight.reqs), width, now - since, emitted, accepted)
         self._last_collect = now
 
     def _book(self, req: Request, drafted: list[int], accepted: int, tokens: list[int]) -> int:
@@ -289,6 +294,5 @@ class Machine:
 
 
 def _drafted(rows: list[Request]) -> Drafted:
-    """The rows' drafted rounds so far and the tokens those emitted (accepted drafts + 1 each)."""
-    rounds = sum(r.stats.drafted_rounds for r in rows)
-    return Drafted(rounds, rounds + sum(r.stats.accepted_tokens for r in rows))
+    """The drafts the rows accepted so far, and what the policy's acceptance model expected."""
+    return Drafted(sum(r.stats.accepted_tokens for r in rows), sum(r.stats.expected_accepted for r in rows))

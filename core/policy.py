@@ -1,35 +1,38 @@
-"""When to draft: speculation must never make a step slower per emitted token than plain
-decoding. The policy is per batch size, since large batches turn the target's verify from
-memory-bound into compute-bound and drafting stops paying."""
+"""When to draft, and how many drafts to verify: speculation must never make a step slower per
+emitted token than plain decoding. The policy is per batch size, since large batches turn the
+target's verify from memory-bound into compute-bound: there a full verify stops paying, while a
+narrower one (the round's first drafts only, its later positions the least likely accepted)
+may still pay."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 WINDOW = 16  # the latest rounds an estimate is made of
 PRIOR_ROUNDS = 16  # drafted rounds the history counts for beside the rows' own (a hard start must not turn drafting off)
-TOKENS_HORIZON = 256  # rounds the drafted tokens a row are averaged over
+HISTORY = 4096  # drafted row-rounds the acceptance model weighs (older ones count half, then less)
+UNSEEN = 0.5  # a position's acceptance before any round drafted that far
 CLEAR_GAIN = 1.5  # one choice this many times faster a token than the other: probe it less
 
 
 @dataclass
 class Arm:
-    """One choice at one batch bucket: the median time of its latest rounds (one slow round,
-    a cold start or a hiccup, cannot hold a choice down), and the tokens a row averaged over
-    many requests' rounds (the prior for rows that have drafted little yet: one request's hard
-    stretch must not turn drafting off for the next)."""
+    """One verify width at one batch bucket (width 1: plain decoding): the median time of its
+    latest rounds (one slow round, a cold start or a hiccup, cannot hold a choice down)."""
 
     times: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds a round
-    tokens_per_row: float = 1.0  # a slow moving average over rounds: across many requests
+    tokens_per_row: float = 1.0  # what its rounds emitted a row, a moving average (plain: 1 unless rows stop)
     rounds: int = 0
+    since: float = 0.0  # seconds of the bucket's rounds since this arm last ran (probes are due by time)
 
     def record(self, seconds: float, tokens_per_row: float) -> None:
         self.rounds += 1
-        weight = max(1.0 / self.rounds, 1.0 / TOKENS_HORIZON)
-        self.tokens_per_row += weight * (tokens_per_row - self.tokens_per_row)
+        self.tokens_per_row += (tokens_per_row - self.tokens_per_row) / min(self.rounds, WINDOW)
+        self.since = 0.0
         if self.rounds > 1:  # the first round of a choice pays its one-time costs
             self.times.append(seconds)
 
@@ -42,122 +45,203 @@ class Arm:
         return statistics.median(self.times) if self.times else math.nan
 
 
+class Acceptance:
+    """How far drafts are accepted, over every drafted round of every batch size (a property of
+    the method and the requests, not of the batch): per verify width, how many rows accepted 0,
+    1, ... drafts. Position i's acceptance given position i - 1's is read from the rounds that
+    drafted past i, so a round of any width informs every narrower one."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, list[float]] = {}  # width -> rows that accepted a drafts, a = 0 .. width - 1
+        self.rows = 0.0
+        self._accepted: dict[int, float] = {}  # width -> expected accepted drafts (cleared by record)
+
+    def record(self, width: int, accepted: Sequence[int]) -> None:
+        counts = self.counts.setdefault(width, [0.0] * width)
+        for a in accepted:
+            counts[min(a, width - 1)] += 1
+        self.rows += len(accepted)
+        if self.rows > HISTORY:  # the requests served change: older rounds weigh less
+            self.rows /= 2
+            for c in self.counts.values():
+                c[:] = [x / 2 for x in c]
+        self._accepted.clear()
+
+    def conditional(self, width: int) -> list[float]:
+        """P(draft i accepted | draft i - 1 was), i = 1 .. width - 1."""
+        reached, kept = [0.0] * width, [0.0] * width
+        for w, counts in self.counts.items():
+            tail = 0.0  # rows that accepted at least a drafts, a from w - 1 down
+            at_least = [0.0] * (w + 1)
+            for a in range(w - 1, -1, -1):
+                tail += counts[a]
+                at_least[a] = tail
+            for i in range(1, min(w, width)):
+                reached[i] += at_least[i - 1]
+                kept[i] += at_least[i]
+        return [kept[i] / reached[i] if reached[i] else UNSEEN for i in range(1, width)]
+
+    def accepted(self, width: int) -> float:
+        """Expected drafts accepted in a round verifying ``width`` tokens (width - 1 drafts)."""
+        if width not in self._accepted:
+            total, p = 0.0, 1.0
+            for c in self.conditional(width):
+                p *= c
+                total += p
+            self._accepted[width] = total
+        return self._accepted[width]
+
+
 @dataclass(frozen=True)
 class Drafted:
-    """What the rows of a round to be launched have drafted so far: their drafted rounds and
-    the tokens those emitted (summed over the rows)."""
+    """What the rows of a round to be launched have drafted so far, summed over the rows: the
+    drafts they accepted, and what the acceptance model expected of those rounds."""
 
-    rounds: int = 0
-    tokens: int = 0
+    accepted: int = 0
+    expected: float = 0.0
 
 
 @dataclass
 class Bucket:
-    on: Arm = field(default_factory=Arm)
-    off: Arm = field(default_factory=Arm)
+    arms: dict[int, Arm] = field(default_factory=dict)  # verify width -> its arm
+    widths: tuple[int, ...] = ()  # the drafting widths last offered here, widest first
     decisions: int = 0
-    spent: float = 0.0  # seconds of this bucket's rounds recorded since its last probe
 
-    def choice(self, tau_prior: float, drafted: Drafted = Drafted()) -> bool | None:
-        gain = self.gain(tau_prior, drafted)
-        return None if gain is None else gain >= 1.0
-
-    def gain(self, tau_prior: float, drafted: Drafted = Drafted()) -> float | None:
-        """Plain decoding's time a token over drafting's, once both are measured (None before):
-        a drafting round's median time over the tokens a row of *these* rows' drafted rounds
-        emitted (``tau_prior``, the
-        policy's tokens a row over every bucket's drafted rounds, standing in for PRIOR_ROUNDS
-        rounds), against a plain round's one token. Not the median of each round's seconds per
-        token: a drafting round's time is steady while its tokens range from 1 to K + 1, so that
-        median sits near the typical rejection and overstates drafting's cost by half (dflash,
-        tau 3.8); and not the history alone, which one request's hard stretch would turn
-        against the next request."""
-        if not (self.on.known and self.off.known):
-            return None
-        tau = (drafted.tokens + PRIOR_ROUNDS * tau_prior) / (drafted.rounds + PRIOR_ROUNDS)
-        return (self.off.seconds / self.off.tokens_per_row) / max(self.on.seconds / max(tau, 1e-9), 1e-12)
+    def arm(self, width: int) -> Arm:
+        return self.arms.setdefault(width, Arm())
 
 
 @dataclass
 class DraftPolicy:
-    """``limit``: "always", "auto", or the largest batch that drafts. ``auto`` measures both
-    choices at each batch bucket (a few rounds each, drafting first), then takes the faster for
-    the rows at hand, re-measuring the other with one round each time the bucket's rounds have
-    taken ``probe_every`` - 1 of that round's measured time (4 x as long where one is
-    CLEAR_GAIN times faster: a probe there costs most and is least likely to change the
-    choice). So a probe takes about 1 / ``probe_every`` of the time whatever the two rounds
-    cost: counted in rounds, a drafting round eight times a plain one's probed once in 16 took
-    a third of the time (a 10% loss where plain decoding is 1.35x faster). A bucket not yet measured follows its
-    measured neighbours where they settle it (drafting pays less as the batch grows: a larger
-    bucket that drafts means this one drafts too, a smaller one that does not means this one
-    does not), so a batch shrinking through new buckets at the end of its requests does not
-    spend its rounds measuring each."""
+    """``limit``: "always" (the widest verify), "auto", or the largest batch that drafts.
+
+    ``auto`` picks each round's verify width per batch bucket: 1 (plain decoding) or one of the
+    drafting widths the backend runs there (the full K + 1, and narrower ones where the verify
+    may be compute-bound). Each choice costs its arm's median round time over the tokens a row
+    emits: 1 for plain decoding; for drafting, the tokens the acceptance model expects at that
+    width, scaled by how the rows at hand have accepted against that model (their own history,
+    with PRIOR_ROUNDS rounds of the model's beside it: one request's hard stretch must not turn
+    drafting off for the next). A bucket measures the full width, then plain (a few rounds
+    each, drafting first), then each narrower width that could still win, were it as fast as
+    the fastest narrower choice measured (a verify's time falls with its width, no lower than a
+    plain step's). It then takes the cheapest, probing another with one round each time the
+    bucket's rounds have taken ``probe_every`` - 1 of that arm's round time (4 x as long where
+    the chosen one is CLEAR_GAIN times cheaper), so probes take about 1 / ``probe_every`` of
+    the time whatever each round costs. A bucket not yet measured follows its measured
+    neighbours where they settle it (drafting pays less as the batch grows: a larger bucket
+    that drafts means this one drafts, at the full width; a smaller one that does not means
+    this one does not), so a batch shrinking through new buckets at the end of its requests
+    does not spend its rounds measuring each."""
 
     limit: int | str = "auto"
     probe_every: int = 16
     buckets: dict[int, Bucket] = field(default_factory=dict)
-    drafting: Arm = field(default_factory=Arm)  # tokens a row of drafted rounds, every bucket's: the rows' prior
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return 1 << max(0, batch_size - 1).bit_length()  # 1, 2, 4, 8, ...
 
-    def should_draft(self, batch_size: int, drafted: Drafted = Drafted()) -> bool:
+    def choose(self, batch_size: int, widths: Sequence[int], drafted: Drafted = Drafted()) -> int:
+        """The next round's verify width for ``batch_size`` rows: 1 (plain), or one of ``widths``
+        (the drafting widths the backend runs for them, widest first; none: plain)."""
+        if not widths:
+            return 1
         if self.limit == "always":
-            return True
+            return widths[0]
         if isinstance(self.limit, int):
-            return batch_size <= self.limit
+            return widths[0] if batch_size <= self.limit else 1
         size = self.bucket(batch_size)
         b = self.buckets.setdefault(size, Bucket())
         b.decisions += 1
-        gain = b.gain(self.drafting.tokens_per_row, drafted)
-        best = self._neighbours(size) if gain is None else gain >= 1.0
-        if best is None:  # measuring: whichever has fewer rounds, drafting first
-            return b.on.rounds <= b.off.rounds
-        if self._probe_due(b, best, gain):
-            b.spent = 0.0
-            return not best
-        return best
+        b.widths = tuple(widths)
+        cost = self._costs(b, drafted)
+        if widths[0] in cost and 1 in cost:
+            return self._best_or_probe(b, cost)
+        follow = self._neighbours(size)
+        first = (widths[0], 1)
+        if follow is None:  # measuring: whichever has fewer rounds, drafting first
+            return min(first, key=lambda w: (b.arm(w).rounds, w == 1))
+        if b.decisions % self.probe_every == 0:  # following: one round in probe_every measures the other
+            follow = not follow
+        return widths[0] if follow else 1
 
-    def _probe_due(self, b: Bucket, best: bool, gain: float | None) -> bool:
-        """A measured bucket probes by time (see the class); one that follows its neighbours
-        has no time for the other choice yet: one round in ``probe_every``."""
-        if gain is None:
-            return b.decisions % self.probe_every == 0
-        clear = max(gain, 1 / max(gain, 1e-12)) >= CLEAR_GAIN
-        other = b.off if best else b.on
-        return b.spent >= (self.probe_every - 1) * (4 if clear else 1) * other.seconds
+    def tokens(self, width: int, arm: Arm, drafted: Drafted = Drafted()) -> float:
+        """Tokens a row of ``drafted`` rows emits in a round verifying ``width`` tokens."""
+        if width == 1:
+            return arm.tokens_per_row
+        full = self.acceptance.accepted(max(self.acceptance.counts, default=width))
+        scale = (drafted.accepted + PRIOR_ROUNDS * full) / max(drafted.expected + PRIOR_ROUNDS * full, 1e-9)
+        return 1.0 + scale * self.acceptance.accepted(width)
 
-    def _choice(self, size: int) -> bool | None:
-        """The bucket's own choice once it is measured, else its neighbours' where they settle it."""
-        own = self.buckets[size].choice(self.drafting.tokens_per_row)
-        return self._neighbours(size) if own is None else own
+    def _costs(self, b: Bucket, drafted: Drafted) -> dict[int, float]:
+        """Seconds a token of each measured arm offered at the bucket."""
+        return {w: b.arm(w).seconds / max(self.tokens(w, b.arm(w), drafted), 1e-9)
+                for w in (1, *b.widths) if b.arm(w).known}
+
+    def _best_or_probe(self, b: Bucket, cost: dict[int, float]) -> int:
+        best = min(cost, key=cost.get)
+        for w in b.widths[1:]:  # a narrower width not yet measured that could still win: measure it
+            if w not in cost and self._could_win(b, w, cost[best]):
+                return w
+        due = {}
+        for w, c in cost.items():
+            if w != best:
+                clear = c / max(cost[best], 1e-12) >= CLEAR_GAIN
+                arm = b.arm(w)
+                due[w] = arm.since / ((self.probe_every - 1) * (4 if clear else 1) * arm.seconds)
+        probe = max(due, key=due.get, default=None)
+        return probe if probe is not None and due[probe] >= 1.0 else best
+
+    def _could_win(self, b: Bucket, width: int, best: float) -> bool:
+        """Whether ``width`` beats the best cost were its round as fast as the slowest measured
+        arm narrower than it (no verify is faster than a narrower one, nor than a plain step)."""
+        floor = max(b.arm(w).seconds for w in (1, *b.widths) if w < width and b.arm(w).known)
+        return floor / self.tokens(width, b.arm(width)) < best
+
+    def _choice(self, size: int) -> int | None:
+        """The bucket's own choice of width once measured (for rows with no history), else None."""
+        b = self.buckets[size]
+        cost = self._costs(b, Drafted())
+        if not b.widths or b.widths[0] not in cost or 1 not in cost:
+            return None
+        return min(cost, key=cost.get)
 
     def _neighbours(self, size: int) -> bool | None:
-        """What the measured buckets settle for an unmeasured one of ``size`` (None: nothing)."""
-        others = {s: b.choice(self.drafting.tokens_per_row) for s, b in self.buckets.items() if s != size}
-        if any(chosen for s, chosen in others.items() if s > size):
+        """Whether the measured buckets settle drafting for an unmeasured one of ``size``
+        (None: they do not)."""
+        others = {s: self._choice(s) for s in self.buckets if s != size}
+        if any(w is not None and w > 1 for s, w in others.items() if s > size):
             return True
-        if any(chosen is False for s, chosen in others.items() if s < size):
+        if any(w == 1 for s, w in others.items() if s < size):
             return False
         return None
 
-    def record(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
+    def record(self, batch_size: int, width: int, seconds: float, tokens: int, accepted: Sequence[int] = ()) -> None:
+        """A collected round of ``batch_size`` rows verifying ``width`` tokens each: its time,
+        the tokens its live rows emitted, and the drafts each live row accepted."""
         b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
-        b.spent += seconds
-        (b.on if drafted else b.off).record(seconds, tokens / batch_size)
-        if drafted:
-            self.drafting.record(seconds, tokens / batch_size)
+        for arm in b.arms.values():
+            arm.since += seconds
+        b.arm(width).record(seconds, tokens / batch_size)
+        if width > 1 and accepted:
+            self.acceptance.record(width, accepted)
+
+    def expected(self, width: int) -> float:
+        """Drafts the acceptance model expects a round of ``width`` to accept (0 when plain)."""
+        return self.acceptance.accepted(width) if width > 1 else 0.0
 
     def table(self) -> list[dict]:
-        """Per batch bucket: each choice's measured ms per token and rounds, and the current
-        choice (measured or inferred; None while measuring)."""
+        """Per batch bucket and verify width: its measured ms per token and rounds, and whether
+        it is the current choice (measured or inferred; None while measuring)."""
         out = []
         for size, b in sorted(self.buckets.items()):
             choice = self._choice(size)
-            for drafting, arm in ((False, b.off), (True, b.on)):
-                per_row = self.drafting.tokens_per_row if drafting else arm.tokens_per_row
-                out.append({"batch_bucket": size, "drafting": drafting,
-                            "ms_per_token": round(arm.seconds / per_row * 1e3, 3), "rounds": arm.rounds,
-                            "chosen": None if choice is None else choice == drafting})
+            if choice is None:
+                follow = self._neighbours(size)
+                choice = None if follow is None or not b.widths else (b.widths[0] if follow else 1)
+            for width, arm in sorted((w, a) for w, a in b.arms.items() if a.rounds):
+                out.append({"batch_bucket": size, "width": width, "drafting": width > 1,
+                            "ms_per_token": round(arm.seconds / self.tokens(width, arm) * 1e3, 3),
+                            "rounds": arm.rounds, "chosen": None if choice is None else choice == width})
         return out

@@ -28,6 +28,7 @@ class SpecStats:
     accepted_tokens: int = 0
     round_tokens: int = 0  # accepted + 1 per round, before stop truncation
     drafted_rounds: int = 0  # rounds that drafted (the policy may skip drafting under load)
+    expected_accepted: float = 0.0  # what the draft policy's acceptance model expected its rounds to accept
     accepted_per_pos: list[int] = field(default_factory=list)  # [K]
 
     def __post_init__(self) -> None:

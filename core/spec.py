@@ -97,9 +97,10 @@ class SpeculativeSpec(Strict):
 
     method: str
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
-    # When to draft at all: "auto" measures time per emitted token with and without drafting
-    # for each batch size and picks the faster; an integer drafts only while at most that many
-    # requests run; "always" never turns drafting off.
+    # When to draft, and how wide to verify: "auto" measures time per emitted token of plain
+    # decoding, the full verify and the narrower ones the backend runs, for each batch size, and
+    # picks the fastest; an integer drafts (full width) only while at most that many requests
+    # run; "always" always verifies the full width.
     max_draft_batch: int | Literal["auto", "always"] = Field("auto")
 
     @field_validator("max_draft_batch")

@@ -58,7 +58,7 @@ def test_levels_report_ttft_gaps_and_the_long_prompt_through_http():
     assert json.loads(run_bench(SPEC, off, as_json=True))[0]["cached_share"] == 0.0
     table = run_bench(SPEC, Options([1], requests=2, max_new=8, modes=("auto",)), as_json=False)
     assert "TTFT ms" in table and "gap x" in table and "long TTFT" not in table
-    assert "auto after concurrency 1: batch 1: drafting " in table  # what the policy measured and chose
+    assert "auto after concurrency 1: batch 1: width " in table  # what the policy measured and chose, per width
 
 
 def test_a_small_kv_pool_preempts_through_http_and_every_request_completes():

@@ -146,6 +146,50 @@ def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
     assert eng.backend.cache.invariant == (method == "dflash" or not INTERPRETED)
 
 
+class _Narrow:
+    """A draft policy that verifies ``width`` tokens where the backend offers it (the full width
+    elsewhere): the rounds a compute-bound batch would take under ``auto``."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def choose(self, batch_size, widths, drafted=None) -> int:
+        return self.width if self.width in widths else widths[0]
+
+    def record(self, *args) -> None:
+        pass
+
+    def expected(self, width: int) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("method, width", [("dflash", 4), ("eagle3", 2)])
+def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_tokens(method, width, monkeypatch):
+    """Rounds that verify only their first drafts (the backend's narrower widths, offered here
+    at 4 rows whatever their verify's tokens): the cuda backend takes the reference's rounds at
+    that width exactly, every round verifies ``width`` tokens, and greedy output is the full
+    width's, token for token (lossless)."""
+    from draftline.backends.cuda import backend as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "NARROW_TOKENS", 0)
+    full = _trained_reference(method, 4)
+    spec = respec(load_spec(TRAINED[method]), "reference", max_batch_size=4, device=DEV, dtype="float32",
+                  max_model_len=128)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS]
+    engines = [Engine(spec), Engine(with_depth(respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV,
+                                                      dtype="float32", max_model_len=128), 2))]
+    outs = []
+    for eng in engines:
+        assert width in eng.backend.verify_widths(4)
+        eng.machine.policy = _Narrow(width)
+        outs.append(eng.generate(TRAINED_PROMPTS, params, trace=True))
+    ref, got = outs
+    assert sum(x.accepted for c in ref for x in c.rounds) >= 4  # drafts were accepted: the check has teeth
+    assert {len(x.drafted) for c in ref for x in c.rounds} == {width - 1}
+    _same_rounds(ref, got)
+    assert [c.output_ids for c in got] == [c.output_ids for c in full]
+
+
 def test_seeded_sampling_repeats_and_batches_alike():
     """Sampling keyed by (seed, position): a request gives the same tokens alone, in a batch
     and run again (each run alone is the batch's request run again, in another slot)."""

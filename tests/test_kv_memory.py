@@ -79,6 +79,9 @@ def test_the_workspace_holds_the_widest_rounds_attention_partials(monkeypatch):
     assert scratch > 2 * GIB
     buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert workspace_bytes(cfg, 16, buckets, 2, invariant) > workspace_bytes(cfg, 16, buckets[:6], 2, invariant) + 2 * GIB
+    # the narrower verify widths' graphs keep their logits too: once each (they decide on the device)
+    narrow = workspace_bytes(cfg, 16, buckets, 2, invariant, narrow=lambda b: (8, 4, 2) if b >= 4 else ())
+    assert narrow - workspace_bytes(cfg, 16, buckets, 2, invariant) >= 4 * cfg.vocab_size * sum(b for b in buckets if b >= 4) * 14
     # a drafter that reads 5 x 4,096 target features a token: each prefill graph keeps them
     taps = workspace_bytes(cfg, 16, buckets, 2, invariant, taps=5 * 4096) - workspace_bytes(cfg, 16, buckets, 2, invariant)
     assert taps >= 5 * GIB  # 146,464 prompt positions over the prefill graphs (measured: 5.59 GiB on an H200)
@@ -110,6 +113,6 @@ def test_start_up_reserves_no_more_than_the_workspace_set_aside(path):
     prefix = spec.server.block_size if spec.server.enable_prefix_caching else 0
     capacity = Capacity(16, spec.model.max_model_len, prefix_block=prefix, kv_page=cache.pager.size, kv_memory=1.0)
     budget = size_pool(capacity, engine.target.config, drafter, backend.width, backend.buckets, cache.data.dtype,
-                       (total, total), cache.splits, taps)
+                       (total, total), cache.splits, taps, backend._narrower)
     spent = torch.cuda.max_memory_reserved() - base - weights - 1024 * budget.page_bytes
     assert spent <= budget.workspace, (engine.startup, spent, budget.workspace)

@@ -1,20 +1,26 @@
-"""The draft policy: `auto` converges to the faster choice per batch size, explores without
-starving it, and says what it chose."""
+"""The draft policy: `auto` converges to the faster choice per batch size (plain decoding, the
+full verify, or a narrower one), explores without starving it, and says what it chose."""
 
-from draftline.core.policy import DraftPolicy
+import random
+
+from draftline.core.policy import Acceptance, DraftPolicy, Drafted
+
+FULL = (16,)  # a backend that runs only the full verify (K = 15)
+WIDTHS = (16, 8, 4, 2)  # and one that also runs narrower ones
 
 
 def _run(policy: DraftPolicy, rounds: int, on: float, off: float, batch: int = 1, cold: float = 0.0) -> int:
     """Feed the policy rounds costing ``on`` / ``off`` seconds per token, a drafted round's
-    rows emitting 4 tokens each and a plain one's 1 (the first round of each choice ``cold``
-    seconds more); -> rounds it drafted."""
+    rows accepting 3 drafts each (4 tokens) and a plain one's emitting 1 (the first round of
+    each choice ``cold`` seconds more); -> rounds it drafted."""
     drafted, seen = 0, set()
     for _ in range(rounds):
-        d = policy.should_draft(batch)
+        w = policy.choose(batch, FULL)
+        d = w > 1
         cost = (on if d else off) + (cold if d not in seen else 0.0)
         seen.add(d)
         per_row = 4 if d else 1
-        policy.record(batch, d, cost * per_row, per_row * batch)
+        policy.record(batch, w, cost * per_row, per_row * batch, [3] * batch if d else [0] * batch)
         drafted += d
     return drafted
 
@@ -25,7 +31,7 @@ def test_auto_takes_the_faster_choice_within_a_few_rounds_and_keeps_probing():
     slow = DraftPolicy("auto")
     drafted = _run(slow, 100, on=2.0, off=1.0)
     assert 3 <= drafted <= 12  # the measuring rounds, then one probe in 16
-    assert [r["chosen"] for r in slow.table() if r["batch_bucket"] == 1] == [True, False]
+    assert [(r["width"], r["chosen"]) for r in slow.table() if r["batch_bucket"] == 1] == [(1, True), (16, False)]
 
 
 def test_a_cold_first_round_does_not_hide_drafting():
@@ -44,8 +50,9 @@ def test_each_batch_bucket_decides_for_itself():
 
 
 def test_fixed_limits():
-    assert DraftPolicy("always").should_draft(64)
-    assert DraftPolicy(4).should_draft(4) and not DraftPolicy(4).should_draft(5)
+    assert DraftPolicy("always").choose(64, WIDTHS) == 16
+    assert DraftPolicy(4).choose(4, WIDTHS) == 16 and DraftPolicy(4).choose(5, WIDTHS) == 1
+    assert DraftPolicy("auto").choose(1, ()) == 1  # nothing to draft with
 
 
 def test_an_unmeasured_bucket_follows_the_neighbours_that_settle_it():
@@ -61,49 +68,80 @@ def test_an_unmeasured_bucket_follows_the_neighbours_that_settle_it():
     assert _run(slow, 15, on=2.0, off=1.0, batch=1) >= 2  # smaller than the plain bucket: measured
 
 
-def test_the_tokens_a_drafted_row_emits_are_learned_across_buckets():
-    """Drafting's tokens a row are a property of the requests, not of the batch size: a new
-    bucket's first estimate starts from what every bucket's drafted rounds emitted."""
+def test_what_drafts_are_accepted_is_learned_across_buckets_and_widths():
+    """Acceptance is a property of the requests, not of the batch size: a new bucket's first
+    estimate starts from what every bucket's drafted rounds accepted; and a round of any width
+    tells every narrower one how far its drafts go."""
     policy = DraftPolicy("auto")
     for _ in range(20):
-        policy.record(1, True, 1.0, 4)
+        policy.record(1, 16, 1.0, 4, [3])
     for _ in range(2):  # the first round of a choice is not timed
-        policy.record(16, True, 1.0, 16 * 4)
-    assert abs(policy.drafting.tokens_per_row - 4.0) < 1e-9
+        policy.record(16, 16, 1.0, 16 * 4, [3] * 16)
+    assert abs(policy.acceptance.accepted(16) - 3.0) < 1e-9 and abs(policy.acceptance.accepted(2) - 1.0) < 1e-9
     assert [r["ms_per_token"] for r in policy.table() if r["batch_bucket"] == 16 and r["drafting"]] == [250.0]
+    model = Acceptance()  # half the rows accept every draft of a width-4 round, half none; width 16 says more
+    model.record(4, [3, 0])
+    model.record(16, [15, 0])
+    assert model.conditional(4) == [0.5, 1.0, 1.0] and abs(model.accepted(16) - 7.5) < 1e-9
 
 
-def _timed(policy: DraftPolicy, rounds: int, on_round: float, off_round: float, tau: float, batch: int = 1
-           ) -> tuple[float, float, float]:
-    """Rounds of fixed cost (``on_round`` seconds a drafting round, whose rows emit ``tau``
-    tokens each; ``off_round`` a plain one) -> (seconds drafting, seconds plain, tokens a row)."""
-    spent, tokens = {True: 0.0, False: 0.0}, 0.0
-    for _ in range(rounds):
-        d = policy.should_draft(batch)
-        per_row = tau if d else 1.0
-        policy.record(batch, d, on_round if d else off_round, per_row * batch)
-        spent[d] += on_round if d else off_round
-        tokens += per_row
-    return spent[True], spent[False], tokens
-
-
-def test_a_probe_takes_a_share_of_the_time_not_of_the_rounds():
-    """A drafting round eight times a plain one's (64 rows verifying 16 tokens each), plain
-    1.27x faster a token: probing drafting one round in 16 spent a third of the time on it
-    (0.9 of plain decoding's speed); by time it spends about a sixteenth, within 5% of plain."""
+def test_rows_that_accept_little_turn_drafting_off_for_themselves():
+    """The rows at hand weigh their own history against the model's: a request that accepted
+    nothing over many rounds is served plain where the average request drafts."""
     policy = DraftPolicy("auto")
-    drafting, plain, tokens = _timed(policy, 4000, on_round=0.050, off_round=0.006, tau=6.6, batch=64)
-    assert drafting / (drafting + plain) <= 1 / 12  # the measuring rounds, then about a 16th
-    assert tokens / (drafting + plain) >= 0.95 / 0.006  # against plain decoding's tokens a second
-    fast = DraftPolicy("auto")  # the other way round: drafting faster, plain probed by its own (short) rounds
-    drafting, plain, tokens = _timed(fast, 400, on_round=0.026, off_round=0.006, tau=6.6, batch=32)
-    assert plain / (drafting + plain) <= 1 / 15 and tokens / (drafting + plain) >= 0.95 * 6.6 / 0.026
+    _run(policy, 40, on=1.0, off=2.0)
+    assert policy.choose(1, FULL) == 16
+    hard = Drafted(accepted=0, expected=3.0 * 200)
+    assert policy.tokens(16, policy.buckets[1].arm(16), hard) < 1.3
+    assert sum(policy.choose(1, FULL, hard) == 1 for _ in range(10)) >= 9
 
 
-def test_a_clear_winner_is_probed_less_often_than_a_close_one():
-    clear, close = DraftPolicy("auto"), DraftPolicy("auto")
-    _, plain_clear, _ = _timed(clear, 2000, on_round=4.0, off_round=2.0, tau=4.0)  # drafting 2x faster a token
-    _, plain_close, _ = _timed(close, 2000, on_round=4.0, off_round=1.2, tau=4.0)  # 1.2x
-    total_clear, total_close = 2000 * 4.0, 2000 * 4.0  # about: nearly every round drafts
-    assert plain_clear / total_clear <= 1 / 60 + 0.002  # the measuring rounds, then about a 64th of the time
-    assert 1 / 20 <= plain_close / total_close <= 1 / 14  # about a 16th
+def _served(policy: DraftPolicy, rounds: int, batch: int, widths: tuple[int, ...], seconds, rate: float = 0.86,
+            seed: int = 0) -> tuple[float, float, dict[int, int]]:
+    """Rounds whose drafts are each accepted with ``rate`` given the one before, a round of
+    width w costing seconds(w) -> (tokens a row, seconds, rounds by width)."""
+    rng, tokens, spent, by = random.Random(seed), 0.0, 0.0, {}
+    for _ in range(rounds):
+        w = policy.choose(batch, widths)
+        accepted = []
+        for _ in range(batch):
+            a = 0
+            while a < w - 1 and rng.random() < rate:
+                a += 1
+            accepted.append(a)
+        policy.record(batch, w, seconds(w), sum(accepted) + batch, accepted)
+        tokens, spent, by[w] = tokens + (sum(accepted) + batch) / batch, spent + seconds(w), by.get(w, 0) + 1
+    return tokens, spent, by
+
+
+def _expected(w: int, rate: float = 0.86) -> float:
+    return sum(rate ** i for i in range(w))
+
+
+def test_a_compute_bound_verify_narrows_to_the_fastest_width():
+    """At 64 rows of the 8B shape a verify's time grows with its tokens (a 16-wide round about
+    seven plain steps); τ 6.5 at the full width, 5.0 at 8, 3.2 at 4, 1.9 at 2: the policy
+    settles on a width within 5% of the best tokens a second and ends within 10% of that fixed
+    choice, far above the full width's and plain decoding's."""
+    def seconds(w):
+        return 0.006 + 0.0022 * w * (w > 1)
+
+    rate = {w: _expected(w) / seconds(w) for w in (1, *WIDTHS)}
+    best = max(rate, key=rate.get)
+    assert best == 4 and rate[16] < 0.75 * rate[best] and rate[1] < 0.8 * rate[best]
+    policy = DraftPolicy("auto")
+    tokens, spent, by = _served(policy, 600, 64, WIDTHS, seconds)
+    chosen = [r["width"] for r in policy.table() if r["chosen"]]
+    assert len(chosen) == 1 and rate[chosen[0]] >= 0.95 * rate[best] and max(by, key=by.get) == chosen[0]
+    assert tokens / spent >= 0.9 * rate[best]
+
+
+def test_a_memory_bound_verify_keeps_the_full_width_and_measures_no_narrower_one():
+    """At one row a verify of 16 tokens costs about a plain step: no narrower width could beat
+    the full one even were it free, so none is measured."""
+    def seconds(w):
+        return 0.005 * (1.1 if w > 1 else 1.0)
+
+    policy = DraftPolicy("auto")
+    _, _, by = _served(policy, 200, 1, WIDTHS, seconds)
+    assert set(by) <= {16, 1} and by[16] >= 180

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from draftline.core.contract import Capacity, DraftRows, RoundResult
+from draftline.core.contract import Capacity, DraftRows, RoundResult, narrowing_widths
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.config import ConfigError
@@ -57,6 +57,9 @@ from .windows import block_window, verify_window
 log = structlog.get_logger("draftline.cuda")
 
 MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it collects next
+# a drafting round's verify tokens (rows x (K + 1)) from which narrower verify widths are captured
+# too: below it the verify is bound by reading the weights, and the full width costs the same
+NARROW_TOKENS = 64
 
 
 @triton.jit
@@ -199,7 +202,8 @@ class CudaBackend(Prefilling):
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget = size_pool(capacity, self.target.config, getattr(self.drafter, "model", None), width, self.buckets,
                            dtype, (free + cached, total), functools.partial(cache_splits, max_len, invariant,
-                                                                             self.target.config.num_kv_heads), taps)
+                                                                             self.target.config.num_kv_heads), taps,
+                           self._narrower)
         log.info("kv.pool", gpu_memory_utilization=capacity.kv_memory, **budget.summary())
         return budget
 
@@ -279,12 +283,25 @@ class CudaBackend(Prefilling):
     def _graph_keys(self, bucket: int) -> list[tuple[int, int, bool, bool]]:
         """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
         greedy draft step inside the graph, or drafted eagerly when drafts are sampled);
-        deciding on the device, or leaving logits for eager acceptance (top-k / top-p)."""
+        deciding on the device, or leaving logits for eager acceptance (top-k / top-p), which
+        takes the full width. Narrower widths decide on the device."""
         keys = [(bucket, 1, True, False), (bucket, 1, False, False)]
         if self.width > 1:
             inside = self._graphed_draft()
             keys += [(bucket, self.width, False, inside)] + ([(bucket, self.width, True, True)] if inside else [])
+            keys += [(bucket, w, True, True) for w in self._narrower(bucket)]
         return keys
+
+    def _narrower(self, bucket: int) -> tuple[int, ...]:
+        """The narrower verify widths a drafting round of ``bucket`` rows may take (captured:
+        the greedy drafts' graphs decide on the device), where its full verify may be compute-bound."""
+        graphed = self.capacity.graphs and self.device.type == "cuda"
+        if self.drafter is None or bucket * self.width < NARROW_TOKENS or (graphed and not self._graphed_draft()):
+            return ()
+        return narrowing_widths(self.width - 1)[1:]
+
+    def verify_widths(self, rows: int) -> tuple[int, ...]:
+        return () if self.drafter is None else (self.width, *self._narrower(self.bucket(rows)))
 
     def _graphed_draft(self) -> bool:
         return self.drafter is not None and self.drafter.graph_safe and self.plan.draft_sample_method == "greedy"
@@ -309,9 +326,9 @@ class CudaBackend(Prefilling):
     # ------------------------------------------------------------------ rounds
 
     @torch.inference_mode()
-    def launch(self, reqs: list[Request], draft: bool) -> Launch:
+    def launch(self, reqs: list[Request], width: int) -> Launch:
         n, bucket = len(reqs), self.bucket(len(reqs))
-        width = self.width if draft and self.drafter is not None else 1
+        width = min(width, self.width) if self.drafter is not None else 1
         if self.cache.pager is not None:  # paged KV: pages for the positions this round and those in flight write
             for r in reqs:
                 self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
@@ -320,11 +337,13 @@ class CudaBackend(Prefilling):
         self.bufs.load(reqs, bucket)
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
         decide = not any(r.params.reads_logits for r in reqs) and (width == 1 or self.plan.draft_sample_method == "greedy")
+        if width > 1 and (not decide or width not in self.verify_widths(n)):
+            width = self.width  # logits read on the host: the full window's graph
         inside = width > 1 and self._graphed_draft()
         probs = None
         if width > 1 and not inside:  # sampled drafts: their q goes to acceptance
             self.bufs.gather(bucket)
-            proposal = self.drafter.propose(reqs, self._rows(bucket))
+            proposal = self.drafter.propose(reqs, self._rows(bucket)).first(width - 1)
             self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens[:n])
             probs = None if proposal.probs is None else proposal.probs[:n]
         logits, packed = self._replay(bucket, width, decide, inside)

@@ -60,12 +60,13 @@ def kv_bytes_per_token(module: nn.Module, itemsize: int) -> int:
 
 
 def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: Callable[[int], Splits],
-                    taps: int = 0) -> int:
+                    taps: int = 0, narrow: Callable[[int], tuple[int, ...]] = lambda bucket: ()) -> int:
     """What start-up's graphs and eager prefills reserve beside the weights and the pool, as
     measured on an H200 (bench/memory_probe.py: 8B DFlash at 256 rows, 22.5 GiB in the graphs'
     pool and 3.5 in the eager one, against 26.9 here, 27.4 with SEGMENTS). What the graphs
-    keep as outputs: the float32 logits of each prefill graph's rows and of each round graph's rows x width, twice
-    (the target's and the drafter's), and, for a drafter that reads ``taps`` features a token,
+    keep as outputs: the float32 logits of each prefill graph's rows and of each round graph's rows x width,
+    twice at the full width (its graph deciding on the device and the one leaving logits to the
+    host) and once at each narrower one a bucket captures (``narrow``), and, for a drafter that reads ``taps`` features a token,
     each prefill graph's tapped features of every prompt token. Temporaries twice, once in the
     graphs' pool and once in the eager prefills': the largest prefill's activations
     (PREFILL_GRAPH_TOKENS tokens through a layer, twice over for partial sums) and the largest
@@ -74,10 +75,11 @@ def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: 
     per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
     activations = 2 * PREFILL_GRAPH_TOKENS * per_token * itemsize
     prefill = [(b, w) for b in buckets for w in PREFILL_WIDTHS if b * w <= PREFILL_GRAPH_TOKENS]
-    rounds = [(b, width) for b in buckets]
+    narrower = [(b, w) for b in buckets for w in narrow(b)]  # decided on the device: one graph each
+    rounds = [(b, width) for b in buckets] + narrower
     prefill_rows = sum(2 * b for b, _ in prefill)  # first chunks' graphs and later chunks'
-    round_rows = sum(b * width for b, _ in rounds)
-    logits = 4 * cfg.vocab_size * (prefill_rows + 2 * round_rows)
+    round_rows = 2 * sum(b * width for b in buckets) + sum(b * w for b, w in narrower)
+    logits = 4 * cfg.vocab_size * (prefill_rows + round_rows)
     features = sum(2 * b * w for b, w in prefill) * taps * itemsize
     temporaries = 2 * (activations + attention_scratch(cfg, prefill + rounds, splits))
     return int(1.1 * (logits + features + temporaries)) + SEGMENTS
@@ -100,8 +102,8 @@ def attention_scratch(cfg, shapes: list[tuple[int, int]], splits: Callable[[int]
 
 
 def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, buckets: list[int],
-              dtype: torch.dtype, memory: tuple[int, int], splits: Callable[[int], Splits], taps: int = 0
-              ) -> KVBudget:
+              dtype: torch.dtype, memory: tuple[int, int], splits: Callable[[int], Splits], taps: int = 0,
+              narrow: Callable[[int], tuple[int, ...]] = lambda bucket: ()) -> KVBudget:
     """The pages of ``capacity.kv_page`` positions that fit in capacity.kv_memory of a device
     whose ``memory`` is (free, total) bytes now (torch.cuda.mem_get_info, the allocator's
     cached blocks counted free); ``splits`` is the cache's attention plan for a number of rows;
@@ -112,7 +114,7 @@ def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, bu
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     per_token += 0 if drafter is None else kv_bytes_per_token(drafter, itemsize)
     page = int(per_token * capacity.kv_page * (1 + (PREFIX_SHARE if capacity.prefix_block else 0)))
-    workspace = workspace_bytes(cfg, width, buckets, itemsize, splits, taps)
+    workspace = workspace_bytes(cfg, width, buckets, itemsize, splits, taps, narrow)
     pages = (limit - held - workspace) // page
     row = -(-capacity.max_model_len // capacity.kv_page)
     if pages < row:

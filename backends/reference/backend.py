@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from draftline.core import logprobs
-from draftline.core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification
+from draftline.core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification, narrowing_widths
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.target import TargetModel
@@ -56,8 +56,11 @@ class ReferenceBackend:
     def prepare(self) -> dict:
         return {"graphs": 0, "seconds": 0.0}
 
-    def launch(self, reqs: list[Request], draft: bool) -> RoundResult:
-        proposal = self.draft(reqs) if draft else self.skip_draft(reqs)
+    def verify_widths(self, rows: int) -> tuple[int, ...]:
+        return narrowing_widths(self.plan.num_speculative_tokens) if self.drafter is not None else ()
+
+    def launch(self, reqs: list[Request], width: int) -> RoundResult:
+        proposal = self.draft(reqs).first(width - 1) if width > 1 else self.skip_draft(reqs)
         verification = self.verify(reqs, proposal)
         finite = torch.isfinite(verification.logits).flatten(1).all(dim=1).tolist()
         keep = [i for i, ok in enumerate(finite) if ok]  # a failed row is ended by the machine, not accepted
