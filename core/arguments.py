@@ -123,6 +123,9 @@ def _bench_command(sub, handlers: dict[str, Handler]) -> None:
     bn.add_argument("--acceptance", metavar="PROFILE",
                     help="SIMULATED acceptance: drafts replaced by greedy continuations, accepted per position with "
                          "probability PROFILE (random, dflash-paper 0.86, chain-paper 0.70, or a number)")
+    bn.add_argument("--verify-widths", type=flags.listed(POSITIVE), default=None,
+                    help="with --acceptance: the verify widths to time each method at (e.g. 16,8,4: the full K + 1 "
+                         "and the narrower ones the draft policy may take; a batch runs those its backend offers)")
     bn.set_defaults(func=handlers["bench"])
 
 

@@ -186,6 +186,7 @@ class SimRow:
     predicted: float  # tau x t(none round) / t(this method's round at tau = 1)
     host_us: float
     idle_us: float
+    width: int = 0  # the verify width its rounds took
     passes: int = 0  # calibration passes (_own_continuations)
     moved: list[int] = field(default_factory=list)  # rows the last pass still changed: first changed position
 
@@ -195,9 +196,11 @@ class SimRow:
 
 
 def bench_acceptance(base: Engine, specs: list, batches: list[int], prompt_len: int, new_tokens: int,
-                     rate: float) -> list[SimRow]:
-    """Per method and batch: a round at tau = 1 (its own drafts, never accepted on random
-    weights), then the same rounds with drafts replaced per draftline.core.simulated, against `none`."""
+                     rate: float, widths: list[int] | None = None) -> list[SimRow]:
+    """Per method, verify width and batch: a round at tau = 1 (its own drafts, never accepted on
+    random weights), then the same rounds with drafts replaced per draftline.core.simulated,
+    against `none`. ``widths``: the verify widths to run (where the backend offers them at a
+    batch; None: the full K + 1)."""
     from .simulated import expected_tau
 
     none = base if base.plan.method == "none" else base.with_method({"method": "none"})
@@ -210,14 +213,21 @@ def bench_acceptance(base: Engine, specs: list, batches: list[int], prompt_len: 
     for speculative in specs:
         engine = base.with_method(speculative)
         k = engine.plan.num_speculative_tokens
-        plain = {r.batch: r for r in bench_method(engine, batches, prompt_len, new_tokens, 1.0)}
+        runs = [(w, b) for w in widths or [k + 1] for b in batches if w in engine.backend.verify_widths(b)]
+        plain = {}
+        for w, b in runs:
+            engine.policy.width = w
+            plain[w, b] = bench_method(engine, [b], prompt_len, new_tokens, 1.0)[0]
+        engine.policy.width = None
         sim = simulate(engine, continuations)
         settled = _own_continuations(engine, sim, batches, prompt_len, new_tokens + beyond, rate)
-        for r in bench_method(engine, batches, prompt_len, new_tokens, 1.0):
-            none_row, one = baseline[r.batch], plain[r.batch]
-            rows.append(SimRow(r.method, r.batch, r.tokens_round, expected_tau(rate, k), r.ms_round, r.throughput,
+        for w, b in runs:
+            engine.policy.width = w
+            r = bench_method(engine, [b], prompt_len, new_tokens, 1.0)[0]
+            none_row, one = baseline[b], plain[w, b]
+            rows.append(SimRow(r.method, b, r.tokens_round, expected_tau(rate, w - 1), r.ms_round, r.throughput,
                                r.throughput / none_row.throughput, r.tokens_round * none_row.ms_round / one.ms_round,
-                               r.host_us, 1e3 * r.idle_ms, *settled[r.batch]))
+                               r.host_us, 1e3 * r.idle_ms, w, *settled[b]))
         del engine
         torch.cuda.empty_cache()
     return rows
@@ -281,11 +291,11 @@ def _first_change(before: list[int], after: list[int]) -> int | None:
 
 def format_sim(rows: list[SimRow], profile: str) -> str:
     lines = [f"SIMULATED acceptance (--acceptance {profile}): drafts replaced by each row's greedy continuation",
-             f"{'method':<11}{'batch':>6}{'tau':>7}{'profile':>8}{'ms/round':>10}{'tok/s':>9}{'speedup':>9}"
+             f"{'method':<11}{'batch':>6}{'width':>6}{'tau':>7}{'profile':>8}{'ms/round':>10}{'tok/s':>9}{'speedup':>9}"
              f"{'predicted':>10}{'effic.':>8}{'host us':>9}{'idle us':>9}  calibration"]
     for r in rows:
         moved = f", {len(r.moved)} rows still moving (from {min(r.moved)})" if r.moved else ", settled"
-        lines.append(f"{r.method:<11}{r.batch:>6}{r.tau:>7.2f}{r.tau_profile:>8.2f}{r.ms_round:>10.3f}"
+        lines.append(f"{r.method:<11}{r.batch:>6}{r.width:>6}{r.tau:>7.2f}{r.tau_profile:>8.2f}{r.ms_round:>10.3f}"
                      f"{r.throughput:>9.0f}{r.speedup:>8.2f}x{r.predicted:>9.2f}x{r.efficiency:>8.2f}"
                      f"{r.host_us:>9.0f}{r.idle_us:>9.0f}  {r.passes} passes{moved}")
     return "\n".join(lines)

@@ -269,6 +269,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .spec import load_spec
 
+    if args.verify_widths and not args.acceptance:
+        raise ConfigError("--verify-widths times drafting rounds whose drafts are accepted: give --acceptance PROFILE too")
     if not torch.cuda.is_available():
         raise ConfigError("draftline bench measures GPU time against the bandwidth floor; it needs a CUDA device")
     spec = load_spec(args.spec)
@@ -325,7 +327,8 @@ def _bench_acceptance(args: argparse.Namespace, engine, batches: list[int]) -> i
     if rate is None or not specs:
         raise ConfigError("--acceptance needs a drafting method (--spec or --also) and a profile other than "
                           "'random' (plain `draftline bench` measures the drafter's own drafts)")
-    rows = benchmark.bench_acceptance(engine, specs, batches, args.prompt_len, args.new_tokens, rate)
+    rows = benchmark.bench_acceptance(engine, specs, batches, args.prompt_len, args.new_tokens, rate,
+                                      args.verify_widths)
     import torch
 
     print(f"{args.spec}: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {torch.cuda.get_device_name()}")

@@ -134,6 +134,7 @@ class DraftPolicy:
     does not spend its rounds measuring each."""
 
     limit: int | str = "auto"
+    width: int | None = None  # "always" verifies this width where the backend offers it (draftline bench --verify-widths)
     probe_every: int = 16
     buckets: dict[int, Bucket] = field(default_factory=dict)
     acceptance: Acceptance = field(default_factory=Acceptance)
@@ -148,7 +149,7 @@ class DraftPolicy:
         if not widths:
             return 1
         if self.limit == "always":
-            return widths[0]
+            return self.width if self.width in widths else widths[0]
         if isinstance(self.limit, int):
             return widths[0] if batch_size <= self.limit else 1
         size = self.bucket(batch_size)

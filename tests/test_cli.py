@@ -99,6 +99,11 @@ def test_bench_without_a_gpu_says_so(capsys):
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_bench_verify_widths_need_accepted_drafts(capsys):
+    assert main(["bench", "--spec", str(ROOT / "specs" / "qwen3-8b-random-dflash.yaml"), "--verify-widths", "16,8"]) == 1
+    assert "give --acceptance PROFILE too" in capsys.readouterr().err
+
+
 def test_cuda_backend_on_a_cpu_says_what_to_use(capsys, tmp_path, monkeypatch):
     if __import__("torch").cuda.is_available():
         pytest.skip("checks the message shown without a GPU")
