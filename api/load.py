@@ -36,7 +36,7 @@ async def one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, 
         raise RuntimeError(f"bench-serve: a request failed ({reason.get('message', 'no tokens streamed')}); "
                            "the server's log names the cause")
     n = last["meta_info"]["completion_tokens"]
-    return {"ttft": arrivals[0] - start, "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
+    return {"start": start, "arrivals": arrivals, "ttft": arrivals[0] - start, "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tau": last["meta_info"]["spec_accept_length"],
             "prompt": last["meta_info"]["prompt_tokens"], "cached": last["meta_info"]["cached_tokens"],
             "preemptions": last["meta_info"].get("preemptions", 0)}
@@ -74,8 +74,18 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             "itl_p50_ms": round(1e3 * median(gaps), 2) if gaps else 0.0,
             "gap_ratio": round(max(ratios), 2) if ratios else 0.0,  # worst request: its longest gap / its median
             "long_ttft_ms": round(1e3 * long[0]["ttft"], 1) if long else None,
+            "long_gap_ratio": round(prefill_gaps(results, long[0]), 2) if long else None,
             "tau": round(mean(r["tau"] for r in results), 2),
             "cached_share": round(sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)), 3),
             "preemptions": sum(r["preemptions"] for r in results)}
 
 
+
+
+def prefill_gaps(results: list[dict], long: dict) -> float:
+    """The worst gap, over its own request's median gap, of the requests streaming while the
+    long prompt was prefilled (from its send to its first token): the gaps that window touches."""
+    w0, w1 = long["start"], long["arrivals"][0]
+    ratios = [(b - a) / median(r["gaps"]) for r in results if len(r["gaps"]) >= 3 and median(r["gaps"]) > 0
+              for a, b in zip(r["arrivals"], r["arrivals"][1:]) if b > w0 and a < w1]
+    return max(ratios, default=0.0)

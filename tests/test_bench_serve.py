@@ -50,7 +50,7 @@ def test_levels_report_ttft_gaps_and_the_long_prompt_through_http():
     assert [(r["drafting"], r["concurrency"]) for r in rows] == [("always", 1), ("always", 2), ("off", 1), ("off", 2)]
     for r in rows:
         assert r["requests"] == 4 and r["out_tok_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
-        assert r["long_ttft_ms"] > 0 and r["gap_ratio"] >= 1.0
+        assert r["long_ttft_ms"] > 0 and r["gap_ratio"] >= 1.0 and r["long_gap_ratio"] >= 0.0
     assert all(r["tau"] == 1.0 for r in rows if r["drafting"] == "off")  # no request drafted
     assert all(r["cached_share"] > 0 for r in rows)  # the shared 16-token prefix is a cached block
     off = Options([1], requests=2, max_new=2, prompt_len=8, shared_prefix=16, modes=("off",), prefix_caching=False,
@@ -70,3 +70,14 @@ def test_a_small_kv_pool_preempts_through_http_and_every_request_completes():
     assert row["requests"] == 8 and row["out_tok_per_s"] > 0 and row["preemptions"] > 0
     assert json.loads(run_bench(SPEC, Options([4], requests=8, max_new=24, prompt_len=16, modes=("always",)),
                                 as_json=True))[0]["preemptions"] == 0
+
+
+def test_the_long_prompts_gaps_are_those_its_prefill_overlaps():
+    """The issue's measure: a running request's gaps that overlap the long prompt's prefill
+    window, over that request's own median gap; gaps outside the window do not count."""
+    from draftline.api.load import prefill_gaps
+
+    steady = {"arrivals": [0.0, 1.0, 2.0, 3.0, 4.0, 9.0, 10.0], "gaps": [1.0, 1.0, 1.0, 1.0, 5.0, 1.0]}
+    late = {"arrivals": [0.0, 1.0, 2.0, 3.5, 4.5], "gaps": [1.0, 1.0, 1.5, 1.0]}
+    assert prefill_gaps([steady, late], {"start": 2.2, "arrivals": [3.2]}) == 1.5  # steady's 5 s gap lies after
+    assert prefill_gaps([steady, late], {"start": 4.5, "arrivals": [8.0]}) == 5.0
