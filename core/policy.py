@@ -106,6 +106,7 @@ class Bucket:
     arms: dict[int, Arm] = field(default_factory=dict)  # verify width -> its arm
     widths: tuple[int, ...] = ()  # the drafting widths last offered here, widest first
     decisions: int = 0
+    spent: float = 0.0  # seconds of this bucket's rounds since its last probe (of any arm)
 
     def arm(self, width: int) -> Arm:
         return self.arms.setdefault(width, Arm())
@@ -124,10 +125,10 @@ class DraftPolicy:
     drafting off for the next). A bucket measures the full width, then plain (a few rounds
     each, drafting first), then each narrower width that could still win, were it as fast as
     the fastest narrower choice measured (a verify's time falls with its width, no lower than a
-    plain step's). It then takes the cheapest, probing another with one round each time the
-    bucket's rounds have taken ``probe_every`` - 1 of that arm's round time (4 x as long where
-    the chosen one is CLEAR_GAIN times cheaper), so probes take about 1 / ``probe_every`` of
-    the time whatever each round costs. A bucket not yet measured follows its measured
+    plain step's). It then takes the cheapest, probing the others in turn with one round each
+    time the bucket's rounds have taken ``probe_every`` - 1 of the next one's round time (4 x as
+    long where the chosen one is CLEAR_GAIN times cheaper), so the probes together take about
+    1 / ``probe_every`` of the time whatever each round costs and however many widths there are. A bucket not yet measured follows its measured
     neighbours where they settle it (drafting pays less as the batch grows: a larger bucket
     that drafts means this one drafts, at the full width; a smaller one that does not means
     this one does not), so a batch shrinking through new buckets at the end of its requests
@@ -185,14 +186,16 @@ class DraftPolicy:
         for w in b.widths[1:]:  # a narrower width not yet measured that could still win: measure it
             if w not in cost and self._could_win(b, w, cost[best]):
                 return w
-        due = {}
-        for w, c in cost.items():
-            if w != best:
-                clear = c / max(cost[best], 1e-12) >= CLEAR_GAIN
-                arm = b.arm(w)
-                due[w] = arm.since / ((self.probe_every - 1) * (4 if clear else 1) * arm.seconds)
-        probe = max(due, key=due.get, default=None)
-        return probe if probe is not None and due[probe] >= 1.0 else best
+        # the arms take turns (the longest unrun for its schedule first), and the bucket probes
+        # one whenever its rounds have taken that arm's share since the last probe of any: all
+        # the probes together take about 1 / probe_every of the time, however many arms there are
+        every = {w: (self.probe_every - 1) * (4 if c / max(cost[best], 1e-12) >= CLEAR_GAIN else 1) * b.arm(w).seconds
+                 for w, c in cost.items() if w != best}
+        probe = max(every, key=lambda w: b.arm(w).since / every[w], default=None)
+        if probe is not None and b.spent >= every[probe]:
+            b.spent = 0.0
+            return probe
+        return best
 
     def _could_win(self, b: Bucket, width: int, best: float) -> bool:
         """Whether ``width`` beats the best cost were its round as fast as the slowest measured
@@ -222,6 +225,7 @@ class DraftPolicy:
         """A collected round of ``batch_size`` rows verifying ``width`` tokens each: its time,
         the tokens its live rows emitted, and the drafts each live row accepted."""
         b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
+        b.spent += seconds
         for arm in b.arms.values():
             arm.since += seconds
         b.arm(width).record(seconds, tokens / batch_size)

@@ -178,12 +178,22 @@ def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_to
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS]
     engines = [Engine(spec), Engine(with_depth(respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV,
                                                       dtype="float32", max_model_len=128), 2))]
-    outs = []
+    outs, chains = [], []
+    propose = engines[1].backend.drafter.propose
+
+    def counted(reqs, rows):
+        out = propose(reqs, rows)
+        chains.append(out.tokens.shape[1])
+        return out
+
+    engines[1].backend.drafter.propose = counted
     for eng in engines:
         assert width in eng.backend.verify_widths(4)
         eng.machine.policy = _Narrow(width)
         outs.append(eng.generate(TRAINED_PROMPTS, params, trace=True))
     ref, got = outs
+    # a chain stops after the drafts the round verifies; a block drafter drafts its whole block
+    assert set(chains) == ({width - 1} if method == "eagle3" else {engines[1].plan.num_speculative_tokens})
     assert sum(x.accepted for c in ref for x in c.rounds) >= 4  # drafts were accepted: the check has teeth
     assert {len(x.drafted) for c in ref for x in c.rounds} == {width - 1}
     _same_rounds(ref, got)

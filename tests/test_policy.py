@@ -145,3 +145,23 @@ def test_a_memory_bound_verify_keeps_the_full_width_and_measures_no_narrower_one
     policy = DraftPolicy("auto")
     _, _, by = _served(policy, 200, 1, WIDTHS, seconds)
     assert set(by) <= {16, 1} and by[16] >= 180
+
+
+def test_probes_share_one_budget_however_many_widths_there_are():
+    """Four widths beside the chosen one: each probed in turn, all the probes together taking
+    about a sixteenth of the time (each arm its own sixteenth spent a quarter of it probing)."""
+    def seconds(w):
+        return 0.006 + 0.0022 * w * (w > 1)
+
+    policy, spent = DraftPolicy("auto"), {}
+    record = policy.record
+
+    def timed(batch, width, s, tokens, accepted=()):
+        spent[width] = spent.get(width, 0.0) + s
+        record(batch, width, s, tokens, accepted)
+
+    policy.record = timed
+    _, total, by = _served(policy, 2000, 64, WIDTHS, seconds)
+    chosen = next(r["width"] for r in policy.table() if r["chosen"])
+    assert 1 - spent[chosen] / total <= 1 / 12  # the measuring rounds, then the probes' one budget
+    assert all(by.get(w, 0) >= 4 for w in (1, 16, 8) if w != chosen)  # the others still measured now and then

@@ -343,7 +343,7 @@ class CudaBackend(Prefilling):
         probs = None
         if width > 1 and not inside:  # sampled drafts: their q goes to acceptance
             self.bufs.gather(bucket)
-            proposal = self.drafter.propose(reqs, self._rows(bucket)).first(width - 1)
+            proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1)).first(width - 1)
             self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens[:n])
             probs = None if proposal.probs is None else proposal.probs[:n]
         logits, packed = self._replay(bucket, width, decide, inside)
@@ -363,7 +363,7 @@ class CudaBackend(Prefilling):
         real): it reads ``state`` and writes it only at the end, and only for live rows."""
         self.bufs.gather(bucket)
         if inside:
-            self._draft_step(bucket)
+            self._draft_step(bucket, width)
         logits, packed = self._verify_step(bucket, width, decide)
         return logits, packed
 
@@ -404,19 +404,21 @@ class CudaBackend(Prefilling):
 
     # ------------------------------------------------------------------ draft
 
-    def _rows(self, bucket: int) -> DraftRows:
+    def _rows(self, bucket: int, drafts: int = 0) -> DraftRows:
         b = self.bufs
         slots, start = b.row(SLOT, bucket), b.row(START, bucket)
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
                          caches=Rows(b.row(DRAFT_SLOT, bucket), start),
                          target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start - 1),
-                         head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window)
+                         head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window,
+                         drafts=drafts)
 
-    def _draft_step(self, bucket: int) -> None:
-        rows = self._rows(bucket)
-        tokens = self.drafter.propose([], rows).tokens  # [bucket, K]
-        self.bufs.drafts[:bucket].copy_(tokens)
+    def _draft_step(self, bucket: int, width: int) -> None:
+        """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps)."""
+        rows = self._rows(bucket, width - 1)
+        tokens = self.drafter.propose([], rows).tokens  # [bucket, K], or its first width - 1 columns
+        self.bufs.drafts[:bucket, : tokens.shape[1]].copy_(tokens)
         if self.draft_override is not None:
             self.draft_override(self.bufs.row(SLOT, bucket), rows.start, self.bufs.drafts[:bucket])
 

@@ -60,7 +60,7 @@ class ReferenceBackend:
         return narrowing_widths(self.plan.num_speculative_tokens) if self.drafter is not None else ()
 
     def launch(self, reqs: list[Request], width: int) -> RoundResult:
-        proposal = self.draft(reqs).first(width - 1) if width > 1 else self.skip_draft(reqs)
+        proposal = self.draft(reqs, width - 1) if width > 1 else self.skip_draft(reqs)
         verification = self.verify(reqs, proposal)
         finite = torch.isfinite(verification.logits).flatten(1).all(dim=1).tolist()
         keep = [i for i, ok in enumerate(finite) if ok]  # a failed row is ended by the machine, not accepted
@@ -167,12 +167,13 @@ class ReferenceBackend:
             req.prefix_blocks.append(parent)
 
     @torch.inference_mode()
-    def draft(self, reqs: list[Request]) -> Proposal:
+    def draft(self, reqs: list[Request], drafts: int = 0) -> Proposal:
+        """K drafts a row, or the first ``drafts`` (a narrower verify)."""
         if self.drafter is None:
             return self.skip_draft(reqs)
-        return self.drafter.propose(reqs, self.draft_rows(reqs))
+        return self.drafter.propose(reqs, self.draft_rows(reqs, drafts)).first(drafts or self.plan.num_speculative_tokens)
 
-    def draft_rows(self, reqs: list[Request]) -> DraftRows:
+    def draft_rows(self, reqs: list[Request], drafts: int = 0) -> DraftRows:
         return DraftRows(
             last_token=torch.tensor([r.last_token for r in reqs], device=self.device),
             start=torch.tensor([r.seq_len - 1 for r in reqs], device=self.device),
@@ -180,6 +181,7 @@ class ReferenceBackend:
             caches=[r.draft_state for r in reqs],
             target_kv=FrozenTargetKV([r.kv for r in reqs]),
             features=torch.stack([self._last_features[r.rid] for r in reqs]) if self._reads_last() else None,
+            drafts=drafts,
         )
 
     def _reads_last(self) -> bool:
