@@ -36,7 +36,8 @@ async def one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, 
         raise RuntimeError(f"bench-serve: a request failed ({reason.get('message', 'no tokens streamed')}); "
                            "the server's log names the cause")
     n = last["meta_info"]["completion_tokens"]
-    return {"start": start, "arrivals": arrivals, "ttft": arrivals[0] - start, "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
+    return {"start": start, "arrivals": arrivals, "ttft": arrivals[0] - start,
+            "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tau": last["meta_info"]["spec_accept_length"],
             "prompt": last["meta_info"]["prompt_tokens"], "cached": last["meta_info"]["cached_tokens"],
             "preemptions": last["meta_info"].get("preemptions", 0)}

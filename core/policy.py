@@ -123,19 +123,21 @@ class DraftPolicy:
     width, scaled by how the rows at hand have accepted against that model (their own history,
     with PRIOR_ROUNDS rounds of the model's beside it: one request's hard stretch must not turn
     drafting off for the next). A bucket measures the full width, then plain (a few rounds
-    each, drafting first), then each narrower width that could still win, were it as fast as
-    the fastest narrower choice measured (a verify's time falls with its width, no lower than a
-    plain step's). It then takes the cheapest, probing the others in turn with one round each
-    time the bucket's rounds have taken ``probe_every`` - 1 of the next one's round time (4 x as
-    long where the chosen one is CLEAR_GAIN times cheaper), so the probes together take about
-    1 / ``probe_every`` of the time whatever each round costs and however many widths there are. A bucket not yet measured follows its measured
-    neighbours where they settle it (drafting pays less as the batch grows: a larger bucket
-    that drafts means this one drafts, at the full width; a smaller one that does not means
-    this one does not), so a batch shrinking through new buckets at the end of its requests
-    does not spend its rounds measuring each."""
+    each, drafting first), then each narrower width that could still win were its round as
+    fast as the slowest narrower choice measured (a verify's time grows with its width, and is
+    never below a plain step's). It then takes the cheapest, probing the others in turn with
+    one round each time the bucket's rounds have taken ``probe_every`` - 1 of the next one's
+    round time (4 x as long where the chosen one is CLEAR_GAIN times cheaper), so the probes
+    together take about 1 / ``probe_every`` of the time whatever each round costs and however
+    many widths there are. A bucket not yet measured follows its measured neighbours where
+    they settle it (drafting pays less as the batch grows: a larger bucket that drafts means
+    this one drafts, at the full width; a smaller one that does not means this one does not),
+    so a batch shrinking through new buckets at the end of its requests does not spend its
+    rounds measuring each."""
 
     limit: int | str = "auto"
-    width: int | None = None  # "always" verifies this width where the backend offers it (draftline bench --verify-widths)
+    # "always" verifies this width where the backend offers it (draftline bench --verify-widths)
+    width: int | None = None
     probe_every: int = 16
     buckets: dict[int, Bucket] = field(default_factory=dict)
     acceptance: Acceptance = field(default_factory=Acceptance)
@@ -189,8 +191,8 @@ class DraftPolicy:
         # the arms take turns (the longest unrun for its schedule first), and the bucket probes
         # one whenever its rounds have taken that arm's share since the last probe of any: all
         # the probes together take about 1 / probe_every of the time, however many arms there are
-        every = {w: (self.probe_every - 1) * (4 if c / max(cost[best], 1e-12) >= CLEAR_GAIN else 1) * b.arm(w).seconds
-                 for w, c in cost.items() if w != best}
+        every = {w: (self.probe_every - 1) * (4 if c / max(cost[best], 1e-12) >= CLEAR_GAIN else 1)
+                 * b.arm(w).seconds for w, c in cost.items() if w != best}
         probe = max(every, key=lambda w: b.arm(w).since / every[w], default=None)
         if probe is not None and b.spent >= every[probe]:
             b.spent = 0.0

@@ -64,10 +64,11 @@ def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: 
     """What start-up's graphs and eager prefills reserve beside the weights and the pool, as
     measured on an H200 (bench/memory_probe.py: 8B DFlash at 256 rows, 22.5 GiB in the graphs'
     pool and 3.5 in the eager one, against 26.9 here, 27.4 with SEGMENTS). What the graphs
-    keep as outputs: the float32 logits of each prefill graph's rows and of each round graph's rows x width,
-    twice at the full width (its graph deciding on the device and the one leaving logits to the
-    host) and once at each narrower one a bucket captures (``narrow``), and, for a drafter that reads ``taps`` features a token,
-    each prefill graph's tapped features of every prompt token. Temporaries twice, once in the
+    keep as outputs: the float32 logits of each prefill graph's rows and of each round graph's
+    rows x width, twice at the full width (its graph deciding on the device and the one leaving
+    logits to the host) and once at each narrower one a bucket captures (``narrow``), and, for
+    a drafter that reads ``taps`` features a token, each prefill graph's tapped features of
+    every prompt token. Temporaries twice, once in the
     graphs' pool and once in the eager prefills': the largest prefill's activations
     (PREFILL_GRAPH_TOKENS tokens through a layer, twice over for partial sums) and the largest
     attention launch's split partials. A tenth more, and SEGMENTS, for the allocator's rounding."""
