@@ -86,10 +86,11 @@ class DraftRows:
     head_argmax: Callable[[nn.Linear, Tensor], Tensor] = head_argmax
     # the backend's block_window (the cuda backend's is one launch)
     block_window: Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]] = block_window
-    drafts: int = 0  # drafts the round verifies (a narrower verify; 0: K): a chain may stop there
+    drafts: int = 0  # drafts the round verifies (a narrower verify; 0: K): a drafter may propose only those
 
-    def chain_steps(self, k: int) -> int:
-        """The steps a chain drafter runs this round: the drafts the round verifies, at most K."""
+    def verified(self, k: int) -> int:
+        """The drafts the round verifies, at most K: the steps a chain runs, the block slots a
+        block drafter reads out."""
         return min(k, self.drafts) if self.drafts > 0 else k
 
 

@@ -201,14 +201,16 @@ class DFlashDrafter(Drafter):
         ids, positions = rows.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
         attn = self.kv.attention(rows.caches, causal=False, persist=False, **self.windowed)
         hidden = self.model(self.target.embed(ids), positions, attn)
+        # the block attends as a whole, but only the slots the round verifies are read out
+        read = 1 + rows.verified(self.plan.block_size - 1)
         if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
-            best = rows.head_argmax(self.model.head(self.target), hidden[:, 1:])  # [N, K] drafter-vocabulary ids
+            best = rows.head_argmax(self.model.head(self.target), hidden[:, 1:read])  # [N, K] drafter-vocabulary ids
             return Proposal(tokens=self.model.to_target_ids(best))
-        logits = self.model.logits(hidden[:, 1:], self.target)  # [N, K, V]
+        logits = self.model.logits(hidden[:, 1:read], self.target)  # [N, K, V]
         q = probs_from_logits(logits, rows.batch)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
-        tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:].reshape(-1), Stream.DRAFT)
+        tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:read].reshape(-1), Stream.DRAFT)
         return Proposal(tokens=tokens.view(n, k), probs=q)
 
 

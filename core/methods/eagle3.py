@@ -225,12 +225,12 @@ class Eagle3Drafter(Drafter):
     def _chain_rows(self, rows: DraftRows) -> Tensor:
         """Positional store: the last verified position's entry (the round's last token and
         rows.features), then K-1 chained steps (fewer where the round verifies fewer drafts:
-        rows.chain_steps), one position on each -> logits [N, K, V]."""
+        rows.verified), one position on each -> logits [N, K, V]."""
         first = (rows.start - 1).clamp(min=0)  # [N]
         attn = self._attention(rows, first, first)
         out = self.model.step(self.model.embed(self.target, rows.last_token[:, None]),
                               self.model.fuse(rows.features[:, None]), first[:, None], attn)  # [N, 1, H]
-        steps, k = [], rows.chain_steps(self.plan.num_speculative_tokens)
+        steps, k = [], rows.verified(self.plan.num_speculative_tokens)
         for j in range(k):
             steps.append(self.model.logits(out[:, 0]))  # [N, V]
             if j == k - 1:
@@ -248,7 +248,7 @@ class Eagle3Drafter(Drafter):
         attn = self._attention(rows, first, first)
         out, normed = self.model.step_normed(self.model.embed(self.target, rows.last_token[:, None]),
                                              self.model.fuse(rows.features[:, None]), first[:, None], attn)
-        tokens, k = [], rows.chain_steps(self.plan.num_speculative_tokens)
+        tokens, k = [], rows.verified(self.plan.num_speculative_tokens)
         for j in range(k):
             tokens.append(self.model.greedy(self.model.readout(out, normed)[:, 0], rows.head_argmax))  # [N]
             if j == k - 1:

@@ -118,7 +118,7 @@ class MTPDrafter(Drafter):
         """Nothing to write: the drafter's queries read the target's own cache."""
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        k = rows.chain_steps(self.plan.num_speculative_tokens)  # fewer where the round verifies fewer
+        k = rows.verified(self.plan.num_speculative_tokens)  # fewer where the round verifies fewer
         token = rows.last_token[:, None]  # [N, 1]
         hidden = rows.features[:, None]  # [N, 1, H]
         position = rows.start[:, None]  # [N, 1]: the chain's one query position (the last token's)
@@ -149,7 +149,7 @@ class MTPDrafter(Drafter):
         head (the tied embedding as an LM head; no logits written) -> [N, K]."""
         token, hidden, position = rows.last_token[:, None], rows.features[:, None], rows.start[:, None]
         tokens = []
-        for _ in range(rows.chain_steps(self.plan.num_speculative_tokens)):
+        for _ in range(rows.verified(self.plan.num_speculative_tokens)):
             hidden = self.model.step_fused(token, self.readout.weight, hidden, position, rows.target_kv, self.kv_layer)
             token = rows.head_argmax(self.readout, hidden[:, 0])[:, None]  # [N, 1]
             tokens.append(token)

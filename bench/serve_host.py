@@ -1,0 +1,95 @@
+"""What the serving path's host sustains on its own: the real server (FastAPI, uvicorn, the
+engine loop, the machine, scheduler, stops, detokenizer and streaming) over a stand-in device
+that answers every round at once, each row accepting drafts at a fixed rate, with the same
+HTTP clients as bench-serve in a process of their own.
+
+`python bench/serve_host.py [CONCURRENCY,...] [--profile]` (CPU; the tiny spec's tokenizer). Output
+tok/s here is the host's ceiling at each concurrency: a GPU run that falls below it as
+concurrency grows is bound by its rounds, one that sits at it by the host. --profile prints the
+engine thread's heaviest functions (cProfile) at the last level.
+"""
+from __future__ import annotations
+
+import cProfile
+import pstats
+import random
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+from draftline.api import load
+from draftline.api.server import background
+from draftline.core.benchmark import random_prompts
+from draftline.core.contract import RoundResult
+from draftline.core.engine import Engine
+from draftline.core.spec import load_spec
+
+RATE = 0.7  # each draft accepted given the one before
+
+
+class InstantDevice:
+    """Rounds and prefills decided at once: random tokens, drafts accepted at RATE."""
+
+    name, max_depth = "instant", 2
+
+    def __init__(self, vocab: int, k: int):
+        self.vocab, self.k, self.rng = vocab, k, random.Random(0)
+
+    def verify_widths(self, rows: int) -> tuple[int, ...]:
+        return (self.k + 1,)
+
+    def prefill(self, reqs, ends):
+        for req, end in zip(reqs, ends):
+            req.prefilled = end
+        n = len(reqs)
+        return RoundResult([True] * n, [0] * n, [[self.rng.randrange(3, self.vocab)] for _ in reqs], [[]] * n)
+
+    def launch(self, reqs, width):
+        accepted = []
+        for _ in reqs:
+            a = 0
+            while a < width - 1 and self.rng.random() < RATE:
+                a += 1
+            accepted.append(a)
+        tokens = [[self.rng.randrange(3, self.vocab) for _ in range(a + 1)] for a in accepted]
+        return RoundResult([True] * len(reqs), accepted, tokens, [[5] * (width - 1) for _ in reqs])
+
+    def collect(self, handle):
+        return handle
+
+    def free(self, req) -> None:
+        pass
+
+
+def main() -> None:
+    levels = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1][0].isdigit() else "32,64,128,256").split(",")]
+    spec = load_spec("specs/tiny-dflash.yaml")
+    spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_batch_size": max(levels)})})
+    engine = Engine(spec, draft_policy="always")
+    engine.machine.backend = InstantDevice(engine.target.config.vocab_size, engine.plan.num_speculative_tokens)
+    prompts = random_prompts(engine.target.config.vocab_size, 64, 128, seed=0)
+    profile = cProfile.Profile() if "--profile" in sys.argv else None
+    with background(spec, engine) as url, ProcessPoolExecutor(1, mp_context=get_context("spawn")) as clients:
+        clients.submit(load.measure, url, prompts, 1, 2, 8, True).result()  # warm-up
+        for c in levels:
+            if profile is not None and c == levels[-1]:
+                engine.machine.step = _profiled(engine.machine.step, profile)
+            row = clients.submit(load.measure, url, prompts, c, 4 * c, 256, True).result()
+            print(f"concurrency {c:>4}: {row['out_tok_per_s']:>9} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
+                  f"ITL p50 {row['itl_p50_ms']} ms, tau {row['tau']}", flush=True)
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+def _profiled(step, profile: cProfile.Profile):
+    def run():
+        profile.enable()
+        try:
+            return step()
+        finally:
+            profile.disable()
+    return run
+
+
+if __name__ == "__main__":
+    main()
