@@ -119,7 +119,7 @@ def main() -> None:
                 print(f"  host work {clock.host_us_per_round:.0f} us/round over {clock.rounds} rounds", flush=True)
                 for arm in engine.policy.table() if args.policy == "auto" else []:  # what auto estimated
                     print(f"  policy bucket {arm['batch_bucket']:>2} width {arm['width']:>2} "
-                          f"{arm['ms_per_token']:.3f} ms/token over {arm['rounds']} rounds, chosen {arm['chosen']}")
+                          f"{arm['ms_per_token']} ms/token over {arm['rounds']} rounds, chosen {arm['chosen']}")
                 del engine, base
                 torch.cuda.empty_cache()
     print(f"{'method':<11}{'depth':>6}{'batch':>6}{'prompts':>8}{'tau':>6}{'tok/s':>9}{'none':>9}{'speedup':>9}"

@@ -249,6 +249,7 @@ class DraftPolicy:
                 choice = None if follow is None or not b.widths else (b.widths[0] if follow else 1)
             for width, arm in sorted((w, a) for w, a in b.arms.items() if a.rounds):
                 out.append({"batch_bucket": size, "width": width, "drafting": width > 1,
-                            "ms_per_token": round(arm.seconds / self.tokens(width, arm) * 1e3, 3),
+                            # None until a round past its first is timed (JSON has no NaN)
+                            "ms_per_token": round(arm.seconds / self.tokens(width, arm) * 1e3, 3) if arm.times else None,
                             "rounds": arm.rounds, "chosen": None if choice is None else choice == width})
         return out

@@ -165,3 +165,12 @@ def test_probes_share_one_budget_however_many_widths_there_are():
     chosen = next(r["width"] for r in policy.table() if r["chosen"])
     assert 1 - spent[chosen] / total <= 1 / 12  # the measuring rounds, then the probes' one budget
     assert all(by.get(w, 0) >= 4 for w in (1, 16, 8) if w != chosen)  # the others still measured now and then
+
+
+def test_the_table_is_json_while_a_width_is_still_measuring():
+    """/spec serves the table as JSON: a width with only its untimed first round has no figure yet."""
+    import json
+
+    policy = DraftPolicy("auto")
+    policy.record(1, 16, 1.0, 4, [3])
+    assert json.loads(json.dumps(policy.table(), allow_nan=False))[0]["ms_per_token"] is None
