@@ -28,6 +28,7 @@ class Arm:
     tokens_per_row: float = 1.0  # what its rounds emitted a row, a moving average (plain: 1 unless rows stop)
     rounds: int = 0
     since: float = 0.0  # seconds of the bucket's rounds since this arm last ran (probes are due by time)
+    seconds: float = math.nan  # the median of ``times`` (kept: every decision reads it)
 
     def record(self, seconds: float, tokens_per_row: float) -> None:
         self.rounds += 1
@@ -35,14 +36,11 @@ class Arm:
         self.since = 0.0
         if self.rounds > 1:  # the first round of a choice pays its one-time costs
             self.times.append(seconds)
+            self.seconds = statistics.median(self.times)
 
     @property
     def known(self) -> bool:
         return len(self.times) >= 2
-
-    @property
-    def seconds(self) -> float:
-        return statistics.median(self.times) if self.times else math.nan
 
 
 class Acceptance:
@@ -54,7 +52,7 @@ class Acceptance:
     def __init__(self) -> None:
         self.counts: dict[int, list[float]] = {}  # width -> rows that accepted a drafts, a = 0 .. width - 1
         self.rows = 0.0
-        self._accepted: dict[int, float] = {}  # width -> expected accepted drafts (cleared by record)
+        self._accepted: list[float] | None = None  # [w]: expected accepted drafts at width w (None: stale)
 
     def record(self, width: int, accepted: Sequence[int]) -> None:
         counts = self.counts.setdefault(width, [0.0] * width)
@@ -65,7 +63,7 @@ class Acceptance:
             self.rows /= 2
             for c in self.counts.values():
                 c[:] = [x / 2 for x in c]
-        self._accepted.clear()
+        self._accepted = None
 
     def conditional(self, width: int) -> list[float]:
         """P(draft i accepted | draft i - 1 was), i = 1 .. width - 1."""
@@ -83,12 +81,15 @@ class Acceptance:
 
     def accepted(self, width: int) -> float:
         """Expected drafts accepted in a round verifying ``width`` tokens (width - 1 drafts)."""
-        if width not in self._accepted:
-            total, p = 0.0, 1.0
-            for c in self.conditional(width):
+        if self._accepted is None or width >= len(self._accepted):
+            # every width's at once, from the widest: each round's decisions read several
+            most = max(width, max(self.counts, default=1))
+            table, total, p = [0.0, 0.0], 0.0, 1.0
+            for c in self.conditional(most):
                 p *= c
                 total += p
-            self._accepted[width] = total
+                table.append(total)
+            self._accepted = table
         return self._accepted[width]
 
 
@@ -109,7 +110,10 @@ class Bucket:
     spent: float = 0.0  # seconds of this bucket's rounds since its last probe (of any arm)
 
     def arm(self, width: int) -> Arm:
-        return self.arms.setdefault(width, Arm())
+        arm = self.arms.get(width)  # not setdefault: an Arm (and its deque) made on every call
+        if arm is None:
+            arm = self.arms[width] = Arm()
+        return arm
 
 
 @dataclass
