@@ -163,12 +163,13 @@ class _Narrow:
         return 0.0
 
 
-@pytest.mark.parametrize("method, width", [("dflash", 4), ("eagle3", 2)])
-def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_tokens(method, width, monkeypatch):
+@pytest.mark.parametrize("method, width, paged", [("dflash", 4, False), ("eagle3", 2, False), ("dflash", 8, True)])
+def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_tokens(method, width, paged,
+                                                                                      monkeypatch):
     """Rounds that verify only their first drafts (the backend's narrower widths, offered here
-    at 4 rows whatever their verify's tokens): the cuda backend takes the reference's rounds at
-    that width exactly, every round verifies ``width`` tokens, and greedy output is the full
-    width's, token for token (lossless)."""
+    at 4 rows whatever their verify's tokens), over static slots or 4-token pages: the cuda
+    backend takes the reference's rounds at that width exactly, every round verifies ``width``
+    tokens, and greedy output is the full width's, token for token (lossless)."""
     from draftline.backends.cuda import backend as cuda_backend
 
     monkeypatch.setattr(cuda_backend, "NARROW_TOKENS", 0)
@@ -176,8 +177,11 @@ def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_to
     spec = respec(load_spec(TRAINED[method]), "reference", max_batch_size=4, device=DEV, dtype="float32",
                   max_model_len=128)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS]
-    engines = [Engine(spec), Engine(with_depth(respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV,
-                                                      dtype="float32", max_model_len=128), 2))]
+    cuda = with_depth(respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32",
+                             max_model_len=128), 2)
+    if paged:
+        cuda = cuda.model_copy(update={"server": cuda.server.model_copy(update={"block_size": 4, "num_kv_blocks": 160})})
+    engines = [Engine(spec), Engine(cuda)]
     outs, chains = [], []
     propose = engines[1].backend.drafter.propose
 
@@ -198,6 +202,7 @@ def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_to
     assert {len(x.drafted) for c in ref for x in c.rounds} == {width - 1}
     _same_rounds(ref, got)
     assert [c.output_ids for c in got] == [c.output_ids for c in full]
+    assert (engines[1].backend.cache.pager is not None) == paged
 
 
 def test_seeded_sampling_repeats_and_batches_alike():
