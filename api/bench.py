@@ -133,7 +133,8 @@ def _choices(engine: Engine) -> list[str]:
     out = []
     for size, rows in sorted(arms.items()):
         chosen = next((a["width"] for a in rows if a["chosen"]), None)
-        measured = ", ".join(f"width {a['width']} {a['ms_per_token']} ms/token ({a['rounds']} rounds)" for a in rows)
+        measured = ", ".join(f"width {a['width']} {a['ms_per_token']} ms/token (fastest {a['fastest_ms_per_token']}, "
+                             f"{a['rounds']} rounds)" for a in rows)
         verdict = "measuring" if chosen is None else "plain" if chosen == 1 else f"drafts, verifying {chosen}"
         out.append(f"batch {size}: {measured}; {verdict}")
     return out

@@ -255,5 +255,9 @@ class DraftPolicy:
                 out.append({"batch_bucket": size, "width": width, "drafting": width > 1,
                             # None until a round past its first is timed (JSON has no NaN)
                             "ms_per_token": round(arm.seconds / self.tokens(width, arm) * 1e3, 3) if arm.times else None,
+                            # the fastest of those rounds: far below the median, the median read rounds slowed by
+                            # something else (the host, a transient), not the choice itself
+                            "fastest_ms_per_token": round(min(arm.times) / self.tokens(width, arm) * 1e3, 3)
+                            if arm.times else None,
                             "rounds": arm.rounds, "chosen": None if choice is None else choice == width})
         return out

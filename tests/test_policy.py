@@ -174,3 +174,7 @@ def test_the_table_is_json_while_a_width_is_still_measuring():
     policy = DraftPolicy("auto")
     policy.record(1, 16, 1.0, 4, [3])
     assert json.loads(json.dumps(policy.table(), allow_nan=False))[0]["ms_per_token"] is None
+    for seconds in (2.0, 1.0, 3.0):
+        policy.record(1, 16, seconds, 4, [3])
+    row = policy.table()[0]  # the median of the timed rounds, and the fastest beside it
+    assert row["ms_per_token"] == 500.0 and row["fastest_ms_per_token"] == 250.0
