@@ -83,9 +83,9 @@ def test_random_arrivals_and_cancels_keep_the_pool_within_its_blocks_and_lose_no
     pool, reqs, launches = engine.blocks, [], []
     launch = engine.backend.launch
 
-    def checked(rows, draft):
+    def checked(rows, width):
         launches.append(sum(pool.demand(r) for r in engine.scheduler.running))  # reaped: freed
-        return launch(rows, draft)
+        return launch(rows, width)
 
     engine.backend.launch = checked
     for step in range(400):
