@@ -28,6 +28,17 @@ RATE = 0.86  # each draft accepted given the one before (dflash-paper)
 TAU = {w: sum(RATE ** i for i in range(w)) for w in ROUND_S}
 
 
+def accepted_runs(rng: random.Random, rows: int, width: int, rate: float) -> list[int]:
+    """Each row's accepted drafts of width - 1, each accepted with ``rate`` given the one before."""
+    out = []
+    for _ in range(rows):
+        a = 0
+        while a < width - 1 and rng.random() < rate:
+            a += 1
+        out.append(a)
+    return out
+
+
 class Device:
     """Rounds and prefills on a virtual stream, their results drawn at the profile's rate."""
 
@@ -51,12 +62,7 @@ class Device:
 
     def launch(self, reqs, width):
         done = self._enqueue(ROUND_S[width] * (0.95 + 0.1 * self.rng.random()))
-        accepted = []
-        for _ in reqs:
-            a = 0
-            while a < width - 1 and self.rng.random() < RATE:
-                a += 1
-            accepted.append(a)
+        accepted = accepted_runs(self.rng, len(reqs), width, RATE)
         return done, RoundResult([True] * len(reqs), accepted, [[7] * (a + 1) for a in accepted],
                                  [[5] * (width - 1) for _ in reqs])
 

@@ -23,6 +23,7 @@ from draftline.core.benchmark import random_prompts
 from draftline.core.contract import RoundResult
 from draftline.core.engine import Engine
 from draftline.core.spec import load_spec
+from policy_sim import accepted_runs  # bench/, beside this script
 
 RATE = 0.7  # each draft accepted given the one before
 
@@ -45,12 +46,7 @@ class InstantDevice:
         return RoundResult([True] * n, [0] * n, [[self.rng.randrange(3, self.vocab)] for _ in reqs], [[]] * n)
 
     def launch(self, reqs, width):
-        accepted = []
-        for _ in reqs:
-            a = 0
-            while a < width - 1 and self.rng.random() < RATE:
-                a += 1
-            accepted.append(a)
+        accepted = accepted_runs(self.rng, len(reqs), width, RATE)
         tokens = [[self.rng.randrange(3, self.vocab) for _ in range(a + 1)] for a in accepted]
         return RoundResult([True] * len(reqs), accepted, tokens, [[5] * (width - 1) for _ in reqs])
 
