@@ -47,6 +47,7 @@ class Options:
     batched_tokens: int = 0  # server.max_num_batched_tokens (0: the spec's)
     kv_blocks: int = 0  # server.num_kv_blocks (0: the spec's)
     memory: float = 0.0  # server.gpu_memory_utilization (0: the spec's)
+    admission_wait: int = 0  # server.admission_wait (0: the spec's)
 
     def count(self, concurrency: int) -> int:
         return self.requests or max(8, 8 * concurrency)
@@ -155,6 +156,7 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
     server |= {"max_num_batched_tokens": opts.batched_tokens} if opts.batched_tokens else {}
     server |= {"num_kv_blocks": opts.kv_blocks} if opts.kv_blocks else {}
     server |= {"gpu_memory_utilization": opts.memory} if opts.memory else {}
+    server |= {"admission_wait": opts.admission_wait} if opts.admission_wait else {}
     spec = spec.model_copy(update={"model": model, "server": spec.server.model_copy(update=server)})
     rows, target, continuations, prompts, long_prompt = [], (), None, None, None
     for mode in opts.modes:

@@ -160,6 +160,9 @@ def _serving_commands(sub, handlers: dict[str, Handler]) -> None:
                          "of the GPU's memory (0: the spec's)")
     bs.add_argument("--max-num-batched-tokens", type=NON_NEGATIVE, default=0,
                     help="override server.max_num_batched_tokens, the prompt tokens a step prefills (0: the spec's)")
+    bs.add_argument("--admission-wait", type=NON_NEGATIVE, default=0,
+                    help="override server.admission_wait, the steps arrivals may wait to be prefilled together "
+                         "(0: the spec's)")
     bs.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bs.add_argument("--verbose", action="store_true", help="also log every request")
     bs.set_defaults(func=handlers["bench-serve"])

@@ -151,7 +151,8 @@ class Engine:
         # the server loop bounds its queue
         self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
                                    chunked=getattr(self.backend, "chunked_prefill", False),
-                                   pool=self.blocks if paged else None)  # unpaged: nothing to count
+                                   pool=self.blocks if paged else None,  # unpaged: nothing to count
+                                   admission_wait=spec.server.admission_wait)
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         self.stops = Stops(self._decode)
         self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops, depth)

@@ -12,8 +12,11 @@ from .request import Request
 
 class Scheduler:
     def __init__(self, max_batch_size: int, max_prefill_tokens: int | None = None, chunked: bool = False,
-                 pool: BlockPool | None = None):
+                 pool: BlockPool | None = None, admission_wait: int = 0):
         self.max_batch_size = max_batch_size
+        self.admission_wait = admission_wait  # steps an admission may wait for others to go with it
+        self.steps = 0  # schedule() calls
+        self.ready_since: int | None = None  # the step from which a waiting request could take a free slot
         self.pool = pool  # KV blocks: admission while they last, preemption when rounds need more (None: slots only)
         self.max_prefill_tokens = max_prefill_tokens  # a step's prefilled prompt tokens (None: no bound)
         self.chunked = chunked  # the backend prefills a prompt in chunks over several steps
@@ -39,7 +42,8 @@ class Scheduler:
         then new requests in arrival order while slots last; with a chunking backend the last
         one admitted may take only part of its prompt (not one asking prompt logprobs), else
         whole prompts, the first one always; and while the KV pool has the blocks of the whole
-        prompt (a resumed request's: prompt and generated tokens)."""
+        prompt (a resumed request's: prompt and generated tokens). With admission_wait, new
+        requests wait while others run so they are prefilled together (_admitting)."""
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             abort(req, "cancelled")
@@ -55,7 +59,10 @@ class Scheduler:
                 end = min(req.prefill_len, req.prefilled + budget)
                 prefills.append((req, end))
                 budget -= end - req.prefilled
-        while self.waiting and len(self.running) < self.max_batch_size and budget > 0 and self._fits(self.waiting[0]):
+        self.steps += 1
+        admitting = self._admitting(running)
+        while admitting and self.waiting and len(self.running) < self.max_batch_size and budget > 0 \
+                and self._fits(self.waiting[0]):
             req = self.waiting[0]
             need, chunkable = req.prefill_len, self._chunks(req)
             if need > budget and not chunkable and prefills:
@@ -66,6 +73,24 @@ class Scheduler:
             budget -= end
             self.running.append(req)
         return prefills, running
+
+    def _admitting(self, running: list[Request]) -> bool:
+        """Whether new requests are admitted this step (server.admission_wait): at once when it
+        is 0 or nothing runs; else once one could take a free slot, when admission_wait steps
+        have passed since, or when a quarter of max_batch_size could go together."""
+        could = min(len(self.waiting), self.max_batch_size - len(self.running))
+        if could <= 0:
+            self.ready_since = None
+            return False
+        if self.admission_wait == 0 or not running:
+            self.ready_since = None
+            return True
+        if self.ready_since is None:
+            self.ready_since = self.steps
+        if self.steps - self.ready_since >= self.admission_wait or could >= max(1, self.max_batch_size // 4):
+            self.ready_since = None
+            return True
+        return False
 
     def _fits(self, req: Request) -> bool:
         """Whether the pool has the request's blocks beside the running ones' (alone, it always

@@ -125,6 +125,11 @@ class ServerSpec(Strict):
     # and a longer prompt in chunks (the reference backend; the cuda backend with
     # model.batch_invariant, its default: otherwise it takes a longer prompt whole, alone).
     max_num_batched_tokens: int = Field(8192, ge=1)
+    # steps new requests may wait while others run, so arrivals are prefilled together (each
+    # prefill launch reads the target's weights once; TGI's max_waiting_tokens): once a waiting
+    # request could take a free slot, it is admitted when this many steps have passed, when a
+    # quarter of max_batch_size could go at once, or when nothing runs. 0: at the next step
+    admission_wait: int = Field(0, ge=0)
     # prompts' full blocks of block_size tokens are kept after their requests and reused by
     # later prompts that start alike (the reference backend; the cuda backend with its chunked
     # prefill, in a device store of a quarter of the KV cache's positions)

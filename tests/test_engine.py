@@ -129,3 +129,37 @@ def test_a_burst_is_prefilled_within_the_token_budget_and_outputs_do_not_change(
     assert [began[i] for i in range(len(reqs))] == sorted(began.values()) and len(set(began.values())) > 1
     assert grew  # running requests kept emitting while a prompt was part-way through its prefill
     assert [r.output_ids for r in reqs] == [c.output_ids for c in free.generate(prompts, GREEDY)]
+
+
+def _admissions(wait: int, slots: int = 8) -> tuple[list[list[int]], int, list[int]]:
+    """Greedy outputs, prefill launches and each request's steps from arrival to admission, for
+    requests of different lengths through ``slots`` slots: a first wave, then one arrival every
+    other step (a closed loop's trickle)."""
+    spec = tiny_spec({"method": "none"}, max_batch_size=slots)
+    spec = spec.model_copy(update={"server": spec.server.model_copy(update={"admission_wait": wait})})
+    engine = Engine(spec)
+    params = [SamplingParams(max_new_tokens=4 + 3 * (i % 5), ignore_eos=True) for i in range(24)]
+    prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(24)]
+    reqs, waited, arrived = [], {}, {}
+    step = 0
+    while len(reqs) < 24 or engine.scheduler.has_work():
+        for _ in range(slots if step == 0 else step % 2):
+            if len(reqs) < 24:
+                reqs.append(engine.add_request(prompts[len(reqs)], params[len(reqs)]))
+                arrived[reqs[-1].rid] = step
+        engine.step()
+        step += 1
+        for r in engine.scheduler.running:
+            waited.setdefault(r.rid, step - 1 - arrived[r.rid])
+    return [r.output_ids for r in reqs], engine.machine.clock.prefills, list(waited.values())
+
+
+def test_admissions_wait_to_be_prefilled_together_and_no_longer_than_the_setting():
+    """server.admission_wait: arrivals while others run are admitted together (fewer prefill
+    launches), none waits past its slot's wait, and every output is what it would be at once."""
+    at_once, launches, waited = _admissions(0)
+    grouped, fewer, waited_grouped = _admissions(3)
+    assert grouped == at_once
+    assert fewer < launches
+    assert max(waited_grouped) >= 1  # some did wait for company
+    assert all(w <= max(waited) + 3 for w in waited_grouped)  # within the setting's steps of a free slot
