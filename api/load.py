@@ -81,8 +81,6 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             "preemptions": sum(r["preemptions"] for r in results)}
 
 
-
-
 def prefill_gaps(results: list[dict], long: dict) -> float:
     """The worst gap, over its own request's median gap, of the requests streaming while the
     long prompt was prefilled (from its send to its first token): the gaps that window touches."""

@@ -100,7 +100,6 @@ class Flight:
 
     handle: Any  # the backend's
     reqs: tuple[Request, ...]  # its rows, in order
-    width: int  # the verify width asked: 1 (plain), or 1 + the drafts verified
     launched: float  # perf_counter at launch
     prefill: bool = False  # the rows' prefill: its result is each row's first token
 
@@ -187,7 +186,7 @@ class Machine:
                 advance(req, Phase.PREFILL)
             req.in_flight += 1
         handle = self.backend.prefill(reqs, [end for _, end in prefills])
-        self.flights.append(Flight(handle, tuple(reqs), 1, time.perf_counter(), prefill=True))
+        self.flights.append(Flight(handle, tuple(reqs), time.perf_counter(), prefill=True))
         self.clock.prefills += 1
         self.clock.prefill_s += time.perf_counter() - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
@@ -223,7 +222,7 @@ class Machine:
                          ([r for r in rows if not (width > 1 and r.speculate)], 1)):
             if group:
                 launched = time.perf_counter()  # before the launch: a synchronous backend runs the round in it
-                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), w, launched))
+                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), launched))
                 for req in group:
                     self.clock.ahead += req.in_flight > 0
                     req.in_flight += 1

@@ -113,6 +113,6 @@ def test_start_up_reserves_no_more_than_the_workspace_set_aside(path):
     prefix = spec.server.block_size if spec.server.enable_prefix_caching else 0
     capacity = Capacity(16, spec.model.max_model_len, prefix_block=prefix, kv_page=cache.pager.size, kv_memory=1.0)
     budget = size_pool(capacity, engine.target.config, drafter, backend.width, backend.buckets, cache.data.dtype,
-                       (total, total), cache.splits, taps, backend._narrower)
+                       (total, total), cache.splits, taps, backend.narrow.__getitem__)
     spent = torch.cuda.max_memory_reserved() - base - weights - 1024 * budget.page_bytes
     assert spent <= budget.workspace, (engine.startup, spent, budget.workspace)

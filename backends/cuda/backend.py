@@ -146,6 +146,7 @@ class CudaBackend(Prefilling):
         self.buckets = buckets_for(capacity.max_batch)
         self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
+        self.narrow = {b: self._narrower(b) for b in self.buckets}  # bucket -> its narrower verify widths
         invariant = _invariant(capacity, cfg, width)
         taps = len(plan.target_layer_ids) * cfg.hidden_size  # target features a token the drafter reads
         self.kv_budget = self._kv_budget(capacity, width, dtype, capacity.max_model_len + margin, invariant,
@@ -203,7 +204,7 @@ class CudaBackend(Prefilling):
         budget = size_pool(capacity, self.target.config, getattr(self.drafter, "model", None), width, self.buckets,
                            dtype, (free + cached, total), functools.partial(cache_splits, max_len, invariant,
                                                                              self.target.config.num_kv_heads), taps,
-                           self._narrower)
+                           self.narrow.__getitem__)
         log.info("kv.pool", gpu_memory_utilization=capacity.kv_memory, **budget.summary())
         return budget
 
@@ -289,7 +290,7 @@ class CudaBackend(Prefilling):
         if self.width > 1:
             inside = self._graphed_draft()
             keys += [(bucket, self.width, False, inside)] + ([(bucket, self.width, True, True)] if inside else [])
-            keys += [(bucket, w, True, True) for w in self._narrower(bucket)]
+            keys += [(bucket, w, True, True) for w in self.narrow[bucket]]
         return keys
 
     def _narrower(self, bucket: int) -> tuple[int, ...]:
@@ -301,7 +302,7 @@ class CudaBackend(Prefilling):
         return narrowing_widths(self.width - 1)[1:]
 
     def verify_widths(self, rows: int) -> tuple[int, ...]:
-        return () if self.drafter is None else (self.width, *self._narrower(self.bucket(rows)))
+        return () if self.drafter is None else (self.width, *self.narrow[self.bucket(rows)])
 
     def _graphed_draft(self) -> bool:
         return self.drafter is not None and self.drafter.graph_safe and self.plan.draft_sample_method == "greedy"

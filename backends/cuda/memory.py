@@ -68,10 +68,10 @@ def workspace_bytes(cfg, width: int, buckets: list[int], itemsize: int, splits: 
     rows x width, twice at the full width (its graph deciding on the device and the one leaving
     logits to the host) and once at each narrower one a bucket captures (``narrow``), and, for
     a drafter that reads ``taps`` features a token, each prefill graph's tapped features of
-    every prompt token. Temporaries twice, once in the
-    graphs' pool and once in the eager prefills': the largest prefill's activations
-    (PREFILL_GRAPH_TOKENS tokens through a layer, twice over for partial sums) and the largest
-    attention launch's split partials. A tenth more, and SEGMENTS, for the allocator's rounding."""
+    every prompt token. Temporaries twice, once in the graphs' pool and once in the eager
+    prefills': the largest prefill's activations (PREFILL_GRAPH_TOKENS tokens through a layer,
+    twice over for partial sums) and the largest attention launch's split partials. A tenth
+    more, and SEGMENTS, for the allocator's rounding."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
     activations = 2 * PREFILL_GRAPH_TOKENS * per_token * itemsize
