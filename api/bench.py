@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -48,6 +49,7 @@ class Options:
     kv_blocks: int = 0  # server.num_kv_blocks (0: the spec's)
     memory: float = 0.0  # server.gpu_memory_utilization (0: the spec's)
     admission_wait: int = 0  # server.admission_wait (0: the spec's)
+    trace: str = ""  # write each mode's collected rounds to TRACE.MODE.jsonl
 
     def count(self, concurrency: int) -> int:
         return self.requests or max(8, 8 * concurrency)
@@ -114,14 +116,19 @@ def _serve(spec: Spec, engine: Engine, mode: str, opts: Options, prompts: list, 
     """One mode's levels against a real server; the clients run in a process of their own, so
     their parsing does not hold this one's interpreter (the server and the engine loop's)."""
     speculative, rows = MODES[mode][1], []
+    trace = engine.machine.trace = [] if opts.trace else None
     with background(spec, engine) as url, ProcessPoolExecutor(1, mp_context=get_context("spawn")) as clients:
         clients.submit(load.measure, url, prompts, 1, 2, 8, speculative).result()  # warm-up
         for c in opts.levels:
+            if trace is not None:
+                trace.append({"t": time.perf_counter(), "level": c})
             row = clients.submit(load.measure, url, prompts, c, opts.count(c), opts.max_new, speculative,
                                  long_prompt).result()
             rows.append({"drafting": mode, **row} | ({"policy": _choices(engine)} if mode == "auto" else {}))
             print(f"  {mode} at concurrency {c}: {row['out_tok_per_s']} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
                   f"tau {row['tau']}", file=sys.stderr, flush=True)  # a long run's progress, as it goes
+    if trace is not None:
+        Path(f"{opts.trace}.{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trace))
     return rows
 
 

@@ -3,10 +3,15 @@ engine loop, the machine, scheduler, stops, detokenizer and streaming) over a st
 that answers every round at once, each row accepting drafts at a fixed rate, with the same
 HTTP clients as bench-serve in a process of their own.
 
-`python bench/serve_host.py [CONCURRENCY,...] [--profile]` (CPU; the tiny spec's tokenizer). Output
-tok/s here is the host's ceiling at each concurrency: a GPU run that falls below it as
-concurrency grows is bound by its rounds, one that sits at it by the host. --profile prints the
-engine thread's heaviest functions (cProfile) at the last level.
+`python bench/serve_host.py [CONCURRENCY,...] [--profile] [--timed]` (CPU; the tiny spec's
+tokenizer). Output tok/s here is the host's ceiling at each concurrency: a GPU run that falls below
+it as concurrency grows is bound by its rounds, one that sits at it by the host. --profile prints
+the engine thread's heaviest functions (cProfile) at the last level.
+
+--timed serves over policy_sim's device instead, whose rounds take the H200's time for each verify
+width at 32 rows (the collect sleeps, releasing the GIL as a device sync does), with the `auto`
+policy, and prints the policy's measured round time beside the device's: what the HTTP side's
+share of the process does to the engine thread's timing and throughput.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from draftline.core.benchmark import random_prompts
 from draftline.core.contract import RoundResult
 from draftline.core.engine import Engine
 from draftline.core.spec import load_spec
-from policy_sim import accepted_runs  # bench/, beside this script
+from policy_sim import ROUND_S, TAU, Device, accepted_runs  # bench/, beside this script
 
 RATE = 0.7  # each draft accepted given the one before
 
@@ -61,8 +66,10 @@ def main() -> None:
     levels = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1][0].isdigit() else "32,64,128,256").split(",")]
     spec = load_spec("specs/tiny-dflash.yaml")
     spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_batch_size": max(levels)})})
-    engine = Engine(spec, draft_policy="always")
-    engine.machine.backend = InstantDevice(engine.target.config.vocab_size, engine.plan.num_speculative_tokens)
+    timed = "--timed" in sys.argv
+    engine = Engine(spec, draft_policy="auto" if timed else "always")
+    engine.machine.backend = Device() if timed else InstantDevice(engine.target.config.vocab_size,
+                                                                  engine.plan.num_speculative_tokens)
     prompts = random_prompts(engine.target.config.vocab_size, 64, 128, seed=0)
     profile = cProfile.Profile() if "--profile" in sys.argv else None
     with background(spec, engine) as url, ProcessPoolExecutor(1, mp_context=get_context("spawn")) as clients:
@@ -73,6 +80,12 @@ def main() -> None:
             row = clients.submit(load.measure, url, prompts, c, 4 * c, 256, True).result()
             print(f"concurrency {c:>4}: {row['out_tok_per_s']:>9} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
                   f"ITL p50 {row['itl_p50_ms']} ms, tau {row['tau']}", flush=True)
+    if timed:
+        for row in engine.policy.table():
+            if row["batch_bucket"] == levels[-1] and row["ms_per_token"] is not None:
+                print(f"width {row['width']:>2}: {row['rounds']:>4} rounds, measured "
+                      f"{row['ms_per_token'] * TAU[row['width']]:6.2f} ms a round, device "
+                      f"{1e3 * ROUND_S[row['width']]:6.2f}{'  chosen' if row['chosen'] else ''}")
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 

@@ -163,6 +163,9 @@ def _serving_commands(sub, handlers: dict[str, Handler]) -> None:
     bs.add_argument("--admission-wait", type=NON_NEGATIVE, default=0,
                     help="override server.admission_wait, the steps arrivals may wait to be prefilled together "
                          "(0: the spec's)")
+    bs.add_argument("--trace-rounds", default="",
+                    help="write every collected round (rows, verify width, wall, device and host time) and prefill "
+                         "to PATH.MODE.jsonl, with a record where each concurrency level starts")
     bs.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bs.add_argument("--verbose", action="store_true", help="also log every request")
     bs.set_defaults(func=handlers["bench-serve"])

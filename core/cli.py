@@ -393,7 +393,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     opts = Options(args.concurrency, args.requests, args.max_new_tokens, args.prompt_len, args.shared_prefix,
                    args.long_prompt, args.acceptance or "", tuple(args.modes), args.max_model_len,
                    not args.no_prefix_caching, args.max_num_batched_tokens, args.num_kv_blocks,
-                   args.gpu_memory_utilization, args.admission_wait)
+                   args.gpu_memory_utilization, args.admission_wait, args.trace_rounds)
     with _quiet(not args.verbose):  # the table, not every request's log line
         table = run_bench(load_spec(args.spec), opts, args.json)
     print(table)

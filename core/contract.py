@@ -141,6 +141,9 @@ class RoundResult:
     accepted: list[int]  # drafts accepted
     tokens: list[list[int]]  # accepted + 1 tokens: the accepted drafts, then the correction or bonus
     drafted: list[list[int]]  # the round's K drafts (empty lists for a round that did not draft)
+    # the round's own time on the device, where the backend times it (None: the machine times the
+    # round by the wall clock, which on a shared host also reads whatever held the host back)
+    device_s: float | None = None
 
 
 def narrowing_widths(k: int) -> tuple[int, ...]:

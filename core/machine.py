@@ -139,9 +139,16 @@ class Machine:
         self.flights: deque[Flight] = deque()
         self.clock = HostClock()
         self._last_collect: float | None = None
+        self._host_s: float | None = None  # the host's last cycle (step to step) outside its waits for the device
+        self._cycle: tuple[float, float] | None = None  # (perf_counter, clock.wait_s) at the last step's start
+        self.trace: list[dict] | None = None  # set to a list: one record per collected round (bench-serve --trace-rounds)
 
     def step(self) -> list[Request]:
         begin = time.perf_counter()
+        if self._cycle is not None:  # all the host did since the last step began, the engine loop's share too
+            start, waited = self._cycle
+            self._host_s = begin - start - (self.clock.wait_s - waited)
+        self._cycle = (begin, self.clock.wait_s)
         self._preempt()
         prefills, running = self.scheduler.schedule()
         done = self.scheduler.reap(self.free)  # cancelled now, or ended in _preempt's drain: their KV goes first
@@ -157,6 +164,8 @@ class Machine:
         while self.flights and all(r.phase is Phase.FINISHED for r in self.flights[0].reqs):
             self._collect(self.flights.popleft())  # rounds only stopped requests ran: the device does them anyway
         self.clock.step_s += time.perf_counter() - begin
+        if not self.flights:  # idle until the next step, or synchronous: no cycle to time
+            self._cycle = self._host_s = None
         return done + self.scheduler.reap(self.free)
 
     def _preempt(self) -> None:
@@ -237,6 +246,9 @@ class Machine:
         self.clock.wait_s += now - waited
         if flight.prefill:
             self._first_tokens(flight, result)
+            if self.trace is not None:
+                self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs),
+                                   "wall_s": now - max(flight.launched, self._last_collect or 0.0)})
             self._last_collect = now
             return
         self.clock.rounds += 1
@@ -254,11 +266,18 @@ class Machine:
             accepted.append(result.accepted[i])
             req.stats.expected_accepted += expected
             emitted += self._book(req, result.drafted[i], result.accepted[i], result.tokens[i])
-        # the round's share of wall time: from its launch, or from the previous collect when it
-        # ran behind that one. A round only stopped requests ran says nothing of its choice.
-        since = max(flight.launched, self._last_collect or 0.0)
-        if accepted:
-            self.policy.record(len(flight.reqs), width, now - since, emitted, accepted)
+        if accepted:  # a round only stopped requests ran says nothing of its choice
+            # the round's share of wall time: from its launch, or from the previous collect when it ran
+            # behind that one. On a shared host that also reads whatever held the host back, so where the
+            # backend times the round on the device, the policy weighs that and the host's cycle instead.
+            wall = now - max(flight.launched, self._last_collect or 0.0)
+            timed = result.device_s is not None
+            self.policy.record(len(flight.reqs), width, result.device_s if timed else wall, emitted, accepted,
+                               self._host_s if timed else None)
+            if self.trace is not None:
+                self.trace.append({"t": now, "prefill": False, "rows": len(flight.reqs), "width": width,
+                                   "emitted": emitted, "wall_s": wall, "device_s": result.device_s,
+                                   "host_s": self._host_s})
         self._last_collect = now
 
     def _book(self, req: Request, drafted: list[int], accepted: int, tokens: list[int]) -> int:

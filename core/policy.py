@@ -104,16 +104,28 @@ class Drafted:
 
 @dataclass
 class Bucket:
+    """One batch bucket's arms. Where rounds are timed on the device, an arm's times are its
+    device time, and the host's time a round (about the same whatever the width: its rows'
+    bookkeeping) is kept for the bucket as a whole, from all its rounds: a round costs
+    whichever of the two is longer, since the pipeline runs at the slower of them."""
+
     arms: dict[int, Arm] = field(default_factory=dict)  # verify width -> its arm
     widths: tuple[int, ...] = ()  # the drafting widths last offered here, widest first
     decisions: int = 0
     spent: float = 0.0  # seconds of this bucket's rounds since its last probe (of any arm)
+    host_times: deque = field(default_factory=lambda: deque(maxlen=4 * WINDOW))  # host seconds a round
+    host: float = 0.0  # their median
 
     def arm(self, width: int) -> Arm:
         arm = self.arms.get(width)  # not setdefault: an Arm (and its deque) made on every call
         if arm is None:
             arm = self.arms[width] = Arm()
         return arm
+
+    def seconds(self, width: int) -> float:
+        """What a round of ``width`` costs (NaN until measured)."""
+        arm = self.arm(width)
+        return arm.seconds if math.isnan(arm.seconds) else max(arm.seconds, self.host)
 
 
 @dataclass
@@ -184,7 +196,7 @@ class DraftPolicy:
 
     def _costs(self, b: Bucket, drafted: Drafted) -> dict[int, float]:
         """Seconds a token of each measured arm offered at the bucket."""
-        return {w: b.arm(w).seconds / max(self.tokens(w, b.arm(w), drafted), 1e-9)
+        return {w: b.seconds(w) / max(self.tokens(w, b.arm(w), drafted), 1e-9)
                 for w in (1, *b.widths) if b.arm(w).known}
 
     def _best_or_probe(self, b: Bucket, cost: dict[int, float]) -> int:
@@ -196,7 +208,7 @@ class DraftPolicy:
         # one whenever its rounds have taken that arm's share since the last probe of any: all
         # the probes together take about 1 / probe_every of the time, however many arms there are
         every = {w: (self.probe_every - 1) * (4 if c / max(cost[best], 1e-12) >= CLEAR_GAIN else 1)
-                 * b.arm(w).seconds for w, c in cost.items() if w != best}
+                 * b.seconds(w) for w, c in cost.items() if w != best}
         probe = max(every, key=lambda w: b.arm(w).since / every[w], default=None)
         if probe is not None and b.spent >= every[probe]:
             b.spent = 0.0
@@ -206,7 +218,7 @@ class DraftPolicy:
     def _could_win(self, b: Bucket, width: int, best: float) -> bool:
         """Whether ``width`` beats the best cost were its round as fast as the slowest measured
         arm narrower than it (no verify is faster than a narrower one, nor than a plain step)."""
-        floor = max(b.arm(w).seconds for w in (1, *b.widths) if w < width and b.arm(w).known)
+        floor = max(b.seconds(w) for w in (1, *b.widths) if w < width and b.arm(w).known)
         return floor / self.tokens(width, b.arm(width)) < best
 
     def _choice(self, size: int) -> int | None:
@@ -227,13 +239,19 @@ class DraftPolicy:
             return False
         return None
 
-    def record(self, batch_size: int, width: int, seconds: float, tokens: int, accepted: Sequence[int] = ()) -> None:
-        """A collected round of ``batch_size`` rows verifying ``width`` tokens each: its time,
+    def record(self, batch_size: int, width: int, seconds: float, tokens: int, accepted: Sequence[int] = (),
+               host: float | None = None) -> None:
+        """A collected round of ``batch_size`` rows verifying ``width`` tokens each: its time
+        (on the device, with ``host`` the host's time a round; else its share of wall time),
         the tokens its live rows emitted, and the drafts each live row accepted."""
         b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
-        b.spent += seconds
+        if host is not None:
+            b.host_times.append(host)
+            b.host = statistics.median(b.host_times)
+        spent = max(seconds, b.host)
+        b.spent += spent
         for arm in b.arms.values():
-            arm.since += seconds
+            arm.since += spent
         b.arm(width).record(seconds, tokens / batch_size)
         if width > 1 and accepted:
             self.acceptance.record(width, accepted)
@@ -254,10 +272,12 @@ class DraftPolicy:
             for width, arm in sorted((w, a) for w, a in b.arms.items() if a.rounds):
                 out.append({"batch_bucket": size, "width": width, "drafting": width > 1,
                             # None until a round past its first is timed (JSON has no NaN)
-                            "ms_per_token": round(arm.seconds / self.tokens(width, arm) * 1e3, 3) if arm.times else None,
+                            "ms_per_token": round(b.seconds(width) / self.tokens(width, arm) * 1e3, 3)
+                            if arm.times else None,
                             # the fastest of those rounds: far below the median, the median read rounds slowed by
                             # something else (the host, a transient), not the choice itself
-                            "fastest_ms_per_token": round(min(arm.times) / self.tokens(width, arm) * 1e3, 3)
+                            "fastest_ms_per_token": round(max(min(arm.times), b.host) / self.tokens(width, arm) * 1e3, 3)
                             if arm.times else None,
+                            "host_ms": round(b.host * 1e3, 3),
                             "rounds": arm.rounds, "chosen": None if choice is None else choice == width})
         return out

@@ -178,3 +178,72 @@ def test_the_table_is_json_while_a_width_is_still_measuring():
         policy.record(1, 16, seconds, 4, [3])
     row = policy.table()[0]  # the median of the timed rounds, and the fastest beside it
     assert row["ms_per_token"] == 500.0 and row["fastest_ms_per_token"] == 250.0
+
+
+def test_rounds_timed_on_the_device_cost_the_host_cycle_where_the_host_is_slower():
+    """A round's device time prices its width; the host's cycle, kept for the bucket from all
+    its rounds, bounds every width from below (the pipeline runs at the slower of the two).
+    With a host slower than every round, the round that emits the most tokens wins."""
+    def seconds(w):
+        return 0.006 + 0.0022 * w * (w > 1)
+
+    fast_host, slow_host = DraftPolicy("auto"), DraftPolicy("auto")
+    for policy, host in ((fast_host, 0.001), (slow_host, 0.050)):
+        record = policy.record
+        policy.record = lambda b, w, s, t, a=(), record=record, host=host: record(b, w, s, t, a, host)
+        _served(policy, 600, 64, WIDTHS, seconds)
+    assert next(r["width"] for r in fast_host.table() if r["chosen"]) == 4  # as the device alone decides
+    assert next(r["width"] for r in slow_host.table() if r["chosen"]) == 16
+    row = next(r for r in slow_host.table() if r["width"] == 1)
+    assert row["host_ms"] == 50.0 and row["ms_per_token"] == 50.0  # a plain round costs the host's cycle
+
+
+def test_the_machine_prices_a_round_by_its_device_time_not_the_hosts_hiccups():
+    """Where the backend reports a round's device time, a collect held up on the host (another
+    thread holding the interpreter, a page fault) does not make that round's width look slow."""
+    import time
+
+    from draftline.core.contract import RoundResult
+    from draftline.core.machine import Machine, Plan
+    from draftline.core.request import Request, SpecStats
+    from draftline.core.sampling import SamplingParams
+    from draftline.core.scheduler import Scheduler
+    from draftline.core.stops import Stops
+
+    class Timed:
+        name, max_depth = "timed", 2
+
+        def __init__(self):
+            self.rounds = 0
+
+        def verify_widths(self, rows):
+            return (16,)
+
+        def prefill(self, reqs, ends):
+            for req, end in zip(reqs, ends):
+                req.prefilled = end
+            return RoundResult([True] * len(reqs), [0] * len(reqs), [[7]] * len(reqs), [[]] * len(reqs))
+
+        def launch(self, reqs, width):
+            n = len(reqs)
+            return RoundResult([True] * n, [3] * n, [[7] * 4] * n, [[5] * (width - 1)] * n,
+                               device_s=None if width == 1 else 0.002)
+
+        def collect(self, handle):
+            self.rounds += 1
+            time.sleep(0.02 if self.rounds % 3 == 0 else 0.0)  # a hiccup every third collect
+            return handle
+
+        def free(self, req):
+            pass
+
+    scheduler, policy = Scheduler(4, 4096), DraftPolicy("always")
+    machine = Machine(Plan("dflash", "parallel", 15), Timed(), scheduler, policy, Stops(lambda ids: ""), depth=2)
+    for rid in range(4):
+        scheduler.add(Request(rid=rid, prompt_ids=[1] * 8, params=SamplingParams(max_new_tokens=80, ignore_eos=True),
+                              stop_ids=frozenset(), max_model_len=512, stats=SpecStats(15)))
+    while scheduler.has_work():
+        machine.step()
+    arm = policy.buckets[4].arm(16)
+    assert arm.rounds >= 15 and arm.seconds == 0.002  # the hiccups are not the round's
+    assert 0 < policy.buckets[4].host < 0.02  # the host's cycle: most steps had none

@@ -119,6 +119,7 @@ class Launch:
     host: Tensor  # [>= rows, 2W + 1] int64: finite, accepted, tokens (W), drafts (W - 1)
     copied: torch.cuda.Event | None  # None: the copy was synchronous
     logprobs: tuple[target_logprobs.Pending, ...] = ()  # on their way to the host with the result
+    started: torch.cuda.Event | None = None  # recorded before the round's first device work (timing)
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -330,6 +331,7 @@ class CudaBackend(Prefilling):
     def launch(self, reqs: list[Request], width: int) -> Launch:
         n, bucket = len(reqs), self.bucket(len(reqs))
         width = min(width, self.width) if self.drafter is not None else 1
+        started = self._started()
         if self.cache.pager is not None:  # paged KV: pages for the positions this round and those in flight write
             for r in reqs:
                 self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
@@ -353,7 +355,7 @@ class CudaBackend(Prefilling):
             packed = self._accept(reqs, width, logits[:n], probs)
             first = self.bufs.row(START, n) + 1  # this round's (the next launch gathers anew)
             reported = self._window_logprobs(reqs, logits[:n], packed[:, 2 : 2 + width], first)
-        return self._land(packed[:n], width, span, reported)
+        return self._land(packed[:n], width, span, reported, started)
 
     def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
         return self.graphs.run(("round", bucket, width, decide, inside),
@@ -376,10 +378,24 @@ class CudaBackend(Prefilling):
             self._landing[w].append(handle.host)
         for pending in handle.logprobs:
             pending.record([r[1] for r in rows])
+        device_s = None if handle.started is None else handle.started.elapsed_time(handle.copied) / 1e3
         return RoundResult(finite=[r[0] == 1 for r in rows], accepted=[r[1] for r in rows],
-                           tokens=[r[2 : 3 + r[1]] for r in rows], drafted=[r[2 + w : 1 + 2 * w] for r in rows])
+                           tokens=[r[2 : 3 + r[1]] for r in rows], drafted=[r[2 + w : 1 + 2 * w] for r in rows],
+                           device_s=device_s)
 
-    def _land(self, packed: Tensor, width: int, span, logprobs: list | None = None) -> Launch:
+    def _started(self) -> torch.cuda.Event | None:
+        """An event at the start of a round's device work: with the one after its copy back, the
+        round's own device time, which the draft policy prices widths by (the wall clock between
+        collects also reads the host's hiccups, and a rarely run width has few rounds to
+        outvote them)."""
+        if self.device.type != "cuda":
+            return None
+        started = torch.cuda.Event(enable_timing=True)
+        started.record()
+        return started
+
+    def _land(self, packed: Tensor, width: int, span, logprobs: list | None = None,
+              started: torch.cuda.Event | None = None) -> Launch:
         """The round's one copy back: into a free pinned buffer, asynchronously (and the
         logprobs of rows that report them, beside it)."""
         moved = tuple(p.to_host() for p in logprobs or ())
@@ -389,12 +405,12 @@ class CudaBackend(Prefilling):
         host = free.pop() if free else torch.empty(self.capacity.max_batch, 2 * width + 1, dtype=torch.int64,
                                                    pin_memory=True)
         host[: packed.shape[0]].copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(enable_timing=started is not None)
         copied.record()
         if span is not None:
             span[1].record()
             self.timeline.append(span)
-        return Launch(packed.shape[0], width, host, copied, moved)
+        return Launch(packed.shape[0], width, host, copied, moved, started)
 
     def _span_start(self):
         if self.timeline is None or self.device.type != "cuda":
