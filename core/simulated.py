@@ -63,9 +63,13 @@ class SimulatedAcceptance:
         known = self.continuations.get(tuple(prompt_ids))
         if known is None:
             raise KeyError("simulated acceptance: a prompt without a greedy continuation from the `none` run")
-        row = (list(prompt_ids) + known)[: self.table.shape[1]]
-        self.table[slot, : len(row)] = torch.tensor(row, device=self.table.device)
-        self.keys[slot] = zlib.crc32(repr(list(prompt_ids)).encode())
+        row = torch.tensor((list(prompt_ids) + known)[: self.table.shape[1]])
+        # in stream order, without waiting: a plain copy from pageable memory waits for every round
+        # in flight, and admissions come while rounds run (the prefill's host step drained the pipeline)
+        if self.table.is_cuda:
+            row = row.pin_memory()
+        self.table[slot, : len(row)].copy_(row, non_blocking=True)
+        self.keys[slot].fill_(zlib.crc32(repr(list(prompt_ids)).encode()))
 
     def __call__(self, slots: Tensor, start: Tensor, drafts: Tensor) -> None:
         n, k = drafts.shape

@@ -123,3 +123,27 @@ def test_bf16_verify_logits_close_to_reference(invariant):
     print(f"bf16 verify logits: relative errors {[round(e, 5) for e in errors]}, greedy agreement {agree / total:.4f}")
     assert max(errors) <= 1e-2, errors
     assert agree / total >= (0.98 if invariant else 0.99), agree / total
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["dflash", "simulated"])
+def test_steps_never_wait_on_the_device_outside_collect(simulated):
+    """Rounds stay in flight while requests are admitted, prefilled and finish: an operation in a
+    step that synchronizes (a copy from pageable memory, .item(), a host index into a device
+    tensor) drains the pipeline. On the 8B shape each prefill's stall cost the GPU about a round
+    (a pageable copy in the simulated acceptance's admit). Sync debug mode raises on any."""
+    from draftline.core import benchmark
+
+    engine = Engine(respec(tiny_spec(None, max_batch_size=4), "cuda", device="cuda"))
+    prompts = benchmark.random_prompts(engine.target.config.vocab_size, 12, 24, seed=0)
+    params = [SamplingParams(max_new_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    if simulated:
+        sim = benchmark.simulate(engine, {tuple(p): [7] * 256 for p in prompts})
+        sim.set_rate(0.8)
+    engine.generate(prompts[:4], params[:4])  # first-time allocations (pinned landing buffers) outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # 12 requests through 4 slots: admissions and prefills while rounds are in flight
+        out = engine.generate(prompts, params)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [len(c.output_ids) for c in out] == [p.max_new_tokens for p in params]
+    assert engine.machine.clock.ahead > 0  # rounds did run ahead of their collect
