@@ -1,0 +1,64 @@
+"""Where a served level's time went, from `draftline bench-serve --trace-rounds PATH`'s records:
+per concurrency level, the share of wall time the device spent on rounds, the prefills, each
+verify width's rounds (rows, wall, device and host time, tokens a row), and the host's cycles.
+
+`python bench/trace_rounds.py PATH.MODE.jsonl` (any machine: it reads the file only). A level whose
+rounds' wall time runs well past their device time had the GPU idle behind the host; the host
+quantiles and the slowest rounds say when.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def quantiles(values: list[float], qs=(0.5, 0.9, 0.99)) -> str:
+    s = sorted(values)
+    return " ".join(f"p{int(q * 100)} {1e3 * s[int(q * (len(s) - 1))]:.1f}" for q in qs) if s else "-"
+
+
+def levels(records: list[dict]) -> list[tuple[int, float, list[dict]]]:
+    """(concurrency, its start, its records) in order."""
+    marks = [i for i, r in enumerate(records) if "level" in r] or [-1]
+    out = []
+    for k, m in enumerate(marks):
+        end = marks[k + 1] if k + 1 < len(marks) else len(records)
+        start = records[m]["t"] if m >= 0 else records[0]["t"]
+        out.append((records[m]["level"] if m >= 0 else 0, start, records[m + 1 : end]))
+    return out
+
+
+def summary(level: int, start: float, recs: list[dict]) -> list[str]:
+    rounds = [r for r in recs if not r["prefill"]]
+    prefills = [r for r in recs if r["prefill"]]
+    if not rounds:
+        return [f"level {level}: no rounds"]
+    wall = rounds[-1]["t"] - start
+    device = sum(r["device_s"] or 0.0 for r in rounds)
+    emitted = sum(r["emitted"] for r in rounds)
+    idle = sum(max(0.0, r["wall_s"] - (r["device_s"] or r["wall_s"])) for r in rounds)
+    lines = [f"level {level}: {wall:.2f} s, {emitted / wall:.0f} tok/s; {len(rounds)} rounds, device busy on rounds "
+             f"{device / wall:.0%} of the wall; {len(prefills)} prefills (rows {statistics.mean([p['rows'] for p in prefills]) if prefills else 0:.1f} "
+             f"each); rounds' wall past their device time {idle:.2f} s",
+             f"  host cycle ms: {quantiles([r['host_s'] for r in rounds if r['host_s'] is not None], (0.5, 0.75, 0.9, 0.99))}"]
+    for width in sorted({r["width"] for r in rounds}):
+        rs = [r for r in rounds if r["width"] == width]
+        dev = [r["device_s"] for r in rs if r["device_s"] is not None]
+        lines.append(f"  width {width:>2}: {len(rs):>4} rounds, rows p50 {statistics.median(r['rows'] for r in rs):>5}, "
+                     f"wall ms {quantiles([r['wall_s'] for r in rs], (0.5, 0.9))}, device ms {quantiles(dev, (0.5, 0.9))}, "
+                     f"tokens a row {sum(r['emitted'] for r in rs) / sum(r['rows'] for r in rs):.2f}")
+    return lines
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python bench/trace_rounds.py PATH.MODE.jsonl (from bench-serve --trace-rounds PATH)")
+    with open(sys.argv[1]) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    for level, start, recs in levels(records):
+        print("\n".join(summary(level, start, recs)))
+
+
+if __name__ == "__main__":
+    main()
