@@ -60,7 +60,10 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             await asyncio.sleep(0.005)
         long.append(await one(client, long_prompt, 1, speculative))
 
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    # a connection per stream: httpx's default pool (100 connections, 20 kept alive) held every level
+    # above 100 streams to 100 requests at the server, the rest queued in the client (counted as TTFT)
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)),
                              *([send_long(client)] if long_prompt else []))

@@ -77,9 +77,13 @@ def main() -> None:
         for c in levels:
             if profile is not None and c == levels[-1]:
                 engine.machine.step = _profiled(engine.machine.step, profile)
+            engine.machine.trace = []  # the rows each round carried: does the server hold c streams?
             row = clients.submit(load.measure, url, prompts, c, 4 * c, 256, True).result()
+            rows = sorted(r["rows"] for r in engine.machine.trace if not r["prefill"])
+            engine.machine.trace = None
             print(f"concurrency {c:>4}: {row['out_tok_per_s']:>9} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
-                  f"ITL p50 {row['itl_p50_ms']} ms, tau {row['tau']}", flush=True)
+                  f"ITL p50 {row['itl_p50_ms']} ms, tau {row['tau']}, rows a round p50 {rows[len(rows) // 2]} "
+                  f"max {rows[-1]}", flush=True)
     if timed:
         for row in engine.policy.table():
             if row["batch_bucket"] == levels[-1] and row["ms_per_token"] is not None:
