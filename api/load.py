@@ -43,6 +43,14 @@ async def one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, 
             "preemptions": last["meta_info"].get("preemptions", 0)}
 
 
+def _client(url: str) -> httpx.AsyncClient:
+    """A stream's own client and connection, kept alive from one request to the next. One client
+    shared by every stream capped them at its pool's 100 connections (the rest queued in the
+    client, counted as their TTFT), and with a connection per stream in one pool, its bookkeeping
+    (each request's assignment scans every connection) bound the clients' process at 128 streams."""
+    return httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1))
+
+
 async def level(url: str, prompts: list, concurrency: int, count: int, max_new: int, speculative: bool,
                  long_prompt: list[int] | None = None) -> dict:
     queue: asyncio.Queue = asyncio.Queue()
@@ -60,14 +68,14 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             await asyncio.sleep(0.005)
         long.append(await one(client, long_prompt, 1, speculative))
 
-    # a connection per stream: httpx's default pool (100 connections, 20 kept alive) held every level
-    # above 100 streams to 100 requests at the server, the rest queued in the client (counted as TTFT)
-    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    clients = [_client(url) for _ in range(concurrency + 1)]  # made before the clock starts: each costs ms
+    try:
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)),
-                             *([send_long(client)] if long_prompt else []))
+        await asyncio.gather(*(worker(c) for c in clients[:-1]), *([send_long(clients[-1])] if long_prompt else []))
         wall = time.perf_counter() - t0
+    finally:
+        for c in clients:
+            await c.aclose()
     gaps = [g for r in results for g in r["gaps"]]
     ratios = [max(r["gaps"]) / median(r["gaps"]) for r in results if len(r["gaps"]) >= 3 and median(r["gaps"]) > 0]
     return {"concurrency": concurrency, "requests": count, "req_per_s": round(count / wall, 2),
