@@ -73,6 +73,9 @@ def check(opts: Options, spec: Spec) -> None:
         raise ConfigError("--acceptance needs --prompt-len: continuations are keyed by input-id prompts")
     if opts.acceptance and spec.speculative.method == "none":
         raise ConfigError("--acceptance needs a spec with a drafting method")
+    if opts.trace and not Path(opts.trace).resolve().parent.is_dir():
+        raise ConfigError(f"--trace-rounds {opts.trace}: its folder does not exist (the trace is written there "
+                          "after the run); create it or name another")
     longest = max(opts.shared_prefix + opts.prompt_len, opts.long_prompt) + opts.max_new
     limit = opts.max_model_len or spec.model.max_model_len
     if longest >= limit:

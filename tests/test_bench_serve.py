@@ -29,6 +29,7 @@ def test_input_id_prompts_share_exactly_the_prefix_and_are_reproducible():
     (Options([1], acceptance="dflash-paper"), "--acceptance needs --prompt-len"),
     (Options([1], prompt_len=200, max_new=64), "does not fit max_model_len 256"),
     (Options([1], prompt_len=8, long_prompt=300), "raise --max-model-len"),
+    (Options([1], trace="/no/such/folder/trace"), "its folder does not exist"),
 ])
 def test_workloads_that_cannot_run_are_refused_up_front(opts, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -81,3 +82,24 @@ def test_the_long_prompts_gaps_are_those_its_prefill_overlaps():
     late = {"arrivals": [0.0, 1.0, 2.0, 3.5, 4.5], "gaps": [1.0, 1.0, 1.5, 1.0]}
     assert prefill_gaps([steady, late], {"start": 2.2, "arrivals": [3.2]}) == 1.5  # steady's 5 s gap lies after
     assert prefill_gaps([steady, late], {"start": 4.5, "arrivals": [8.0]}) == 5.0
+
+
+def test_the_round_trace_says_where_each_level_went(tmp_path):
+    """--trace-rounds: every collected round (rows, width, wall and host time; the reference
+    backend times no device) and prefill, each level's start marked; bench/trace_rounds.py reads it."""
+    import sys
+    from pathlib import Path
+
+    run_bench(SPEC, Options([1, 2], requests=4, max_new=6, prompt_len=8, modes=("always",),
+                            trace=str(tmp_path / "t")), as_json=True)
+    records = [json.loads(line) for line in (tmp_path / "t.always.jsonl").read_text().splitlines()]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from trace_rounds import levels, summary
+    split = levels(records)
+    assert [level for level, _, _ in split] == [1, 2]
+    for _, _, recs in split:  # 4 requests of 6 tokens a level: each one's first from its prefill
+        rounds = [r for r in recs if not r["prefill"]]
+        assert all(r["width"] > 1 and r["device_s"] is None and r["wall_s"] > 0 for r in rounds)
+        assert sum(r["emitted"] for r in rounds) == 4 * 5 and sum(r["rows"] for r in recs if r["prefill"]) == 4
+    lines = [line for level, start, recs in split for line in summary(level, start, recs)]
+    assert lines[0].startswith("level 1:") and any(line.startswith("level 2:") for line in lines)
