@@ -336,7 +336,6 @@ class CudaBackend(Prefilling):
             for r in reqs:
                 self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
             self.cache.flush()
-        span = self._span_start()
         self.bufs.load(reqs, bucket)
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
         decide = not any(r.params.reads_logits for r in reqs) and (width == 1 or self.plan.draft_sample_method == "greedy")
@@ -355,7 +354,7 @@ class CudaBackend(Prefilling):
             packed = self._accept(reqs, width, logits[:n], probs)
             first = self.bufs.row(START, n) + 1  # this round's (the next launch gathers anew)
             reported = self._window_logprobs(reqs, logits[:n], packed[:, 2 : 2 + width], first)
-        return self._land(packed[:n], width, span, reported, started)
+        return self._land(packed[:n], width, reported, started)
 
     def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
         return self.graphs.run(("round", bucket, width, decide, inside),
@@ -387,14 +386,14 @@ class CudaBackend(Prefilling):
         """An event at the start of a round's device work: with the one after its copy back, the
         round's own device time, which the draft policy prices widths by (the wall clock between
         collects also reads the host's hiccups, and a rarely run width has few rounds to
-        outvote them)."""
+        outvote them) and ``timeline`` keeps for draftline bench."""
         if self.device.type != "cuda":
             return None
         started = torch.cuda.Event(enable_timing=True)
         started.record()
         return started
 
-    def _land(self, packed: Tensor, width: int, span, logprobs: list | None = None,
+    def _land(self, packed: Tensor, width: int, logprobs: list | None = None,
               started: torch.cuda.Event | None = None) -> Launch:
         """The round's one copy back: into a free pinned buffer, asynchronously (and the
         logprobs of rows that report them, beside it)."""
@@ -407,17 +406,9 @@ class CudaBackend(Prefilling):
         host[: packed.shape[0]].copy_(packed, non_blocking=True)
         copied = torch.cuda.Event(enable_timing=started is not None)
         copied.record()
-        if span is not None:
-            span[1].record()
-            self.timeline.append(span)
+        if self.timeline is not None and started is not None:
+            self.timeline.append((started, copied))
         return Launch(packed.shape[0], width, host, copied, moved, started)
-
-    def _span_start(self):
-        if self.timeline is None or self.device.type != "cuda":
-            return None
-        span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        span[0].record()
-        return span
 
     # ------------------------------------------------------------------ draft
 

@@ -120,7 +120,7 @@ class Prefilling:
         groups = self._prefill_groups(reqs, ends)
         if len(groups) == 1:
             packed, reported = self._prefill_group(reqs, ends)
-            return self._land(packed, 1, None, reported)
+            return self._land(packed, 1, reported)
         # each group's result copied before the next group runs: a graph's output is rewritten by its next replay
         done = [(packed.clone(), reported) for packed, reported in
                 (self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups)]
@@ -128,7 +128,7 @@ class Prefilling:
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
         reported = [r for g, (_, group_reported) in zip(groups, done) for r in _as_rows_of(group_reported, g)]
-        return self._land(packed, 1, None, reported)
+        return self._land(packed, 1, reported)
 
     def _admit(self, req: Request, end: int) -> int:
         """A new request's slots, and the prefix cache's blocks its prompt starts with, copied
