@@ -244,12 +244,13 @@ class Machine:
         result = self.backend.collect(flight.handle)
         now = time.perf_counter()
         self.clock.wait_s += now - waited
+        # the flight's share of wall time: from its launch, or from the previous collect when it ran behind that one
+        wall = now - max(flight.launched, self._last_collect or 0.0)
+        self._last_collect = now
         if flight.prefill:
             self._first_tokens(flight, result)
             if self.trace is not None:
-                self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs),
-                                   "wall_s": now - max(flight.launched, self._last_collect or 0.0)})
-            self._last_collect = now
+                self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall})
             return
         self.clock.rounds += 1
         # the width the round ran: a backend may widen it (rows that read logits take its full window)
@@ -267,10 +268,8 @@ class Machine:
             req.stats.expected_accepted += expected
             emitted += self._book(req, result.drafted[i], result.accepted[i], result.tokens[i])
         if accepted:  # a round only stopped requests ran says nothing of its choice
-            # the round's share of wall time: from its launch, or from the previous collect when it ran
-            # behind that one. On a shared host that also reads whatever held the host back, so where the
-            # backend times the round on the device, the policy weighs that and the host's cycle instead.
-            wall = now - max(flight.launched, self._last_collect or 0.0)
+            # the wall share also reads whatever held a shared host back, so where the backend times
+            # the round on the device, the policy weighs that and the host's cycle instead
             timed = result.device_s is not None
             self.policy.record(len(flight.reqs), width, result.device_s if timed else wall, emitted, accepted,
                                self._host_s if timed else None)
@@ -278,7 +277,6 @@ class Machine:
                 self.trace.append({"t": now, "prefill": False, "rows": len(flight.reqs), "width": width,
                                    "emitted": emitted, "wall_s": wall, "device_s": result.device_s,
                                    "host_s": self._host_s})
-        self._last_collect = now
 
     def _book(self, req: Request, drafted: list[int], accepted: int, tokens: list[int]) -> int:
         start = req.seq_len
