@@ -21,22 +21,12 @@ from draftline.core.policy import DraftPolicy
 from draftline.core.request import Request, SpecStats
 from draftline.core.sampling import SamplingParams
 from draftline.core.scheduler import Scheduler
+from draftline.core.simulated import accepted_runs
 from draftline.core.stops import Stops
 
 ROUND_S = {1: .0062, 2: .0088, 4: .0097, 8: .0126, 16: .0181}  # seconds a round at 32 rows, by verify width
 RATE = 0.86  # each draft accepted given the one before (dflash-paper)
 TAU = {w: sum(RATE ** i for i in range(w)) for w in ROUND_S}
-
-
-def accepted_runs(rng: random.Random, rows: int, width: int, rate: float) -> list[int]:
-    """Each row's accepted drafts of width - 1, each accepted with ``rate`` given the one before."""
-    out = []
-    for _ in range(rows):
-        a = 0
-        while a < width - 1 and rng.random() < rate:
-            a += 1
-        out.append(a)
-    return out
 
 
 class Device:

@@ -27,8 +27,9 @@ from draftline.api.server import background
 from draftline.core.benchmark import random_prompts
 from draftline.core.contract import RoundResult
 from draftline.core.engine import Engine
+from draftline.core.simulated import accepted_runs
 from draftline.core.spec import load_spec
-from policy_sim import ROUND_S, TAU, Device, accepted_runs  # bench/, beside this script
+from policy_sim import ROUND_S, TAU, Device  # bench/, beside this script
 
 RATE = 0.7  # each draft accepted given the one before
 

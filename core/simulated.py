@@ -13,6 +13,7 @@ method: its numbers are labelled simulated wherever they appear.
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import torch
@@ -35,6 +36,18 @@ def profile_rate(profile: str) -> float | None:
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"--acceptance {profile!r}: give one of {', '.join(PROFILES)} or a rate in (0, 1]")
     return rate
+
+
+def accepted_runs(rng: random.Random, rows: int, width: int, rate: float) -> list[int]:
+    """The profile's rounds drawn on the host, for stand-in devices and the policy's tests: each
+    row's accepted drafts of width - 1, each accepted with ``rate`` given the one before."""
+    out = []
+    for _ in range(rows):
+        a = 0
+        while a < width - 1 and rng.random() < rate:
+            a += 1
+        out.append(a)
+    return out
 
 
 def expected_tau(rate: float | None, k: int) -> float:

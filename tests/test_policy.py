@@ -4,6 +4,7 @@ full verify, or a narrower one), explores without starving it, and says what it 
 import random
 
 from draftline.core.policy import Acceptance, DraftPolicy, Drafted
+from draftline.core.simulated import accepted_runs
 
 FULL = (16,)  # a backend that runs only the full verify (K = 15)
 WIDTHS = (16, 8, 4, 2)  # and one that also runs narrower ones
@@ -103,12 +104,7 @@ def _served(policy: DraftPolicy, rounds: int, batch: int, widths: tuple[int, ...
     rng, tokens, spent, by = random.Random(seed), 0.0, 0.0, {}
     for _ in range(rounds):
         w = policy.choose(batch, widths)
-        accepted = []
-        for _ in range(batch):
-            a = 0
-            while a < w - 1 and rng.random() < rate:
-                a += 1
-            accepted.append(a)
+        accepted = accepted_runs(rng, batch, w, rate)
         policy.record(batch, w, seconds(w), sum(accepted) + batch, accepted)
         tokens, spent, by[w] = tokens + (sum(accepted) + batch) / batch, spent + seconds(w), by.get(w, 0) + 1
     return tokens, spent, by
