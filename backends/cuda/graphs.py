@@ -29,10 +29,6 @@ class Graphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def clear(self) -> None:
-        """Forget every graph: each is captured again on its next run."""
-        self._graphs.clear()
-
     def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
         """Replay the graph for ``key``, capturing ``step`` first if needed; eager when disabled.
         Steps must be idempotent for the same buffers: warm-up runs execute them for real."""
