@@ -10,6 +10,7 @@ random pairs): those numbers are simulated acceptance and are labelled so."""
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import sys
 import time
@@ -30,6 +31,7 @@ from . import load
 from .server import background
 
 PROMPTS = Path(__file__).resolve().parent.parent / "specs" / "tiny" / "eval_prompts.jsonl"
+WARM_UP = 2  # requests before the first level, alone: the server's first request pays its one-time costs
 MODES = {"always": ("always", True), "auto": ("auto", True), "off": ("auto", False)}  # policy, speculative
 
 
@@ -54,13 +56,21 @@ class Options:
     def count(self, concurrency: int) -> int:
         return self.requests or max(8, 8 * concurrency)
 
+    def slices(self) -> list[slice]:
+        """Input-id prompts: the warm-up's, then each level's own, so that no request repeats
+        an earlier one, whose blocks the prefix cache would still hold (a level would then
+        measure cache hits; a shared prefix is the one part they have in common)."""
+        starts = list(itertools.accumulate([WARM_UP] + [self.count(c) for c in self.levels]))
+        return [slice(0, WARM_UP)] + [slice(a, b) for a, b in zip(starts, starts[1:])]
+
 
 def workload(opts: Options, vocab: int) -> tuple[list[str | list[int]], list[int] | None]:
-    """(the prompts every level draws from in order, the long prompt or None)."""
+    """(the prompts, the long prompt or None). Input-id prompts are the warm-up's and each
+    level's, in ``opts.slices()``; the eval prompts' text is one pool every level cycles through."""
     if not opts.prompt_len:
         return (read_prompts(PROMPTS) if PROMPTS.is_file() else ["def main():\n"]), None
     prefix = benchmark.random_prompts(vocab, 1, opts.shared_prefix, seed=1)[0] if opts.shared_prefix else []
-    count = max(opts.count(c) for c in opts.levels)
+    count = opts.slices()[-1].stop
     prompts = [prefix + p for p in benchmark.random_prompts(vocab, count, opts.prompt_len, seed=2)]
     return prompts, (benchmark.random_prompts(vocab, 1, opts.long_prompt, seed=3)[0] if opts.long_prompt else None)
 
@@ -121,11 +131,12 @@ def _serve(spec: Spec, engine: Engine, mode: str, opts: Options, prompts: list, 
     speculative, rows = MODES[mode][1], []
     trace = engine.machine.trace = [] if opts.trace else None
     with background(spec, engine) as url, ProcessPoolExecutor(1, mp_context=get_context("spawn")) as clients:
-        clients.submit(load.measure, url, prompts, 1, 2, 8, speculative).result()  # warm-up
-        for c in opts.levels:
+        own = opts.slices() if opts.prompt_len else [slice(None)] * (1 + len(opts.levels))
+        clients.submit(load.measure, url, prompts[own[0]], 1, WARM_UP, 8, speculative).result()
+        for c, mine in zip(opts.levels, own[1:]):
             if trace is not None:
                 trace.append({"t": time.perf_counter(), "level": c})
-            row = clients.submit(load.measure, url, prompts, c, opts.count(c), opts.max_new, speculative,
+            row = clients.submit(load.measure, url, prompts[mine], c, opts.count(c), opts.max_new, speculative,
                                  long_prompt).result()
             rows.append({"drafting": mode, **row} | ({"policy": _choices(engine)} if mode == "auto" else {}))
             print(f"  {mode} at concurrency {c}: {row['out_tok_per_s']} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "

@@ -15,7 +15,8 @@ SPEC = tiny_spec(max_model_len=256)
 def test_input_id_prompts_share_exactly_the_prefix_and_are_reproducible():
     opts = Options([2, 4], requests=0, max_new=4, prompt_len=8, shared_prefix=16, long_prompt=40)
     prompts, long = workload(opts, vocab=512)
-    assert len(prompts) == max(opts.count(2), opts.count(4)) == 32  # 8 x the highest concurrency
+    assert len(prompts) == 2 + opts.count(2) + opts.count(4) == 50  # the warm-up's, then each level's own
+    assert [(s.start, s.stop) for s in opts.slices()] == [(0, 2), (2, 18), (18, 50)]
     assert all(len(p) == 24 and p[:16] == prompts[0][:16] for p in prompts)
     assert len({tuple(p[16:]) for p in prompts}) == len(prompts)  # the rest is each prompt's own
     assert all(0 <= t < 512 for p in prompts + [long] for t in p) and len(long) == 40
@@ -90,8 +91,9 @@ def test_the_round_trace_says_where_each_level_went(tmp_path):
     import sys
     from pathlib import Path
 
-    run_bench(SPEC, Options([1, 2], requests=4, max_new=6, prompt_len=8, modes=("always",),
-                            trace=str(tmp_path / "t")), as_json=True)
+    rows = json.loads(run_bench(SPEC, Options([1, 2], requests=4, max_new=6, prompt_len=20, modes=("always",),
+                                              trace=str(tmp_path / "t")), as_json=True))
+    assert [r["cached_share"] for r in rows] == [0.0, 0.0]  # each level's prompts its own: no cache hit
     records = [json.loads(line) for line in (tmp_path / "t.always.jsonl").read_text().splitlines()]
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from trace_rounds import levels, summary
