@@ -71,6 +71,7 @@ def main() -> None:
     engine = Engine(spec, draft_policy="auto" if timed else "always")
     engine.machine.backend = Device() if timed else InstantDevice(engine.target.config.vocab_size,
                                                                   engine.plan.num_speculative_tokens)
+    engine.machine.depth = 2  # the cuda backend's: rounds in flight while the host books and publishes
     prompts = random_prompts(engine.target.config.vocab_size, 64, 128, seed=0)
     profile = cProfile.Profile() if "--profile" in sys.argv else None
     with background(spec, engine) as url, ProcessPoolExecutor(1, mp_context=get_context("spawn")) as clients:
@@ -80,11 +81,13 @@ def main() -> None:
                 engine.machine.step = _profiled(engine.machine.step, profile)
             engine.machine.trace = []  # the rows each round carried: does the server hold c streams?
             row = clients.submit(load.measure, url, prompts, c, 4 * c, 256, True).result()
-            rows = sorted(r["rows"] for r in engine.machine.trace if not r["prefill"])
+            rounds = [r for r in engine.machine.trace if not r["prefill"]]
+            rows, host = sorted(r["rows"] for r in rounds), sorted(r["host_s"] or 0.0 for r in rounds)
             engine.machine.trace = None
             print(f"concurrency {c:>4}: {row['out_tok_per_s']:>9} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
                   f"ITL p50 {row['itl_p50_ms']} ms, tau {row['tau']}, rows a round p50 {rows[len(rows) // 2]} "
-                  f"max {rows[-1]}", flush=True)
+                  f"max {rows[-1]}" + (f", host cycle ms p50 {1e3 * host[len(host) // 2]:.1f} "
+                                       f"p90 {1e3 * host[9 * len(host) // 10]:.1f}" if timed else ""), flush=True)
     if timed:
         for row in engine.policy.table():
             if row["batch_bucket"] == levels[-1] and row["ms_per_token"] is not None:
