@@ -43,6 +43,8 @@ class BlockPool:
         prefill first, then the newest part-way through it (the oldest always stays: a request
         that fits the pool alone is never preempted by itself)."""
         held = sum(self.demand(r) for r in running)
+        if held <= self.total:  # the common case, every step: nothing to sort
+            return []
         oldest = min(running, key=lambda r: r.rid, default=None)
         out = []
         for req in sorted((r for r in running if r is not oldest), key=lambda r: (r.prefilled >= r.prefill_len, r.rid),
