@@ -3,10 +3,14 @@ engine loop, the machine, scheduler, stops, detokenizer and streaming) over a st
 that answers every round at once, each row accepting drafts at a fixed rate, with the same
 HTTP clients as bench-serve in a process of their own.
 
-`python bench/serve_host.py [CONCURRENCY,...] [--profile] [--timed]` (CPU; the tiny spec's
+`python bench/serve_host.py [CONCURRENCY,...] [--profile] [--timed [--releases N]]` (CPU; the tiny spec's
 tokenizer). Output tok/s here is the host's ceiling at each concurrency: a GPU run that falls below
 it as concurrency grows is bound by its rounds, one that sits at it by the host. --profile prints
 the engine thread's heaviest functions (cProfile) at the last level.
+
+--releases N (with --timed): the stand-in's launch lets go of the GIL N times, as the CUDA
+calls of a real round's host work do (graph replay, copies, events); each one lets the HTTP side's
+work for every stream in before the engine thread goes on.
 
 --timed serves over policy_sim's device instead, whose rounds take the H200's time for each verify
 width at 32 rows (the collect sleeps, releasing the GIL as a device sync does), with the `auto`
@@ -19,6 +23,7 @@ import cProfile
 import pstats
 import random
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
@@ -63,13 +68,27 @@ class InstantDevice:
         pass
 
 
+class ReleasingDevice(Device):
+    """policy_sim's device whose launch lets go of the GIL ``releases`` times."""
+
+    def __init__(self, releases: int):
+        super().__init__()
+        self.releases = releases
+
+    def launch(self, reqs, width):
+        for _ in range(self.releases):
+            time.sleep(0)  # a CUDA call from Python releases the GIL and takes it back
+        return super().launch(reqs, width)
+
+
 def main() -> None:
     levels = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 and sys.argv[1][0].isdigit() else "32,64,128,256").split(",")]
     spec = load_spec("specs/tiny-dflash.yaml")
     spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_batch_size": max(levels)})})
     timed = "--timed" in sys.argv
     engine = Engine(spec, draft_policy="auto" if timed else "always")
-    engine.machine.backend = Device() if timed else InstantDevice(engine.target.config.vocab_size,
+    releases = int(sys.argv[sys.argv.index("--releases") + 1]) if "--releases" in sys.argv else 0
+    engine.machine.backend = ReleasingDevice(releases) if timed else InstantDevice(engine.target.config.vocab_size,
                                                                   engine.plan.num_speculative_tokens)
     engine.machine.depth = 2  # the cuda backend's: rounds in flight while the host books and publishes
     prompts = random_prompts(engine.target.config.vocab_size, 64, 128, seed=0)
