@@ -61,8 +61,9 @@ class Scheduler:
                 budget -= end - req.prefilled
         self.steps += 1
         admitting = self._admitting(running)
+        held = self._held()
         while admitting and self.waiting and len(self.running) < self.max_batch_size and budget > 0 \
-                and self._fits(self.waiting[0]):
+                and self._fits(self.waiting[0], held):
             req = self.waiting[0]
             need, chunkable = req.prefill_len, self._chunks(req)
             if need > budget and not chunkable and prefills:
@@ -72,6 +73,7 @@ class Scheduler:
             prefills.append((req, end))
             budget -= end
             self.running.append(req)
+            held = None if self.pool is None else (held or 0) + self.pool.demand(req)
         return prefills, running
 
     def _admitting(self, running: list[Request]) -> bool:
@@ -92,14 +94,17 @@ class Scheduler:
             return True
         return False
 
-    def _fits(self, req: Request) -> bool:
-        """Whether the pool has the request's blocks beside the running ones' (alone, it always
-        fits: a request that could not was refused when it came). Those ended or cancelled are
-        not counted: the machine frees them before this step launches anything."""
-        if self.pool is None:
-            return True
-        live = self._live()
-        return not live or sum(map(self.pool.demand, live + [req])) <= self.pool.total
+    def _held(self) -> int | None:
+        """Blocks the live running requests hold (None: no pool, or none live). Those ended or
+        cancelled are not counted: the machine frees them before this step launches anything."""
+        live = self._live() if self.pool is not None else []
+        return sum(map(self.pool.demand, live)) if live else None
+
+    def _fits(self, req: Request, held: int | None) -> bool:
+        """Whether the pool has the request's blocks beside the ``held`` ones (alone, it always
+        fits: a request that could not was refused when it came). ``held`` is counted once a
+        step and grows by each admission, not summed again over every running request."""
+        return self.pool is None or held is None or held + self.pool.demand(req) <= self.pool.total
 
     def victims(self) -> list[Request]:
         """The running requests to preempt so the others' next rounds get their blocks."""
