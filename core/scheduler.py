@@ -73,7 +73,7 @@ class Scheduler:
             prefills.append((req, end))
             budget -= end
             self.running.append(req)
-            held = None if self.pool is None else (held or 0) + self.pool.demand(req)
+            held += 0 if self.pool is None else self.pool.demand(req)
         return prefills, running
 
     def _admitting(self, running: list[Request]) -> bool:
@@ -94,17 +94,17 @@ class Scheduler:
             return True
         return False
 
-    def _held(self) -> int | None:
-        """Blocks the live running requests hold (None: no pool, or none live). Those ended or
-        cancelled are not counted: the machine frees them before this step launches anything."""
-        live = self._live() if self.pool is not None else []
-        return sum(map(self.pool.demand, live)) if live else None
+    def _held(self) -> int:
+        """Blocks the live running requests hold (0 without a pool). Those ended or cancelled
+        are not counted: the machine frees them before this step launches anything."""
+        return 0 if self.pool is None else sum(map(self.pool.demand, self._live()))
 
-    def _fits(self, req: Request, held: int | None) -> bool:
+    def _fits(self, req: Request, held: int) -> bool:
         """Whether the pool has the request's blocks beside the ``held`` ones (alone, it always
-        fits: a request that could not was refused when it came). ``held`` is counted once a
-        step and grows by each admission, not summed again over every running request."""
-        return self.pool is None or held is None or held + self.pool.demand(req) <= self.pool.total
+        fits: a request that could not was refused when it came; every live request holds a
+        block, so 0 held is none live). ``held`` is counted once a step and grows by each
+        admission, not summed again over every running request."""
+        return self.pool is None or held == 0 or held + self.pool.demand(req) <= self.pool.total
 
     def victims(self) -> list[Request]:
         """The running requests to preempt so the others' next rounds get their blocks."""
