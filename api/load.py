@@ -68,10 +68,11 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             await asyncio.sleep(0.005)
         long.append(await one(client, long_prompt, 1, speculative))
 
-    clients = [_client(url) for _ in range(concurrency + 1)]  # made before the clock starts: each costs ms
+    clients = [_client(url) for _ in range(concurrency + bool(long_prompt))]  # before the clock: each costs ms
     try:
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(c) for c in clients[:-1]), *([send_long(clients[-1])] if long_prompt else []))
+        await asyncio.gather(*(worker(c) for c in clients[:concurrency]),
+                             *([send_long(clients[-1])] if long_prompt else []))
         wall = time.perf_counter() - t0
     finally:
         for c in clients:
