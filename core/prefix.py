@@ -21,6 +21,7 @@ class Block:
     parent: "Block | None"
     payload: Any
     refs: int = 0  # running requests using it
+    children: int = 0  # cached blocks whose parent this is: a block is evicted only without them
 
 
 @dataclass
@@ -70,6 +71,8 @@ class PrefixCache:
             return None
         block = Block(key, tokens, parent, payload, refs=1)
         self.blocks[key] = block
+        if parent is not None:
+            parent.children += 1
         return block
 
     def summary(self) -> dict[str, Any]:
@@ -86,11 +89,14 @@ class PrefixCache:
 
     def _evict(self) -> bool:
         """Drop the least recently used unpinned block whose children are gone (a chain is
-        evicted from its end, so every cached block's parent stays cached)."""
-        parents = {id(b.parent) for b in self.blocks.values() if b.parent is not None}
+        evicted from its end, so every cached block's parent stays cached). A lookup moves a
+        chain's blocks to the end parent first, so the scan passes at most a chain's length of
+        parents before it finds a leaf."""
         for key, block in self.blocks.items():
-            if block.refs == 0 and id(block) not in parents:
+            if block.refs == 0 and block.children == 0:
                 del self.blocks[key]
+                if block.parent is not None:
+                    block.parent.children -= 1
                 if self.evicted is not None:
                     self.evicted(block)
                 return True

@@ -54,6 +54,11 @@ def test_random_pin_release_and_insert_sequences_keep_the_books():
         assert all(b.refs == pins.get(id(b), 0) for b in cache.blocks.values())
         assert all(id(b) in {id(c) for c in cache.blocks.values()} for h in holders for b in h)  # in use: kept
         assert all(b.parent is None or cache.blocks.get(b.parent.key) is b.parent for b in cache.blocks.values())
+        children = {}
+        for b in cache.blocks.values():
+            if b.parent is not None:
+                children[id(b.parent)] = children.get(id(b.parent), 0) + 1
+        assert all(b.children == children.get(id(b), 0) for b in cache.blocks.values())  # what eviction reads
     for h in holders:
         cache.release(h)
     assert all(b.refs == 0 for b in cache.blocks.values())

@@ -52,6 +52,7 @@ from .memory import GIB, KVBudget, size_pool
 from .penalties import SlotPenalties
 from .prefill import PREFILL_WIDTHS, PrefillBuffers, Prefilling, draw_scores
 from .prefix import DevicePrefix
+from .staging import Staging
 from .windows import block_window, verify_window
 
 log = structlog.get_logger("draftline.cuda")
@@ -142,6 +143,7 @@ class CudaBackend(Prefilling):
         cfg, width = target.config, plan.num_speculative_tokens + 1
         self.target, self.plan, self.device, self.width = target, plan, device, width
         self.capacity = capacity
+        self.staging = Staging(device)  # host values onto the device (_put), before anything that puts
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
         self.buckets = buckets_for(capacity.max_batch)
@@ -321,9 +323,7 @@ class CudaBackend(Prefilling):
         return self._put(torch.tensor(rows, dtype=dtype))
 
     def _put(self, host: Tensor) -> Tensor:
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return self.staging.put(host)
 
     # ------------------------------------------------------------------ rounds
 
