@@ -42,6 +42,11 @@ def summary(level: int, start: float, recs: list[dict]) -> list[str]:
              f"{device / wall:.0%} of the wall; {len(prefills)} prefills (rows {statistics.mean([p['rows'] for p in prefills]) if prefills else 0:.1f} "
              f"each); rounds' wall past their device time {idle:.2f} s",
              f"  host cycle ms: {quantiles([r['host_s'] for r in rounds if r['host_s'] is not None], (0.5, 0.75, 0.9, 0.99))}"]
+    launches = [p["launch_s"] for p in prefills if "launch_s" in p]  # traces from before it lack the field
+    if launches:
+        slow = max(prefills, key=lambda p: p.get("launch_s", 0.0))
+        lines.append(f"  prefill launch ms: {quantiles(launches, (0.5, 0.9, 1.0))}; the slowest: {slow['rows']} rows "
+                     f"to positions {slow['prefilled'][:4]}, wall {1e3 * slow['wall_s']:.1f} ms")
     for width in sorted({r["width"] for r in rounds}):
         rs = [r for r in rounds if r["width"] == width]
         dev = [r["device_s"] for r in rs if r["device_s"] is not None]

@@ -102,6 +102,7 @@ class Flight:
     reqs: tuple[Request, ...]  # its rows, in order
     launched: float  # perf_counter at launch
     prefill: bool = False  # the rows' prefill: its result is each row's first token
+    launch_s: float = 0.0  # a prefill's launch: the backend's host work before it returned
 
 
 @dataclass
@@ -195,9 +196,10 @@ class Machine:
                 advance(req, Phase.PREFILL)
             req.in_flight += 1
         handle = self.backend.prefill(reqs, [end for _, end in prefills])
-        self.flights.append(Flight(handle, tuple(reqs), time.perf_counter(), prefill=True))
+        launched = time.perf_counter()
+        self.flights.append(Flight(handle, tuple(reqs), launched, prefill=True, launch_s=launched - begin))
         self.clock.prefills += 1
-        self.clock.prefill_s += time.perf_counter() - begin
+        self.clock.prefill_s += launched - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
             self._collect(self.flights.pop())
 
@@ -250,7 +252,8 @@ class Machine:
         if flight.prefill:
             self._first_tokens(flight, result)
             if self.trace is not None:
-                self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall})
+                self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall,
+                                   "launch_s": flight.launch_s, "prefilled": [r.prefilled for r in flight.reqs]})
             return
         self.clock.rounds += 1
         # the width the round ran: a backend may widen it (rows that read logits take its full window)

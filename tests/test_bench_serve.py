@@ -103,5 +103,8 @@ def test_the_round_trace_says_where_each_level_went(tmp_path):
         rounds = [r for r in recs if not r["prefill"]]
         assert all(r["width"] > 1 and r["device_s"] is None and r["wall_s"] > 0 for r in rounds)
         assert sum(r["emitted"] for r in rounds) == 4 * 5 and sum(r["rows"] for r in recs if r["prefill"]) == 4
+        prefills = [r for r in recs if r["prefill"]]  # each with its launch's host time and the prompts' progress
+        assert all(r["launch_s"] > 0 and len(r["prefilled"]) == r["rows"] for r in prefills)
+        assert sorted(p for r in prefills for p in r["prefilled"]) == [20] * 4  # whole 20-token prompts
     lines = [line for level, start, recs in split for line in summary(level, start, recs)]
     assert lines[0].startswith("level 1:") and any(line.startswith("level 2:") for line in lines)
