@@ -18,8 +18,9 @@ from .app import create_app
 
 
 def build(spec: Spec, engine: Engine | None = None) -> tuple[EngineLoop, object]:
-    loop = EngineLoop(engine or Engine(spec), spec.server.max_queue).start()
-    return loop, create_app(loop)
+    loop = EngineLoop(engine or Engine(spec), spec.server.max_queue)
+    app = create_app(loop)
+    return loop.start(), app  # started last: what start-up made, the app's routes too, is frozen (core/collector.py)
 
 
 def serve(spec: Spec, host: str, port: int) -> None:

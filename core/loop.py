@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from .engine import Completion, Engine
+from .collector import Collector
 from .detokenizer import TextStream
 from .request import Request
 from .sampling import SamplingParams
@@ -93,8 +94,11 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="draftline-engine", daemon=True)
         self.ready = self.dead = self.stopping = False
         self.consecutive_failures = 0
+        self.collector = Collector()
 
     def start(self) -> "EngineLoop":
+        frozen = self.collector.start()  # start-up's objects out of every full collection's walk
+        log.info("gc.frozen", objects=frozen)
         self.thread.start()
         return self
 
@@ -103,6 +107,7 @@ class EngineLoop:
             self.stopping = True
             self.cond.notify()
         self.thread.join(timeout=10)
+        self.collector.stop()
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams, speculate: bool = True,
                stop: Sequence[str] = ()) -> Handle:
@@ -197,4 +202,5 @@ class EngineLoop:
 
     def status(self) -> dict[str, Any]:
         return {"ready": self.ready and not self.dead, "running": len(self.engine.scheduler.running),
-                "waiting": len(self.engine.scheduler.waiting) + len(self.inbox), "time": time.time()}
+                "waiting": len(self.engine.scheduler.waiting) + len(self.inbox), "time": time.time(),
+                "gc": self.collector.summary()}
