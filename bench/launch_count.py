@@ -1,0 +1,76 @@
+"""The kernels a round launches, counted on the CPU: the cuda backend under the Triton
+interpreter (rounds run eagerly there, so every kernel a captured graph would hold is called
+from Python), each Triton kernel by name and each PyTorch op that would be a launch of its own.
+
+`python bench/launch_count.py [SPEC] [BATCH]` (default the tiny DFlash pair at 16 rows; several
+minutes: the interpreter runs every kernel). On the tiny pair a round's GPU time is launch
+latency (2.5 to 5 µs a kernel on an H200), so the count is the round's cost there."""
+import collections
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import triton.runtime.interpreter as interpreter  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from draftline.core.engine import Engine  # noqa: E402
+from draftline.core.sampling import SamplingParams  # noqa: E402
+from draftline.core.spec import load_spec  # noqa: E402
+from draftline.core.training.corpus import read_prompts  # noqa: E402
+
+NOT_LAUNCHES = {"empty", "empty_strided", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "select",
+                "slice", "unsqueeze", "squeeze", "reshape", "as_strided", "detach", "alias", "unflatten", "split",
+                "split_with_sizes", "unbind", "_reshape_alias", "lift_fresh"}  # views and allocations
+
+
+class Counter(TorchDispatchMode):
+    """PyTorch ops outside Triton kernels (the interpreter's own tensor work is not a launch)."""
+
+    def __init__(self, counts: collections.Counter, inside: list[int]):
+        super().__init__()
+        self.counts, self.inside = counts, inside
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.inside[0] and name not in NOT_LAUNCHES:
+            self.counts["torch " + name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "specs/tiny-dflash.yaml"
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    data = load_spec(path).model_dump(mode="python")
+    data["backend"], data["model"]["device"] = "cuda", "cpu"
+    data["server"].update(max_batch_size=batch)
+    engine = Engine(type(load_spec(path)).model_validate(data), draft_policy="always")
+    backend, counts, inside, rounds = engine.machine.backend, collections.Counter(), [0], collections.Counter()
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        counts["triton " + self.fn.__name__] += 1
+        inside[0] += 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    interpreter.InterpretedFunction.run = counted_run
+    launch = backend.launch
+
+    def counted_launch(reqs, width):
+        rounds[len(reqs)] += 1
+        with Counter(counts, inside):
+            return launch(reqs, width)
+
+    backend.launch = counted_launch
+    engine.generate(read_prompts("specs/tiny/eval_prompts.jsonl")[:batch], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    total = sum(rounds.values())
+    print(f"{path}: {total} rounds (rows: {dict(sorted(rounds.items()))}), {sum(counts.values()) / total:.1f} launches a round")
+    for name, n in counts.most_common(20):
+        print(f"  {n / total:6.1f} a round  {name}")
+
+
+if __name__ == "__main__":
+    main()
