@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 import structlog
 import torch
 
-from .engine import Completion, Engine
 from .collector import Collector
+from .engine import Completion, Engine
 from .detokenizer import TextStream
 from .request import Request
 from .sampling import SamplingParams

@@ -90,8 +90,8 @@ class PrefixCache:
     def _evict(self) -> bool:
         """Drop the least recently used unpinned block whose children are gone (a chain is
         evicted from its end, so every cached block's parent stays cached). A lookup moves a
-        chain's blocks to the end parent first, so the scan passes at most a chain's length of
-        parents before it finds a leaf."""
+        chain's blocks to the end parent first, so the scan usually passes only the parents of
+        the oldest chain (and any pinned blocks older than it) before it finds a leaf."""
         for key, block in self.blocks.items():
             if block.refs == 0 and block.children == 0:
                 del self.blocks[key]
