@@ -35,6 +35,7 @@ from draftline.core.engine import Engine
 from draftline.core.simulated import accepted_runs
 from draftline.core.spec import load_spec
 from policy_sim import ROUND_S, TAU, Device  # bench/, beside this script
+from trace_rounds import quantiles
 
 RATE = 0.7  # each draft accepted given the one before
 
@@ -101,12 +102,12 @@ def main() -> None:
             engine.machine.trace = []  # the rows each round carried: does the server hold c streams?
             row = clients.submit(load.measure, url, prompts, c, 4 * c, 256, True).result()
             rounds = [r for r in engine.machine.trace if not r["prefill"]]
-            rows, host = sorted(r["rows"] for r in rounds), sorted(r["host_s"] or 0.0 for r in rounds)
+            rows = sorted(r["rows"] for r in rounds)
             engine.machine.trace = None
             print(f"concurrency {c:>4}: {row['out_tok_per_s']:>9} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
                   f"ITL p50 {row['itl_p50_ms']} ms, tau {row['tau']}, rows a round p50 {rows[len(rows) // 2]} "
-                  f"max {rows[-1]}" + (f", host cycle ms p50 {1e3 * host[len(host) // 2]:.1f} "
-                                       f"p90 {1e3 * host[9 * len(host) // 10]:.1f}" if timed else ""), flush=True)
+                  f"max {rows[-1]}" + (", host cycle ms " + quantiles([r["host_s"] or 0.0 for r in rounds], (0.5, 0.9))
+                                       if timed else ""), flush=True)
     if timed:
         for row in engine.policy.table():
             if row["batch_bucket"] == levels[-1] and row["ms_per_token"] is not None:
