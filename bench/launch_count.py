@@ -68,7 +68,7 @@ def main() -> None:
     engine.generate(read_prompts("specs/tiny/eval_prompts.jsonl")[:batch], SamplingParams(max_new_tokens=24, ignore_eos=True))
     total = sum(rounds.values())
     print(f"{path}: {total} rounds (rows: {dict(sorted(rounds.items()))}), {sum(counts.values()) / total:.1f} launches a round")
-    for name, n in counts.most_common(20):
+    for name, n in counts.most_common(40):
         print(f"  {n / total:6.1f} a round  {name}")
 
 

@@ -840,3 +840,14 @@ def test_a_request_cancelled_between_its_chunks_frees_its_slot_and_its_blocks():
     assert len(backend.cache.slots.free) == backend.cache.scratch  # every KV slot back, the drafter's too
     assert len(backend.kv.slots.free) == backend.kv.num_slots
     assert all(b.refs == 0 for b in backend.prefix.blocks.values())
+
+
+def test_the_hosts_inverse_temperature_is_the_devices_bit_for_bit():
+    """A round's row load computes 1 / temperature on the host (numpy); the prefill and eager
+    paths on the device (torch): the sampling kernels must scale logits alike either way."""
+    from draftline.backends.cuda.buffers import host_inverse_temperature, inverse_temperature
+    temps = torch.cat([torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 4,
+                       torch.tensor([0.0, 1e-7, 1e-6, 0.1, 0.3333, 0.7, 1.0, 1.5, 2.0])]).float()
+    host = torch.from_numpy(host_inverse_temperature(temps.numpy()))
+    assert host.dtype == torch.float32
+    assert torch.equal(host.view(torch.int32), inverse_temperature(temps).view(torch.int32))

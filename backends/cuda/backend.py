@@ -39,6 +39,7 @@ from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
 from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
 
+from . import events
 from . import logprobs as target_logprobs
 from . import overlap
 from . import sampling as kernels
@@ -143,6 +144,7 @@ class CudaBackend(Prefilling):
         cfg, width = target.config, plan.num_speculative_tokens + 1
         self.target, self.plan, self.device, self.width = target, plan, device, width
         self.capacity = capacity
+        self.device_index = events.device_index(device) if device.type == "cuda" else -1  # events.record's
         self.staging = Staging(device)  # host values onto the device (_put), before anything that puts
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
@@ -390,7 +392,7 @@ class CudaBackend(Prefilling):
         if self.device.type != "cuda":
             return None
         started = torch.cuda.Event(enable_timing=True)
-        started.record()
+        events.record(started, self.device_index)
         return started
 
     def _land(self, packed: Tensor, width: int, logprobs: list | None = None,
@@ -405,7 +407,7 @@ class CudaBackend(Prefilling):
                                                    pin_memory=True)
         host[: packed.shape[0]].copy_(packed, non_blocking=True)
         copied = torch.cuda.Event(enable_timing=started is not None)
-        copied.record()
+        events.record(copied, self.device_index)
         if self.timeline is not None and started is not None:
             self.timeline.append((started, copied))
         return Launch(packed.shape[0], width, host, copied, moved, started)

@@ -10,6 +10,7 @@ scratch slot, whose state is never written, so they stay at position 0.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +19,7 @@ from torch import Tensor
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch
 
+from . import events
 from .matvec import ArgmaxScratch
 
 # rows of Buffers.meta (int64) and Buffers.fmeta (float32); LAST and START are gathered from state
@@ -48,6 +50,7 @@ class Buffers:
         self._host_i = [torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(STAGING)]
         self._host_f = [torch.zeros(3, max_batch, dtype=torch.float32, pin_memory=pinned) for _ in range(STAGING)]
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING)]  # staging i reusable once set
+        self._index = events.device_index(device) if pinned else -1
         self._turn = 0
         self._key: tuple | None = None
         self.load([], max_batch)
@@ -70,13 +73,14 @@ class Buffers:
         if copied is not None:
             copied.synchronize()  # that staging's last copy has read it (STAGING loads ago)
         host_i.numpy()[:, :bucket] = ints
-        host_f.numpy()[: INV_TEMP, :bucket] = floats
-        host_f[INV_TEMP, :bucket] = inverse_temperature(host_f[TEMPERATURE, :bucket])
+        f = host_f.numpy()
+        f[: INV_TEMP, :bucket] = floats
+        f[INV_TEMP, :bucket] = host_inverse_temperature(f[TEMPERATURE, :bucket])
         pinned = copied is not None
         self.meta[SLOT:, :bucket].copy_(host_i[SLOT:, :bucket], non_blocking=pinned)
         self.fmeta[:, :bucket].copy_(host_f[:, :bucket], non_blocking=pinned)
         if pinned:
-            copied.record()
+            events.record(copied, self._index)
         self._key = key
 
     def forget(self) -> None:
@@ -107,6 +111,12 @@ class Buffers:
 def inverse_temperature(temperature: Tensor) -> Tensor:
     """1 / temperature, 0 for greedy rows: what the sampling kernels scale raw logits by."""
     return torch.where(temperature > 0, 1.0 / temperature.clamp(min=1e-6), torch.zeros_like(temperature))
+
+
+def host_inverse_temperature(temperature: np.ndarray) -> np.ndarray:
+    """inverse_temperature of host float32 values, bit for bit (float32 throughout): a round's
+    row load computes it on the host, where numpy's small-array ops cost a fraction of PyTorch's."""
+    return np.where(temperature > 0, np.float32(1) / np.maximum(temperature, np.float32(1e-6)), np.float32(0))
 
 
 def draft_slot(state, scratch: int) -> int:

@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import triton
 from torch import Tensor
@@ -31,7 +32,7 @@ from draftline.core.sampling import Filters, SamplingBatch, Stream, probs_from_l
 from . import logprobs as target_logprobs
 from .logprobs import Pending
 from . import sampling as kernels
-from .buffers import draft_slot, inverse_temperature
+from .buffers import draft_slot, host_inverse_temperature, inverse_temperature
 from .fused import head_argmax, lm_logits
 from .kv import FrozenTargetKV, Rows
 from .windows import block_window
@@ -226,13 +227,13 @@ class Prefilling:
                                                                r.params.seed, r.params.top_k, int(last)]
                                 for r, c, s, last in zip(reqs, chunks, starts, ending)]
                                + [[0] * width + [1, scratch, scratch, 0, 0, -1, 0]] * pad, torch.int64)
-        temps = torch.tensor([r.params.temperature for r in reqs] + [0.0] * pad)
-        floats = torch.stack([temps, torch.tensor([r.params.top_p for r in reqs] + [1.0] * pad),
-                              inverse_temperature(temps)])  # [3, rows]
+        floats = np.empty((3, rows), dtype=np.float32)  # [TEMPERATURE, TOP_P, INV_TEMP]
+        floats[:2] = [[r.params.temperature for r in reqs] + [0.0] * pad, [r.params.top_p for r in reqs] + [1.0] * pad]
+        floats[INV_TEMP] = host_inverse_temperature(floats[TEMPERATURE])
         p = self.pre
         p.ids[:rows, :width].copy_(ints[:, :width])
         p.cols[:, :rows].copy_(ints[:, width:].T)
-        p.fcols[:, :rows].copy_(self._put(floats))
+        p.fcols[:, :rows].copy_(self._put(torch.from_numpy(floats)))
 
     def _first_draws(self, rows: int, logits: Tensor) -> Tensor:
         """Each chunk's first token as plain decoding draws it (rows that filter, adjust or report

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import events
+
 SLAB_BYTES = 1 << 18  # a page table's new entries at 256 rows, or a prefill's rows, fit
 SLABS = 16  # several copies a step, two rounds in flight: a slab is free again long before its turn
 
@@ -22,6 +24,7 @@ class Staging:
         pinned = device.type == "cuda"
         self.slabs = [torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slabs)] if pinned else []
         self.read = [torch.cuda.Event() for _ in self.slabs]  # set once the device has copied slab i
+        self.index = events.device_index(device) if pinned else -1
         self.used = [False] * len(self.slabs)
         self.turn = 0
         self.fallbacks = 0  # puts that pinned a buffer of their own (tests and benches read it)
@@ -39,7 +42,7 @@ class Staging:
         staged = self.slabs[i][:nbytes].view(host.dtype).view(host.shape)
         staged.copy_(host)
         moved = staged.to(self.device, non_blocking=True)
-        self.read[i].record()
+        events.record(self.read[i], self.index)
         self.used[i] = True
         return moved
 
