@@ -231,12 +231,13 @@ class Eagle3Drafter(Drafter):
         out = self.model.step(self.model.embed(self.target, rows.last_token[:, None]),
                               self.model.fuse(rows.features[:, None]), first[:, None], attn)  # [N, 1, H]
         steps, k = [], rows.verified(self.plan.num_speculative_tokens)
+        later = _later_positions(first, k)
         for j in range(k):
             steps.append(self.model.logits(out[:, 0]))  # [N, V]
             if j == k - 1:
                 break
             token = self._pick_rows(steps[-1], rows, j)  # [N]
-            at = first + 1 + j
+            at = later[j]
             attn = self._attention(rows, at, first)
             out = self.model.step(self.model.embed(self.target, token[:, None]), self.model.next_hidden(out),
                                   at[:, None], attn)
@@ -249,11 +250,12 @@ class Eagle3Drafter(Drafter):
         out, normed = self.model.step_normed(self.model.embed(self.target, rows.last_token[:, None]),
                                              self.model.fuse(rows.features[:, None]), first[:, None], attn)
         tokens, k = [], rows.verified(self.plan.num_speculative_tokens)
+        later = _later_positions(first, k)
         for j in range(k):
             tokens.append(self.model.greedy(self.model.readout(out, normed)[:, 0], rows.head_argmax))  # [N]
             if j == k - 1:
                 break
-            at = first + 1 + j
+            at = later[j]
             attn = self._attention(rows, at, first)
             out, normed = self.model.step_normed(self.model.embed(self.target, tokens[-1][:, None]),
                                                  self.model.next_hidden(out, normed), at[:, None], attn)
@@ -318,6 +320,12 @@ class Eagle3Drafter(Drafter):
 
 
 # ---------------------------------------------------------------- training objective
+
+
+def _later_positions(first: Tensor, k: int) -> Tensor:
+    """A chain's later steps' positions [K - 1, N], step j + 1's in row j (contiguous, as the
+    attention reads a start): made in one go, not two launches a step inside the draft graph."""
+    return first[None] + torch.arange(1, max(k, 1), device=first.device)[:, None]
 
 
 def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps: int) -> list[Tensor]:
