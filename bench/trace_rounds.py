@@ -18,6 +18,10 @@ def quantiles(values: list[float], qs=(0.5, 0.9, 0.99)) -> str:
     return " ".join(f"p{int(q * 100)} {1e3 * s[int(q * (len(s) - 1))]:.1f}" for q in qs) if s else "-"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f} ms"
+
+
 def levels(records: list[dict]) -> list[tuple[int, float, list[dict]]]:
     """(concurrency, its start, its records) in order."""
     marks = [i for i, r in enumerate(records) if "level" in r] or [-1]
@@ -47,6 +51,12 @@ def summary(level: int, start: float, recs: list[dict]) -> list[str]:
         slow = max(prefills, key=lambda p: p.get("launch_s", 0.0))
         lines.append(f"  prefill launch ms: {quantiles(launches, (0.5, 0.9, 1.0))}; the slowest: {slow['rows']} rows "
                      f"to positions {slow['prefilled'][:4]}, wall {1e3 * slow['wall_s']:.1f} ms")
+    timed = [p for p in prefills if p.get("device_s") is not None]  # the cuda backend's, from later traces
+    if timed:
+        late = max(prefills, key=lambda p: p["wall_s"])
+        lines.append(f"  prefill device ms: {quantiles([p['device_s'] for p in timed], (0.5, 0.9, 1.0))}; the longest "
+                     f"wait for one: {late['rows']} rows to positions {late['prefilled'][:4]}, wall "
+                     f"{1e3 * late['wall_s']:.1f} ms, device {_ms(late.get('device_s'))}, launch {_ms(late.get('launch_s'))}")
     for width in sorted({r["width"] for r in rounds}):
         rs = [r for r in rounds if r["width"] == width]
         dev = [r["device_s"] for r in rs if r["device_s"] is not None]

@@ -103,6 +103,7 @@ class Flight:
     launched: float  # perf_counter at launch
     prefill: bool = False  # the rows' prefill: its result is each row's first token
     launch_s: float = 0.0  # a prefill's launch: the backend's host work before it returned
+    ends: tuple[int, ...] = ()  # a prefill's: the prompt position each row's chunk ran to
 
 
 @dataclass
@@ -197,7 +198,8 @@ class Machine:
             req.in_flight += 1
         handle = self.backend.prefill(reqs, [end for _, end in prefills])
         launched = time.perf_counter()
-        self.flights.append(Flight(handle, tuple(reqs), launched, prefill=True, launch_s=launched - begin))
+        self.flights.append(Flight(handle, tuple(reqs), launched, prefill=True, launch_s=launched - begin,
+                                   ends=tuple(r.prefilled for r in reqs)))  # as the launch left them
         self.clock.prefills += 1
         self.clock.prefill_s += launched - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
@@ -253,7 +255,8 @@ class Machine:
             self._first_tokens(flight, result)
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall,
-                                   "launch_s": flight.launch_s, "prefilled": [r.prefilled for r in flight.reqs]})
+                                   "launch_s": flight.launch_s, "device_s": result.device_s,
+                                   "prefilled": list(flight.ends)})
             return
         self.clock.rounds += 1
         # the width the round ran: a backend may widen it (rows that read logits take its full window)

@@ -396,9 +396,10 @@ class CudaBackend(Prefilling):
         return started
 
     def _land(self, packed: Tensor, width: int, logprobs: list | None = None,
-              started: torch.cuda.Event | None = None) -> Launch:
+              started: torch.cuda.Event | None = None, span: bool = True) -> Launch:
         """The round's one copy back: into a free pinned buffer, asynchronously (and the
-        logprobs of rows that report them, beside it)."""
+        logprobs of rows that report them, beside it). ``started``: the launch's first event,
+        timing its device work; ``span``: a round's, which ``timeline`` keeps (not a prefill's)."""
         moved = tuple(p.to_host() for p in logprobs or ())
         if self.device.type != "cuda":
             return Launch(packed.shape[0], width, packed.cpu(), None, moved)
@@ -408,7 +409,7 @@ class CudaBackend(Prefilling):
         host[: packed.shape[0]].copy_(packed, non_blocking=True)
         copied = torch.cuda.Event(enable_timing=started is not None)
         events.record(copied, self.device_index)
-        if self.timeline is not None and started is not None:
+        if self.timeline is not None and started is not None and span:
             self.timeline.append((started, copied))
         return Launch(packed.shape[0], width, host, copied, moved, started)
 

@@ -115,13 +115,14 @@ class Prefilling:
         padding's keys lie past the prompt's length, where the first round writes over them),
         the drafter's entries for the prompts in the same pass. Short ones replay a graph
         captured at start-up for their (rows, width) bucket. One copy back for all."""
+        started = self._started()  # the prefill's own device time (the round trace reads it)
         ends = [e if r.kv is not None else self._admit(r, e)
                 for r, e in zip(reqs, ends or [r.prefill_len for r in reqs])]
         self.cache.flush()  # the admitted prompts' pages, before anything reads the table
         groups = self._prefill_groups(reqs, ends)
         if len(groups) == 1:
             packed, reported = self._prefill_group(reqs, ends)
-            return self._land(packed, 1, reported)
+            return self._land(packed, 1, reported, started, span=False)
         # each group's result copied before the next group runs: a graph's output is rewritten by its next replay
         done = [(packed.clone(), reported) for packed, reported in
                 (self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups)]
@@ -129,7 +130,7 @@ class Prefilling:
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
         reported = [r for g, (_, group_reported) in zip(groups, done) for r in _as_rows_of(group_reported, g)]
-        return self._land(packed, 1, reported)
+        return self._land(packed, 1, reported, started, span=False)
 
     def _admit(self, req: Request, end: int) -> int:
         """A new request's slots, and the prefix cache's blocks its prompt starts with, copied
