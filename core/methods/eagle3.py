@@ -166,6 +166,7 @@ class Eagle3Drafter(Drafter):
         self.num_layers = cfg.layer.num_layers
         self.windows = cfg.windows() or None  # layer -> sliding window; a chain keeps the window it starts with
         self.ascending = model.ascending_ids()  # greedy chains may read the draft vocabulary's argmax
+        self.same_ids = not bool(model.d2t.any())  # draft id = target id: no map to apply in the chain
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
         if self.positional:
@@ -252,7 +253,7 @@ class Eagle3Drafter(Drafter):
         tokens, k = [], rows.verified(self.plan.num_speculative_tokens)
         later = _later_positions(first, k)
         for j in range(k):
-            tokens.append(self.model.greedy(self.model.readout(out, normed)[:, 0], rows.head_argmax))  # [N]
+            tokens.append(self._greedy(self.model.readout(out, normed)[:, 0], rows))  # [N]
             if j == k - 1:
                 break
             at = later[j]
@@ -260,6 +261,13 @@ class Eagle3Drafter(Drafter):
             out, normed = self.model.step_normed(self.model.embed(self.target, tokens[-1][:, None]),
                                                  self.model.next_hidden(out, normed), at[:, None], attn)
         return torch.stack(tokens, dim=1)
+
+    def _greedy(self, readout: Tensor, rows: DraftRows) -> Tensor:
+        """The greedy target id from what lm_head reads [N, H]; a draft vocabulary that is the
+        target's skips the id map (two launches a chain step)."""
+        if self.same_ids:
+            return rows.head_argmax(self.model.lm_head, readout)
+        return self.model.greedy(readout, rows.head_argmax)
 
     def _attention(self, rows: DraftRows, at: Tensor, first: Tensor):
         """Positional store: attention for new keys at ``at`` [N] of a chain started at ``first``
