@@ -327,13 +327,13 @@ class Eagle3Drafter(Drafter):
         return Proposal(tokens=tokens.view(n, k), probs=q)
 
 
-# ---------------------------------------------------------------- training objective
-
-
 def _later_positions(first: Tensor, k: int) -> Tensor:
     """A chain's later steps' positions [K - 1, N], step j + 1's in row j (contiguous, as the
     attention reads a start): made in one go, not two launches a step inside the draft graph."""
     return first[None] + torch.arange(1, max(k, 1), device=first.device)[:, None]
+
+
+# ---------------------------------------------------------------- training objective
 
 
 def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps: int) -> list[Tensor]:
