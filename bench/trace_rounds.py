@@ -57,12 +57,32 @@ def summary(level: int, start: float, recs: list[dict]) -> list[str]:
         lines.append(f"  prefill device ms: {quantiles([p['device_s'] for p in timed], (0.5, 0.9, 1.0))}; the longest "
                      f"wait for one: {late['rows']} rows to positions {late['prefilled'][:4]}, wall "
                      f"{1e3 * late['wall_s']:.1f} ms, device {_ms(late.get('device_s'))}, launch {_ms(late.get('launch_s'))}")
+        lines += timeline(recs, recs.index(late))
     for width in sorted({r["width"] for r in rounds}):
         rs = [r for r in rounds if r["width"] == width]
         dev = [r["device_s"] for r in rs if r["device_s"] is not None]
         lines.append(f"  width {width:>2}: {len(rs):>4} rounds, rows p50 {statistics.median(r['rows'] for r in rs):>5}, "
                      f"wall ms {quantiles([r['wall_s'] for r in rs], (0.5, 0.9))}, device ms {quantiles(dev, (0.5, 0.9))}, "
                      f"tokens a row {sum(r['emitted'] for r in rs) / sum(r['rows'] for r in rs):.2f}")
+    return lines
+
+
+def timeline(recs: list[dict], at: int, before: int = 6, after: int = 3) -> list[str]:
+    """The launches around record ``at`` in device order: when the host launched each, when the
+    device began and ended it, and the device's idle gap before it (traces with device_at only).
+    Host and device times are ms from the window's first launch on each clock."""
+    window = sorted((r for r in recs[max(0, at - before) : at + after + 1] if r.get("device_at") is not None),
+                    key=lambda r: r["device_at"])
+    if not window:
+        return []
+    host0, dev0, busy = window[0]["launched"], window[0]["device_at"], None
+    lines = ["  around it, in device order (ms; host: launch returned, device: start-end, gap: device idle before):"]
+    for r in window:
+        start, end = r["device_at"] - dev0, r["device_at"] + r["device_s"] - dev0
+        gap = "" if busy is None else f" gap {1e3 * (start - busy):7.1f}"
+        what = f"prefill {r['rows']} rows to {r['prefilled'][:2]}" if r["prefill"] else f"round {r['rows']} rows width {r['width']}"
+        lines.append(f"    host {1e3 * (r['launched'] - host0):7.1f} device {1e3 * start:7.1f}-{1e3 * end:7.1f}{gap}  {what}")
+        busy = end if busy is None else max(busy, end)
     return lines
 
 

@@ -144,6 +144,9 @@ class RoundResult:
     # the round's own time on the device, where the backend times it (None: the machine times the
     # round by the wall clock, which on a shared host also reads whatever held the host back)
     device_s: float | None = None
+    # where the launch's device work began on the backend's own device clock, in seconds (None:
+    # not timed): beside the host's launch times, the round trace's device timeline
+    device_at: float | None = None
 
 
 def narrowing_widths(k: int) -> tuple[int, ...]:

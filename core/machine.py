@@ -104,6 +104,7 @@ class Flight:
     prefill: bool = False  # the rows' prefill: its result is each row's first token
     launch_s: float = 0.0  # a prefill's launch: the backend's host work before it returned
     ends: tuple[int, ...] = ()  # a prefill's: the prompt position each row's chunk ran to
+    step: int = 0  # the machine step that launched it
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Machine:
         self.plan, self.backend, self.scheduler, self.policy, self.stops = plan, backend, scheduler, policy, stops
         self.depth = min(depth, backend.max_depth)
         self.flights: deque[Flight] = deque()
+        self.steps = 0  # steps begun: a flight launched in step s is collected by the end of step s + depth
         self.clock = HostClock()
         self._last_collect: float | None = None
         self._host_s: float | None = None  # the host's last cycle (step to step) outside its waits for the device
@@ -151,6 +153,7 @@ class Machine:
             start, waited = self._cycle
             self._host_s = begin - start - (self.clock.wait_s - waited)
         self._cycle = (begin, self.clock.wait_s)
+        self.steps += 1
         self._preempt()
         prefills, running = self.scheduler.schedule()
         done = self.scheduler.reap(self.free)  # cancelled now, or ended in _preempt's drain: their KV goes first
@@ -160,7 +163,7 @@ class Machine:
         admitted = [r for r, _ in prefills if id(r) not in known]  # their whole prompt is prefilled
         launched = self._launch([r for r in running + admitted if r.phase is not Phase.FINISHED
                                  and r.prefilled >= r.prefill_len])
-        while self.flights and (not launched or max(r.in_flight for r in self.flights[0].reqs) > self.depth):
+        while self.flights and (not launched or self._due(self.flights[0])):
             self._collect(self.flights.popleft())
             launched = True  # one collect is progress enough when nothing could be launched
         while self.flights and all(r.phase is Phase.FINISHED for r in self.flights[0].reqs):
@@ -169,6 +172,14 @@ class Machine:
         if not self.flights:  # idle until the next step, or synchronous: no cycle to time
             self._cycle = self._host_s = None
         return done + self.scheduler.reap(self.free)
+
+    def _due(self, flight: Flight) -> bool:
+        """Whether the oldest flight is collected now: its rows would otherwise run more than
+        ``depth`` rounds ahead, or it is ``depth`` steps old. The age bound keeps the results
+        the device has finished from waiting behind launches: a long prompt's chunk keeps its
+        row in flight step after step, so by rows alone the machine would launch on, queue
+        ever more work ahead of the streams' tokens and stall them (about 100 ms at 32 streams)."""
+        return max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
 
     def _preempt(self) -> None:
         """When the running requests' next rounds need more KV blocks than the pool has, the
@@ -199,7 +210,7 @@ class Machine:
         handle = self.backend.prefill(reqs, [end for _, end in prefills])
         launched = time.perf_counter()
         self.flights.append(Flight(handle, tuple(reqs), launched, prefill=True, launch_s=launched - begin,
-                                   ends=tuple(r.prefilled for r in reqs)))  # as the launch left them
+                                   ends=tuple(r.prefilled for r in reqs), step=self.steps))  # as the launch left them
         self.clock.prefills += 1
         self.clock.prefill_s += launched - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
@@ -235,7 +246,7 @@ class Machine:
                          ([r for r in rows if not (width > 1 and r.speculate)], 1)):
             if group:
                 launched = time.perf_counter()  # before the launch: a synchronous backend runs the round in it
-                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), launched))
+                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), launched, step=self.steps))
                 for req in group:
                     self.clock.ahead += req.in_flight > 0
                     req.in_flight += 1
@@ -256,7 +267,8 @@ class Machine:
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall,
                                    "launch_s": flight.launch_s, "device_s": result.device_s,
-                                   "prefilled": list(flight.ends)})
+                                   "prefilled": list(flight.ends), "launched": flight.launched,
+                                   "device_at": result.device_at})
             return
         self.clock.rounds += 1
         # the width the round ran: a backend may widen it (rows that read logits take its full window)
@@ -282,7 +294,8 @@ class Machine:
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": False, "rows": len(flight.reqs), "width": width,
                                    "emitted": emitted, "wall_s": wall, "device_s": result.device_s,
-                                   "host_s": self._host_s})
+                                   "host_s": self._host_s, "launched": flight.launched,
+                                   "device_at": result.device_at})
 
     def _book(self, req: Request, drafted: list[int], accepted: int, tokens: list[int]) -> int:
         start = req.seq_len

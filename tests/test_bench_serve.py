@@ -101,10 +101,30 @@ def test_the_round_trace_says_where_each_level_went(tmp_path):
     assert [level for level, _, _ in split] == [1, 2]
     for _, _, recs in split:  # 4 requests of 6 tokens a level: each one's first from its prefill
         rounds = [r for r in recs if not r["prefill"]]
-        assert all(r["width"] > 1 and r["device_s"] is None and r["wall_s"] > 0 for r in rounds)
+        assert all(r["width"] > 1 and r["device_s"] is None and r["device_at"] is None and r["wall_s"] > 0 for r in rounds)
         assert sum(r["emitted"] for r in rounds) == 4 * 5 and sum(r["rows"] for r in recs if r["prefill"]) == 4
         prefills = [r for r in recs if r["prefill"]]  # each with its launch's host time and the prompts' progress
         assert all(r["launch_s"] > 0 and len(r["prefilled"]) == r["rows"] for r in prefills)
         assert sorted(p for r in prefills for p in r["prefilled"]) == [20] * 4  # whole 20-token prompts
     lines = [line for level, start, recs in split for line in summary(level, start, recs)]
     assert lines[0].startswith("level 1:") and any(line.startswith("level 2:") for line in lines)
+
+
+def test_the_trace_timeline_shows_the_device_idle_between_launches():
+    """bench/trace_rounds.py's timeline: launches in device order, each one's idle gap before it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from trace_rounds import timeline
+
+    def rec(prefill, device_at, device_s, launched):
+        return {"prefill": prefill, "rows": 2, "width": 4, "prefilled": [64, 64], "device_at": device_at,
+                "device_s": device_s, "launched": launched}
+
+    recs = [rec(False, 1.000, 0.010, 5.0), rec(True, 1.010, 0.012, 5.01), rec(False, 1.122, 0.010, 5.12)]
+    lines = timeline(recs, 1)
+    assert len(lines) == 4 and "prefill 2 rows to [64, 64]" in lines[2]
+    assert lines[3].split("gap")[1].split()[0] == "100.0"  # 1.022 -> 1.122 idle on the device
+    assert "host   120.0 device   122.0-  132.0" in lines[3]
+    assert timeline([{**r, "device_at": None} for r in recs], 1) == []  # the reference backend times no device

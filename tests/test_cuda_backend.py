@@ -851,3 +851,35 @@ def test_the_hosts_inverse_temperature_is_the_devices_bit_for_bit():
     host = torch.from_numpy(host_inverse_temperature(temps.numpy()))
     assert host.dtype == torch.float32
     assert torch.equal(host.view(torch.int32), inverse_temperature(temps).view(torch.int32))
+
+
+def test_a_chunked_prompt_keeps_no_flight_past_the_pipeline_depth():
+    """A long prompt prefilled in chunks (one new token) while new requests arrive every step,
+    two rounds in flight: every launch is collected within two steps. By rows alone its last
+    chunks' row never ran past depth, so the machine launched on behind them, the arrivals'
+    prefills and rounds queued ahead of the streams' tokens (13 steps, 15 flights here; about
+    100 ms at 32 streams on an H200), and the outputs equal the reference backend's."""
+    def chunked(backend: str) -> Engine:
+        spec = tiny_spec(METHODS["none"], max_batch_size=8, backend=backend, device=DEV, dtype="float32",
+                         max_model_len=128)
+        data = spec.model_dump(mode="python")
+        data["server"].update(max_num_batched_tokens=8, pipeline_depth=2 if backend == "cuda" else 0)
+        return Engine(type(spec).model_validate(data))
+
+    params, one = SamplingParams(max_new_tokens=4, ignore_eos=True), SamplingParams(max_new_tokens=1, ignore_eos=True)
+    long, later = "def f(x):\n    return x + 1\n" * 3, [f"y{k} = [" for k in range(12)]
+    ref = chunked("reference")
+    expected = [c.output_ids for c in ref.generate(PROMPTS[:2] + later, params)] + \
+        [ref.generate([long], one)[0].output_ids]
+    eng = chunked("cuda")
+    reqs = [eng.add_request(p, params) for p in PROMPTS[:2]]
+    eng.step()
+    first = eng.add_request(long, one)
+    oldest = []
+    while eng.scheduler.has_work():
+        if later:
+            reqs.append(eng.add_request(later.pop(0), params))
+        eng.step()
+        oldest.append(eng.machine.steps - min((f.step for f in eng.machine.flights), default=eng.machine.steps))
+    assert len(eng.encode(long)) > 3 * 8 and max(oldest) < eng.machine.depth == 2
+    assert [eng.completion(r).output_ids for r in reqs + [first]] == expected

@@ -184,6 +184,7 @@ class CudaBackend(Prefilling):
         self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len, device)
         self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: launches' GPU spans
+        self._origin: torch.cuda.Event | None = None  # the device clock's zero for RoundResult.device_at: start-up's end
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
         # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
@@ -266,6 +267,10 @@ class CudaBackend(Prefilling):
                     if self._prefill_graphed(bucket, width, later):
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
+        self.graphs.seal()
+        self.prefill_graphs.seal()
+        self._origin = torch.cuda.Event(enable_timing=True)
+        events.record(self._origin, self.device_index)
         torch.cuda.synchronize()
         # what start-up reserved, beside what the pool's sizing set aside (kv_budget.workspace)
         memory = {"warm_up_gib": round(warmed / GIB, 2), "round_graphs_gib": round(self.graphs.grown / GIB, 2),
@@ -379,10 +384,12 @@ class CudaBackend(Prefilling):
             self._landing[w].append(handle.host)
         for pending in handle.logprobs:
             pending.record([r[1] for r in rows])
-        device_s = None if handle.started is None else handle.started.elapsed_time(handle.copied) / 1e3
+        timed = handle.started is not None
+        device_s = handle.started.elapsed_time(handle.copied) / 1e3 if timed else None
+        device_at = self._origin.elapsed_time(handle.started) / 1e3 if timed and self._origin is not None else None
         return RoundResult(finite=[r[0] == 1 for r in rows], accepted=[r[1] for r in rows],
                            tokens=[r[2 : 3 + r[1]] for r in rows], drafted=[r[2 + w : 1 + 2 * w] for r in rows],
-                           device_s=device_s)
+                           device_s=device_s, device_at=device_at)
 
     def _started(self) -> torch.cuda.Event | None:
         """An event at the start of a round's device work: with the one after its copy back, the

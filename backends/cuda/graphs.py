@@ -10,9 +10,13 @@ next one's. ``grown`` counts what the allocator reserved across captures (warm-u
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any, Callable, Hashable
 
+import structlog
 import torch
+
+log = structlog.get_logger("draftline.cuda")
 
 
 class Graphs:
@@ -25,6 +29,12 @@ class Graphs:
         # temporaries reserved apart.
         self._side = (pool._side if pool is not None else torch.cuda.Stream()) if enabled else None
         self.grown = 0  # bytes the allocator's reservation grew across this object's captures
+        self.sealed = False  # start-up is over: a capture now runs on a request's path
+        self.late: list[tuple[Hashable, float]] = []  # (key, seconds) of each capture after sealing
+
+    def seal(self) -> None:
+        """Start-up captured what the spec can replay; a later capture is logged and kept in ``late``."""
+        self.sealed = True
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -35,7 +45,11 @@ class Graphs:
         if not self.enabled:
             return step()
         if key not in self._graphs:
+            begin = time.perf_counter()
             self._graphs[key] = self._capture(step)
+            if self.sealed:  # a request waited for it: start-up should have captured this key
+                self.late.append((key, time.perf_counter() - begin))
+                log.warning("graph captured on the request path", key=repr(key), ms=round(1e3 * self.late[-1][1], 1))
         graph, out = self._graphs[key]
         graph.replay()
         return out
