@@ -138,6 +138,9 @@ def _serve(spec: Spec, engine: Engine, mode: str, opts: Options, prompts: list, 
                 trace.append({"t": time.perf_counter(), "level": c})
             row = clients.submit(load.measure, url, prompts[mine], c, opts.count(c), opts.max_new, speculative,
                                  long_prompt).result()
+            gap = row.pop("worst_gap")  # perf_counter times: for the trace, not the table
+            if trace is not None and gap is not None:
+                trace.append({"t": gap[1], "worst_gap": gap})
             rows.append({"drafting": mode, **row} | ({"policy": _choices(engine)} if mode == "auto" else {}))
             print(f"  {mode} at concurrency {c}: {row['out_tok_per_s']} out tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
                   f"tau {row['tau']}", file=sys.stderr, flush=True)  # a long run's progress, as it goes

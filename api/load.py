@@ -88,9 +88,22 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             "gap_ratio": round(max(ratios), 2) if ratios else 0.0,  # worst request: its longest gap / its median
             "long_ttft_ms": round(1e3 * long[0]["ttft"], 1) if long else None,
             "long_gap_ratio": round(prefill_gaps(results, long[0]), 2) if long else None,
+            "worst_gap": worst_gap(results),
             "tau": round(mean(r["tau"] for r in results), 2),
             "cached_share": round(sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)), 3),
             "preemptions": sum(r["preemptions"] for r in results)}
+
+
+def worst_gap(results: list[dict]) -> list[float] | None:
+    """The worst request's longest gap as [its start, its end, that request's median gap] in
+    seconds of perf_counter, the clock the server's round trace keeps (one monotonic clock for
+    every process of the host), so the trace can say what the engine did meanwhile."""
+    streams = [r for r in results if len(r["gaps"]) >= 3 and median(r["gaps"]) > 0]
+    if not streams:
+        return None
+    worst = max(streams, key=lambda r: max(r["gaps"]) / median(r["gaps"]))
+    i = max(range(len(worst["gaps"])), key=worst["gaps"].__getitem__)
+    return [worst["arrivals"][i], worst["arrivals"][i + 1], median(worst["gaps"])]
 
 
 def prefill_gaps(results: list[dict], long: dict) -> float:

@@ -34,6 +34,8 @@ def levels(records: list[dict]) -> list[tuple[int, float, list[dict]]]:
 
 
 def summary(level: int, start: float, recs: list[dict]) -> list[str]:
+    gaps = [r["worst_gap"] for r in recs if "worst_gap" in r]  # the clients' worst stream gap (later traces)
+    recs = [r for r in recs if "worst_gap" not in r]
     rounds = [r for r in recs if not r["prefill"]]
     prefills = [r for r in recs if r["prefill"]]
     if not rounds:
@@ -58,6 +60,11 @@ def summary(level: int, start: float, recs: list[dict]) -> list[str]:
                      f"wait for one: {late['rows']} rows to positions {late['prefilled'][:4]}, wall "
                      f"{1e3 * late['wall_s']:.1f} ms, device {_ms(late.get('device_s'))}, launch {_ms(late.get('launch_s'))}")
         lines += timeline(recs, recs.index(late))
+    for begin, end, typical in gaps:
+        after = next((i for i, r in enumerate(recs) if r["t"] >= end), len(recs) - 1)  # the collect that ended it
+        lines.append(f"  the worst stream gap: {1e3 * (end - begin):.1f} ms against its median {1e3 * typical:.1f} ms, "
+                     f"{begin - start:.3f} s into the level")
+        lines += timeline(recs, after)
     for width in sorted({r["width"] for r in rounds}):
         rs = [r for r in rounds if r["width"] == width]
         dev = [r["device_s"] for r in rs if r["device_s"] is not None]

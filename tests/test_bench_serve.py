@@ -99,7 +99,12 @@ def test_the_round_trace_says_where_each_level_went(tmp_path):
     from trace_rounds import levels, summary
     split = levels(records)
     assert [level for level, _, _ in split] == [1, 2]
+    assert all("worst_gap" not in r for r in rows)  # the clients' clock is the trace's business, not the table's
     for _, _, recs in split:  # 4 requests of 6 tokens a level: each one's first from its prefill
+        gaps = [r["worst_gap"] for r in recs if "worst_gap" in r]  # the worst stream's longest gap, on the trace's clock
+        assert len(gaps) == 1 and gaps[0][0] < gaps[0][1] and gaps[0][2] > 0
+        assert recs[0]["t"] < gaps[0][1] <= max(r["t"] for r in recs)
+        recs = [r for r in recs if "worst_gap" not in r]
         rounds = [r for r in recs if not r["prefill"]]
         assert all(r["width"] > 1 and r["device_s"] is None and r["device_at"] is None and r["wall_s"] > 0 for r in rounds)
         assert sum(r["emitted"] for r in rounds) == 4 * 5 and sum(r["rows"] for r in recs if r["prefill"]) == 4
@@ -108,6 +113,7 @@ def test_the_round_trace_says_where_each_level_went(tmp_path):
         assert sorted(p for r in prefills for p in r["prefilled"]) == [20] * 4  # whole 20-token prompts
     lines = [line for level, start, recs in split for line in summary(level, start, recs)]
     assert lines[0].startswith("level 1:") and any(line.startswith("level 2:") for line in lines)
+    assert sum("the worst stream gap" in line for line in lines) == 2
 
 
 def test_the_trace_timeline_shows_the_device_idle_between_launches():
