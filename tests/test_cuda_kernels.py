@@ -139,3 +139,27 @@ def test_window_kernels_match_their_pytorch_forms():
     ids, positions = verify_window(meta, drafts, 3, 4, 0, 1)  # W = 4 < K + 1: the last draft is not read
     assert torch.equal(ids, torch.cat([last[:, None], drafts[:, :3]], dim=1))
     assert torch.equal(positions, start[:, None] + torch.arange(4, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feature_ring_kernels_equal_indexing(dtype):
+    """FeatureRing's write and read kernels against the indexing they replace: positions that
+    wrap the ring, a padding row at -1 (floor mod: the ring's last row), strided features of
+    another dtype, and more features than one program step (F past the block)."""
+    from draftline.backends.cuda.buffers import FeatureRing
+
+    torch.manual_seed(0)
+    ring = FeatureRing(num_slots=5, depth=7, width=1100, dtype=dtype, device=torch.device(DEV))
+    ring.BLOCK = 256  # several loop steps over the 1,100 features
+    want = ring.data.clone()
+    slots, start = torch.tensor([4, 0, 2, 5], device=DEV), torch.tensor([12, 0, 5, -1], device=DEV)
+    wide = torch.randn(4, 3, 2 * 1100, device=DEV)  # float32, strided: every other column
+    features = wide[:, :, ::2]
+    ring.write(slots, start, features)
+    rows = (start[:, None] + torch.arange(3, device=DEV)) % 7
+    want[slots[:, None], rows] = features.to(dtype)
+    assert torch.equal(ring.data, want)
+    for shift in (-1, 0, 2):
+        assert torch.equal(ring.read(slots, start, shift=shift), want[slots, (start + shift) % 7])
+    with pytest.raises(ValueError, match="holds 1100 features"):
+        ring.write(slots, start, features[..., :10])

@@ -428,7 +428,7 @@ class CudaBackend(Prefilling):
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
                          caches=Rows(b.row(DRAFT_SLOT, bucket), start),
                          target_kv=FrozenTargetKV(self.cache, slots, start),
-                         features=None if self.ring is None else self.ring.read(slots, start - 1),
+                         features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
                          head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window,
                          drafts=drafts)
 

@@ -125,13 +125,39 @@ def draft_slot(state, scratch: int) -> int:
     return index if index >= 0 else scratch
 
 
+@triton.jit
+def _ring_write_kernel(data, slots, start, feats, depth, F, s_slot, s_row, s_n, s_w, BLOCK: tl.constexpr):
+    """Program (n, w): row n's features at window position w into ring row (start + w) mod depth."""
+    n, w = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    row = ((tl.load(start + n) + w) % depth + depth) % depth  # floor mod, as torch's %
+    base = data + tl.load(slots + n).to(tl.int64) * s_slot + row * s_row
+    for f0 in range(0, F, BLOCK):
+        f = f0 + tl.arange(0, BLOCK)
+        x = tl.load(feats + n * s_n + w * s_w + f, mask=f < F)
+        tl.store(base + f, x, mask=f < F)
+
+
+@triton.jit
+def _ring_read_kernel(data, slots, start, out, shift, depth, F, s_slot, s_row, BLOCK: tl.constexpr):
+    """Program n: out[n] = the ring row of position start + shift (floor mod depth)."""
+    n = tl.program_id(0).to(tl.int64)
+    row = ((tl.load(start + n) + shift) % depth + depth) % depth
+    base = data + tl.load(slots + n).to(tl.int64) * s_slot + row * s_row
+    for f0 in range(0, F, BLOCK):
+        f = f0 + tl.arange(0, BLOCK)
+        tl.store(out + n * F + f, tl.load(base + f, mask=f < F), mask=f < F)
+
+
 class FeatureRing:
     """Each request's tapped target features at its last verified positions, for drafters
     that read them (Drafter.reads_last_features): [slots + 1, depth, F], a position p of a
     request at row p % depth of its slot. The verify graph writes its W positions; the next
     draft step reads start - 1, one of them. depth > 2W keeps that entry intact when the two
     rounds launched ahead (which write up to 2W positions past it) are dropped and the round
-    runs again."""
+    runs again. A write and a read are one kernel each: as indexing they took an arange, an
+    add and a remainder besides the index, and a chain round does both (three times)."""
+
+    BLOCK = 1024  # features a program moves per step of its loop
 
     def __init__(self, num_slots: int, depth: int, width: int, dtype: torch.dtype, device: torch.device):
         self.depth = depth
@@ -139,9 +165,25 @@ class FeatureRing:
 
     def write(self, slots: Tensor, start: Tensor, features: Tensor) -> None:
         """features [N, W, F] of positions start .. start + W - 1 of each row's slot."""
-        rows = (start[:, None] + torch.arange(features.shape[1], device=start.device)) % self.depth  # [N, W]
-        self.data[slots[:, None], rows] = features.to(self.data.dtype)
+        n, w, f = features.shape
+        if f != self.data.shape[2] or slots.shape != (n,) or start.shape != (n,):
+            raise ValueError(f"FeatureRing.write: features {tuple(features.shape)} for {tuple(slots.shape)} slots and "
+                             f"{tuple(start.shape)} starts; the ring holds {self.data.shape[2]} features a position")
+        if features.dtype != self.data.dtype:  # rounded as torch rounds (the interpreter's cast truncates)
+            features = features.to(self.data.dtype)
+        if features.stride(-1) != 1:
+            features = features.contiguous()
+        if n and w:
+            _ring_write_kernel[(n, w)](self.data, slots.contiguous(), start.contiguous(), features, self.depth, f,
+                                       self.data.stride(0), self.data.stride(1), features.stride(0),
+                                       features.stride(1), BLOCK=min(self.BLOCK, triton.next_power_of_2(f)))
 
-    def read(self, slots: Tensor, position: Tensor) -> Tensor:
-        """-> [N, F] at each row's ``position`` (padding rows at -1 read a harmless row)."""
-        return self.data[slots, position % self.depth]
+    def read(self, slots: Tensor, start: Tensor, shift: int = 0) -> Tensor:
+        """-> [N, F] at each row's position ``start + shift`` (padding rows at -1 read a harmless row)."""
+        n, f = slots.shape[0], self.data.shape[2]
+        out = torch.empty(n, f, dtype=self.data.dtype, device=self.data.device)
+        if n:
+            _ring_read_kernel[(n,)](self.data, slots.contiguous(), start.contiguous(), out, shift, self.depth, f,
+                                    self.data.stride(0), self.data.stride(1),
+                                    BLOCK=min(self.BLOCK, triton.next_power_of_2(f)))
+        return out

@@ -310,7 +310,7 @@ class Prefilling:
         ``later`` chunks as a round's extension, with the features before them from the ring
         (the last chunk's last)."""
         p, start = self.pre, self.pre.start[:rows]
-        features = self.ring.read(p.slots[:rows], start - 1) if later and self.ring is not None else None
+        features = self.ring.read(p.slots[:rows], start, shift=-1) if later and self.ring is not None else None
         return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
                          caches=Rows(p.draft_slots[:rows], start),
                          target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start), features=features,
