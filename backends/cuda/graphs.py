@@ -30,10 +30,9 @@ class Graphs:
         self._side = (pool._side if pool is not None else torch.cuda.Stream()) if enabled else None
         self.grown = 0  # bytes the allocator's reservation grew across this object's captures
         self.sealed = False  # start-up is over: a capture now runs on a request's path
-        self.late: list[tuple[Hashable, float]] = []  # (key, seconds) of each capture after sealing
 
     def seal(self) -> None:
-        """Start-up captured what the spec can replay; a later capture is logged and kept in ``late``."""
+        """Start-up captured what the spec can replay; a later capture is logged as a warning."""
         self.sealed = True
 
     def __len__(self) -> int:
@@ -48,8 +47,8 @@ class Graphs:
             begin = time.perf_counter()
             self._graphs[key] = self._capture(step)
             if self.sealed:  # a request waited for it: start-up should have captured this key
-                self.late.append((key, time.perf_counter() - begin))
-                log.warning("graph captured on the request path", key=repr(key), ms=round(1e3 * self.late[-1][1], 1))
+                log.warning("graph captured on the request path", key=repr(key),
+                            ms=round(1e3 * (time.perf_counter() - begin), 1))
         graph, out = self._graphs[key]
         graph.replay()
         return out
