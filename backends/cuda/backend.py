@@ -53,6 +53,7 @@ from .memory import GIB, KVBudget, size_pool
 from .penalties import SlotPenalties
 from .prefill import PREFILL_WIDTHS, PrefillBuffers, Prefilling, draw_scores
 from .prefix import DevicePrefix
+from .prices import PrefillPrices
 from .staging import Staging
 from .windows import block_window, verify_window
 
@@ -180,6 +181,7 @@ class CudaBackend(Prefilling):
         # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
         self.prefill_graphs = Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0",
                                      pool=self.graphs)  # one pool: a prefill's temporaries are a round's
+        self.prefill_prices = PrefillPrices()  # measured once the prefill graphs are captured (prepare)
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
         self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len, device)
         self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
@@ -267,6 +269,9 @@ class CudaBackend(Prefilling):
                     if self._prefill_graphed(bucket, width, later):
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
+        priced = time.perf_counter()
+        self.prefill_prices = PrefillPrices.measure(self.prefill_graphs, self.device_index)
+        priced = time.perf_counter() - priced
         self.graphs.seal()
         self.prefill_graphs.seal()
         self._origin = torch.cuda.Event(enable_timing=True)
@@ -277,7 +282,7 @@ class CudaBackend(Prefilling):
                   "prefill_graphs_gib": round(self.prefill_graphs.grown / GIB, 2),
                   "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / GIB, 2)}
         return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3),
-                "memory": memory}
+                "prefill_pricing_seconds": round(priced, 3), "memory": memory}
 
     def _warm_prefill(self, length: int, n: int = 1, chunk: int | None = None) -> None:
         """n prompts of ``length`` tokens prefilled (with ``chunk``: that many first, then the rest)."""

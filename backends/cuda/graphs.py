@@ -16,6 +16,8 @@ from typing import Any, Callable, Hashable
 import structlog
 import torch
 
+from . import events
+
 log = structlog.get_logger("draftline.cuda")
 
 
@@ -37,6 +39,18 @@ class Graphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._graphs)
+
+    def replay_ms(self, key: Hashable, device_index: int) -> float:
+        """One replay of ``key``'s graph, timed on the device (ms); it waits for the replay's end."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events.record(start, device_index)
+        self._graphs[key][0].replay()
+        events.record(end, device_index)
+        end.synchronize()
+        return start.elapsed_time(end)
 
     def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
         """Replay the graph for ``key``, capturing ``step`` first if needed; eager when disabled.

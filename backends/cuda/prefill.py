@@ -157,7 +157,8 @@ class Prefilling:
         """Indices of ``reqs`` in groups prefilled together: prompts' first chunks apart from
         later chunks (the drafter takes those as a round's extension), each by length, a group
         closed where the next chunk would pad it past twice its tokens (and PREFILL_SLACK), so
-        one long prompt does not pad thirty short ones to its width."""
+        one long prompt does not pad thirty short ones to its width; then each group split where
+        the graphs' measured prices say its padded rows cost more than more launches (_priced)."""
         groups: list[list[int]] = []
         for later in (False, True):
             chunks = [i for i in range(len(reqs)) if (reqs[i].prefilled > 0) == later]
@@ -167,12 +168,23 @@ class Prefilling:
                 # the group's width must hold every chunk past the latest start in the cache
                 rows, width = self._prefill_shape(len(group) + 1, size, self.cache.max_len - max(latest, start))
                 if group and (width < size or rows * width > 2 * (real + size) + PREFILL_SLACK):
-                    groups.append(group)
+                    groups += self._priced(group, reqs, ends, later)
                     real, latest, group = 0, 0, []
                 group.append(i)
                 real, latest = real + size, max(latest, start)
-            groups += [group] if group else []
+            groups += self._priced(group, reqs, ends, later) if group else []
         return groups
+
+    def _priced(self, group: list[int], reqs: list[Request], ends: list[int], later: bool) -> list[list[int]]:
+        """``group`` (by chunk size) in the forwards whose measured graphs cost least (prices.py):
+        17 prompts as 16 and 1 rather than padded to 32 rows where the forward is arithmetic-bound."""
+        sizes = [ends[i] - reqs[i].prefilled for i in group]
+        width = self._prefill_shape(len(group), max(sizes), self.cache.max_len - max(reqs[i].prefilled for i in group))[1]
+        pieces, at = [], 0
+        for rows in self.prefill_prices.pieces(len(group), width, later):
+            pieces.append(group[at : at + rows])
+            at += rows
+        return pieces
 
     def _prefill_group(self, reqs: list[Request], ends: list[int]) -> tuple[Tensor, list]:
         """One forward over each request's prompt from where it stands to its end: (packed [n, 3]
