@@ -583,6 +583,27 @@ def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_emits_as_the_refer
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
 
 
+def test_a_prefill_group_splits_where_its_measured_prices_say_and_emits_as_the_reference(monkeypatch):
+    """Prices that make a padded 4-row prefill dearer than a 2-row and a 1-row one: three
+    prompts prefill as two forwards (prices.py), and tokens and accepted counts are the
+    reference's."""
+    from types import SimpleNamespace
+
+    from draftline.backends.cuda.prices import PrefillPrices
+
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    ref = _engine("dflash", "reference").generate(PROMPTS[:3], params, trace=True)
+    engine = _engine("dflash", "cuda", depth=2)
+    engine.backend.prefill_prices = PrefillPrices({(rows, width, False): ms for width in (16, 32, 64)
+                                                   for rows, ms in ((1, 1.0), (2, 2.0), (4, 20.0))})
+    reqs = [SimpleNamespace(prompt_ids=[0] * n, params=SamplingParams(), prefilled=0) for n in (5, 6, 7)]
+    assert engine.backend._prefill_groups(reqs, [5, 6, 7]) == [[0, 1], [2]]
+    forwards, group = [], engine.backend._prefill_group
+    monkeypatch.setattr(engine.backend, "_prefill_group", lambda rs, es: forwards.append(len(rs)) or group(rs, es))
+    _same_rounds(ref, engine.generate(PROMPTS[:3], params, trace=True))
+    assert forwards == [2, 1]
+
+
 @pytest.mark.parametrize("method,budget,temperature", [("none", 6, 0.0), ("dflash", 6, 0.0), ("eagle3", 6, 0.0),
                                                        ("gemma4_mtp", 6, 0.0), ("eagle3", 40, 0.0),
                                                        ("dflash", 6, 0.8)])
@@ -676,12 +697,14 @@ def test_a_preempted_request_resumes_exactly(method):
 def test_paged_kv_serves_what_static_slots_serve(method):
     """server.num_kv_blocks on the cuda backend: the target's keys live in a shared pool of
     4-token pages that rows take as they grow (their pages interleaved), two rounds in flight
-    and the prefix cache on, and every output equals the static slots'; the pool holds less
-    than the slots would, and every page comes back."""
-    free = _engine(method, "cuda", depth=2, batch_invariant=True)
+    and the prefix cache on, and every output equals the static slots' (the reference
+    backend's, as test_greedy_tokens_equal_reference holds them); the pool holds less than the
+    slots would, and every page comes back."""
+    free = _engine(method, "cuda", depth=2, batch_invariant=True)  # static slots, sized against
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 4, 7)]
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]]
-    want = free.generate(prompts, params)
+    free.generate(prompts[:1], SamplingParams(max_new_tokens=1))  # a drafter's static cache is made at its first prompt
+    want = _engine(method, "reference").generate(prompts, params)
     data = free.spec.model_dump(mode="python")
     data["server"] |= {"block_size": 4, "num_kv_blocks": 60}
     paged = Engine(type(free.spec).model_validate(data), free.target, free.tokenizer)
@@ -701,8 +724,8 @@ def test_paged_kv_serves_what_static_slots_serve(method):
 def test_paged_kv_runs_four_times_the_requests_in_the_memory_of_static_slots():
     """Paging's measure on the tiny target: in the KV memory that two static slots of a
     128-token context take, eight requests of up to 47 tokens run at once, none preempted,
-    each with the output the static slots give it."""
-    static = _engine("none", "cuda", depth=2, slots=2, batch_invariant=True)
+    each with the output the static slots give it (the reference backend's)."""
+    static = _engine("none", "cuda", depth=2, slots=2, batch_invariant=True)  # sized only: never run
     per_page = 4 * static.backend.cache.data[:, :, 0, :, :1].numel()  # one 4-token page, every layer
     data = static.spec.model_dump(mode="python")
     data["server"] |= {"block_size": 4, "max_batch_size": 8, "enable_prefix_caching": False,
@@ -717,7 +740,10 @@ def test_paged_kv_runs_four_times_the_requests_in_the_memory_of_static_slots():
         paged.step()
         most = max(most, len(paged.scheduler.running))
     assert most == 8 and all(r.preemptions == 0 for r in reqs)
-    assert [r.output_ids for r in reqs] == [c.output_ids for c in static.generate(prompts, params)]
+    # the static slots' outputs are the reference backend's (test_greedy_tokens_equal_reference):
+    # it gives them at a fraction of 48 interpreted steps through two slots
+    want = _engine("none", "reference").generate(prompts, params)
+    assert [r.output_ids for r in reqs] == [c.output_ids for c in want]
 
 
 def test_a_full_page_pool_takes_a_cancelled_requests_pages():
@@ -725,19 +751,20 @@ def test_a_full_page_pool_takes_a_cancelled_requests_pages():
     near its end; the others go on into new pages, the fourth is admitted into the freed ones,
     each ends with its full output, and every page comes back."""
     static = _engine("none", "cuda", depth=2, slots=3, batch_invariant=True)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     data = static.spec.model_dump(mode="python")
     data["server"] |= {"block_size": 4, "enable_prefix_caching": False}
     pool = kv_blocks(type(static.spec).model_validate(data), kv_lookahead(static.plan, static.machine.depth))
-    data["server"]["num_kv_blocks"] = 3 * pool.most(len(static.encode(PROMPTS[1])), 24) - 2  # three barely fit
+    data["server"]["num_kv_blocks"] = 3 * pool.most(len(static.encode(PROMPTS[1])), 12) - 2  # three barely fit
     paged = Engine(type(static.spec).model_validate(data), static.target, static.tokenizer)
     reqs = [paged.add_request(PROMPTS[1], params) for _ in range(4)]
-    while len(reqs[0].output_ids) < 20:
+    while len(reqs[0].output_ids) < 9:
         paged.step()
+    assert len(paged.scheduler.running) == 3 and len(paged.scheduler.waiting) == 1  # the pool holds three
     reqs[0].cancelled = True  # while three nearly done fill the pool and the fourth waits
     while paged.scheduler.has_work():
         paged.step()
-    want = static.generate([PROMPTS[1]], params)[0].output_ids
+    want = _engine("none", "reference").generate([PROMPTS[1]], params)[0].output_ids  # the static slots' too
     assert reqs[0].finish_reason["type"] == "abort" and all(r.output_ids == want for r in reqs[1:])
     pager = paged.backend.cache.pager
     assert pager.in_use == 0 and len(pager.free) == data["server"]["num_kv_blocks"]
