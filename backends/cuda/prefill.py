@@ -177,7 +177,11 @@ class Prefilling:
 
     def _priced(self, group: list[int], reqs: list[Request], ends: list[int], later: bool) -> list[list[int]]:
         """``group`` (by chunk size) in the forwards whose measured graphs cost least (prices.py):
-        17 prompts as 16 and 1 rather than padded to 32 rows where the forward is arithmetic-bound."""
+        17 prompts as 8, 8 and 1 rather than padded to 32 rows where the forward is arithmetic-bound.
+        Only with the invariant kernels, whose rows compute alike however they are grouped: the
+        other kernels' results follow the grouping, which must not follow start-up's timings."""
+        if not self.cache.invariant:
+            return [group]
         sizes = [ends[i] - reqs[i].prefilled for i in group]
         width = self._prefill_shape(len(group), max(sizes), self.cache.max_len - max(reqs[i].prefilled for i in group))[1]
         pieces, at = [], 0

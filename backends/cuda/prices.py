@@ -4,7 +4,7 @@ prompts is split among those graphs at least cost.
 A prefill group's rows are padded to a batch bucket (1, 2, 4, ... rows) so that it replays a
 graph, and padding rows cost what real ones do: on the 8B shape a 128-token prompt costs about
 4.5 ms a row once the forward is bound by arithmetic, so 17 prompts padded to 32 rows took 135
-ms where 16 and then 1 take about 86. A small model's forward is bound by its launches instead
+ms where 8, 8 and 1 take about 84. A small model's forward is bound by its launches instead
 (a 16-row graph costs what a 2-row one does), where splitting would only add launches. So the
 choice is made from each graph's measured device time, not from a rule about padding.
 """
@@ -24,6 +24,7 @@ SPLIT_GAIN = 0.9  # a split must save a tenth of the one padded forward: no spli
 class PrefillPrices:
     # (rows bucket, width, later) -> device ms of one replay of that prefill graph
     ms: dict[Hashable, float] = field(default_factory=dict)
+    _memo: dict[tuple[int, int, bool], list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def measure(cls, graphs: Graphs, device_index: int) -> "PrefillPrices":
@@ -32,16 +33,26 @@ class PrefillPrices:
 
     def pieces(self, rows: int, width: int, later: bool) -> list[int]:
         """How many of a group's ``rows`` chunks (at most ``width`` tokens) each forward takes,
-        largest first: the split whose graphs' measured times, plus LAUNCH_MS for every launch
-        past the first, sum least, where that saves SPLIT_GAIN of one padded forward; else [rows],
-        as when no measured graph holds them all."""
-        buckets = sorted(b for b, w, late in self.ms if w == width and late == later)
-        if rows <= 1 or not any(b >= rows for b in buckets):
-            return [rows]
-        best: list[tuple[float, list[int]]] = [(0.0, [])]  # best[m]: the cheapest split of m rows
-        for m in range(1, rows + 1):
-            best.append(min((best[max(0, m - b)][0] + self.ms[(b, width, later)] + LAUNCH_MS,
-                             [min(b, m)] + best[max(0, m - b)][1]) for b in buckets))
-        one = min(self.ms[(b, width, later)] for b in buckets if b >= rows) + LAUNCH_MS
-        return sorted(best[rows][1], reverse=True) if best[rows][0] < SPLIT_GAIN * one else [rows]
+        largest first: the split whose graphs' measured times, plus LAUNCH_MS a launch, sum least,
+        where that costs under SPLIT_GAIN of the one padded forward; else [rows], as when no
+        measured graph holds them all. Remembered per (rows, width, later): a prefill asks every step."""
+        key = (rows, width, later)
+        if key not in self._memo:
+            self._memo[key] = self._cheapest(rows, width, later)
+        return self._memo[key]
 
+    def _cheapest(self, rows: int, width: int, later: bool) -> list[int]:
+        cost = {b: ms + LAUNCH_MS for (b, w, late), ms in self.ms.items() if w == width and late == later}
+        if rows <= 1 or not any(b >= rows for b in cost):
+            return [rows]
+        best = [(0.0, 0)]  # best[m]: (the cheapest split's cost for m rows, its first forward's bucket)
+        for m in range(1, rows + 1):
+            best.append(min((best[max(0, m - b)][0] + c, b) for b, c in cost.items()))
+        one = min(c for b, c in cost.items() if b >= rows)
+        if best[rows][0] >= SPLIT_GAIN * one:
+            return [rows]
+        pieces, m = [], rows
+        while m > 0:
+            pieces.append(min(best[m][1], m))
+            m -= best[m][1]
+        return sorted(pieces, reverse=True)
