@@ -48,6 +48,10 @@ def summary(level: int, start: float, recs: list[dict]) -> list[str]:
              f"{device / wall:.0%} of the wall; {len(prefills)} prefills (rows {statistics.mean([p['rows'] for p in prefills]) if prefills else 0:.1f} "
              f"each); rounds' wall past their device time {idle:.2f} s",
              f"  host cycle ms: {quantiles([r['host_s'] for r in rounds if r['host_s'] is not None], (0.5, 0.75, 0.9, 0.99))}"]
+    held = [r["held"] for r in rounds if r.get("held")]  # rows the length rule kept out of a step's round (later traces)
+    if held:
+        lines.append(f"  rows held back by their rounds in flight (Stops.done_in_flight): {sum(held)} in {len(held)} "
+                     f"rounds, against {sum(r['rows'] for r in rounds)} rows launched")
     launches = [p["launch_s"] for p in prefills if "launch_s" in p]  # traces from before it lack the field
     if launches:
         slow = max(prefills, key=lambda p: p.get("launch_s", 0.0))
@@ -87,7 +91,8 @@ def timeline(recs: list[dict], at: int, before: int = 6, after: int = 3) -> list
     for r in window:
         start, end = r["device_at"] - dev0, r["device_at"] + r["device_s"] - dev0
         gap = "" if busy is None else f" gap {1e3 * (start - busy):7.1f}"
-        what = f"prefill {r['rows']} rows to {r['prefilled'][:2]}" if r["prefill"] else f"round {r['rows']} rows width {r['width']}"
+        what = f"prefill {r['rows']} rows to {r['prefilled'][:2]}" if r["prefill"] else \
+            f"round {r['rows']} rows width {r['width']}" + (f", {r['held']} held back" if r.get("held") else "")
         lines.append(f"    host {1e3 * (r['launched'] - host0):7.1f} device {1e3 * start:7.1f}-{1e3 * end:7.1f}{gap}  {what}")
         busy = end if busy is None else max(busy, end)
     return lines

@@ -105,6 +105,7 @@ class Flight:
     launch_s: float = 0.0  # a prefill's launch: the backend's host work before it returned
     ends: tuple[int, ...] = ()  # a prefill's: the prompt position each row's chunk ran to
     step: int = 0  # the machine step that launched it
+    held: int = 0  # rows this step left out because their rounds in flight are expected to end them
 
 
 @dataclass
@@ -236,17 +237,20 @@ class Machine:
         (that may still need one): those that may draft, then the others. A request behind the
         rest (just prefilled) joins the same round and catches up a round a step, so a batch
         stays one round instead of splitting into groups that never merge again."""
-        rows = [r for r in running if r.in_flight <= self.depth and not r.cancelled
-                and not Stops.done_in_flight(r, r.in_flight)]
+        ready = [r for r in running if r.in_flight <= self.depth and not r.cancelled]
+        rows = [r for r in ready if not Stops.done_in_flight(r, r.in_flight)]
         if not rows:
             return False
+        held = len(ready) - len(rows)  # counted once a step, on its first round (the trace reads it)
         widths = self.backend.verify_widths(len(rows)) if self.plan.num_speculative_tokens > 0 else ()
         width = self.policy.choose(len(rows), widths, _drafted(rows))
         for group, w in (([r for r in rows if width > 1 and r.speculate], width),
                          ([r for r in rows if not (width > 1 and r.speculate)], 1)):
             if group:
                 launched = time.perf_counter()  # before the launch: a synchronous backend runs the round in it
-                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), launched, step=self.steps))
+                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), launched, step=self.steps,
+                                           held=held))
+                held = 0
                 for req in group:
                     self.clock.ahead += req.in_flight > 0
                     req.in_flight += 1
@@ -293,7 +297,7 @@ class Machine:
                                self._host_s if timed else None)
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": False, "rows": len(flight.reqs), "width": width,
-                                   "emitted": emitted, "wall_s": wall, "device_s": result.device_s,
+                                   "held": flight.held, "emitted": emitted, "wall_s": wall, "device_s": result.device_s,
                                    "host_s": self._host_s, "launched": flight.launched,
                                    "device_at": result.device_at})
 

@@ -134,3 +134,5 @@ def test_the_trace_timeline_shows_the_device_idle_between_launches():
     assert lines[3].split("gap")[1].split()[0] == "100.0"  # 1.022 -> 1.122 idle on the device
     assert "host   120.0 device   122.0-  132.0" in lines[3]
     assert timeline([{**r, "device_at": None} for r in recs], 1) == []  # the reference backend times no device
+    recs[2]["held"] = 3  # rows the length rule kept out of that step's round
+    assert timeline(recs, 1)[3].endswith("round 2 rows width 4, 3 held back")
