@@ -230,22 +230,16 @@ def api_schema(url):
 fuzzed = schemathesis.pytest.from_fixture("api_schema")
 
 
-@pytest.fixture(scope="module")
-def health(url):
-    """One client for the fuzzer's health checks: a new httpx client builds its TLS context
-    (about 70 ms on a CPU machine), which made most of this test's time over its ~1,200 cases."""
-    with httpx.Client(base_url=url, timeout=60) as c:
-        yield c
-
-
 @fuzzed.parametrize()
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
-def test_fuzzed_requests_never_break_the_server(case, health):
+def test_fuzzed_requests_never_break_the_server(case, client):
     """Schema-driven fuzzing, a bounded number of cases per operation: never a 5xx (bar 503
-    for a full queue), and the server stays healthy."""
+    for a full queue), and the server stays healthy. The health checks share the client
+    fixture's connection: a new httpx client a check built its TLS context (about 70 ms here),
+    most of this test's time over its ~1,200 cases."""
     response = case.call(timeout=120)
     assert response.status_code < 500 or response.status_code == 503, response.text
-    assert health.get("/health").status_code == 200
+    assert client.get("/health").status_code == 200
 
 
 def test_engine_that_keeps_failing_reports_unhealthy():
