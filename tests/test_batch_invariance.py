@@ -5,6 +5,7 @@ Without a GPU the kernels run in the Triton interpreter (float32); on the GPU in
 the device's split plan."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,13 +44,13 @@ def test_a_matvec_row_is_the_same_alone_and_in_any_batch(n, k, gated):
                 assert torch.equal(batch[..., r : r + 1, :], want), (m, r)
 
 
-@pytest.mark.parametrize("max_len", [200, 1100])  # on the GPU: 4 splits merged in place; 18 and a combine
-def test_a_query_attends_alike_alone_in_a_window_and_beside_other_rows(max_len):
+@pytest.mark.parametrize("max_len", [200, 1100, 4200])  # on the GPU: 1 split; 5 merged in place; 17 and a combine
+@pytest.mark.parametrize("programs", [0, 1, 3])  # 0: as many as the plan takes for the rows (INVARIANT_PROGRAMS)
+def test_a_query_attends_alike_alone_in_a_window_and_beside_other_rows(max_len, programs):
     gen = torch.Generator().manual_seed(1)
     hq, hkv, d = 8, 2, 32
     k = torch.randn(9, hkv, max_len, d, generator=gen).to(DEV, DTYPE)
     v = torch.randn(9, hkv, max_len, d, generator=gen).to(DEV, DTYPE)
-    splits = invariant_split_plan(max_len)
     q_star = torch.randn(hq, d, generator=gen).to(DEV, DTYPE)
     pos, slot = max_len // 2 + 17, 4  # the query's position (as many keys before it) and cache slot
 
@@ -62,6 +63,8 @@ def test_a_query_attends_alike_alone_in_a_window_and_beside_other_rows(max_len):
         lengths = [pos + 1 + (width - 1 - t)] + [int(x) for x in torch.randint(width, max_len, (others,), generator=gen)]
         kv_len = torch.tensor(lengths, dtype=torch.int32, device=DEV)
         tickets = torch.zeros(n * hkv, dtype=torch.int32, device=DEV)
+        splits = invariant_split_plan(max_len, n, hkv)
+        splits = replace(splits, programs=min(programs, splits.count)) if programs else splits
         return attend(q, k, v, slots, kv_len, True, splits, tickets=tickets)[0, :, t]
 
     alone = run(1, 0, 0)

@@ -23,6 +23,26 @@ def _cache(slots, hkv, max_len, d, gen):
     return k.to(DEV), v.to(DEV)
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_programs_taking_several_splits_each_give_the_bits_of_one_a_split(merge):
+    """Splits.programs: fewer programs per (row, kv head), each taking every so-many of the
+    row's live splits, write the same partials and merge them alike (the invariant plan takes
+    fewer at many rows)."""
+    gen = torch.Generator().manual_seed(3)
+    n, hq, hkv, w, d, max_len = 3, 8, 2, 4, 32, 256
+    k_cache, v_cache = _cache(6, hkv, max_len, d, gen)
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
+    kv_len = torch.tensor([7, 130, 256], dtype=torch.int32, device=DEV)
+    q = torch.randn(n, hq, w, d, generator=gen).to(DEV)
+    outs = []
+    for programs in (0, 1, 3):
+        tickets = torch.zeros(n * hkv, dtype=torch.int32, device=DEV)
+        outs.append(attend(q, k_cache, v_cache, slots, kv_len, True, Splits(8, 16, merge=merge, programs=programs),
+                           tickets=tickets).cpu())
+        assert not tickets.any()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("splits", [Splits(4, 16), Splits(8, 64), Splits(2, 128), Splits(4, 16, merge=True),
                                     Splits(2, 128, merge=True)])

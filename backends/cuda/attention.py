@@ -90,16 +90,17 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, o_part, lse_pa
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
                    PAGE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1,
                    SUMMED: tl.constexpr = False):
-    """Program (row n, kv head h, split s): the G*W query rows of h's query heads over keys
-    [s*split, (s+1)*split) ∩ [0, kv_len), split from _split_keys; writes the normalized partial
-    output and its log-sum-exp (-inf where the split saw no key). With MERGE the last of (n, h)'s
-    programs to finish then merges the partials into o (no combine launch). With PREFETCH (under
-    PDL) it first asks L2 for the split's cached keys, so they arrive while the q/k/v kernel
-    ahead runs."""
-    pid, s = tl.program_id(0), tl.program_id(1)
+    """Program (row n, kv head h, p of P): the G*W query rows of h's query heads over the keys
+    of splits s = p, p + P, ... of the row's live ones, [s*split, (s+1)*split) ∩ [0, kv_len),
+    split from _split_keys; writes each split's normalized partial output and its log-sum-exp
+    (-inf where the split saw no key). A split's sums do not depend on which program takes it,
+    so P (Splits.programs) changes no bit. With MERGE the last of (n, h)'s programs to finish
+    then merges the partials into o (no combine launch). With PREFETCH (under PDL) it first asks
+    L2 for its first split's cached keys, so they arrive while the q/k/v kernel ahead runs."""
+    pid, p = tl.program_id(0), tl.program_id(1)
     n, h = (pid // HKV).to(tl.int64), pid % HKV  # int64: a long prefill's rows x strides pass 2^31
     if PREFETCH:
-        _prefetch_split(k_cache, v_cache, slots, kv_len, table, ts, n, h, s, count, least, sc_page, sc_head,
+        _prefetch_split(k_cache, v_cache, slots, kv_len, table, ts, n, h, p, count, least, sc_page, sc_head,
                         sc_pos, num_slots, num_pages, max_len, BLOCK_N, 128, LINES, D, PAGE)
     overlap.gate(PDL)
     m = tl.arange(0, BLOCK_M)  # query row = g * W + t
@@ -111,38 +112,38 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, o_part, lse_pa
     own = length - W + m % W  # each query's own position
     slot = tl.load(slots + n).to(tl.int64)
     split = _split_keys(length, count, least, BLOCK_N)
-    lo = s * split
-    hi = tl.minimum(lo + split, length)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        inside = j < hi
-        at = (paged(table, ts, slot, j.to(tl.int64), inside, PAGE, sc_page, sc_pos) + h * sc_head)[:, None] + d[None, :]
-        k_tile = tl.load(k_cache + at, mask=inside[:, None], other=0.0)
-        scores = tile_dot(q_tile, tl.trans(k_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), PRECISION,
-                          SUMMED) * scale  # [BLOCK_M, BLOCK_N] fp32
-        visible = inside[None, :]
-        if CAUSAL:
-            visible = visible & (j[None, :] <= own[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_tile = tl.load(v_cache + at, mask=inside[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v_tile.dtype), v_tile, tl.zeros((BLOCK_M, D), tl.float32),
-                                              PRECISION, SUMMED)
-        m_i = m_new
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    part = (pid * SPLITS + s) * BLOCK_M
-    live = (lo + 0 * m) < length  # [BLOCK_M]; splits past the row's keys write nothing: never read
-    tl.store(o_part + (part + m[:, None]) * D + d[None, :], out.to(o_part.dtype.element_ty), mask=live[:, None])
-    tl.store(lse_part + part + m, lse, mask=live)
+    for s in range(p, tl.cdiv(length, split), tl.num_programs(1)):  # the row's live splits; none past them
+        lo = s * split
+        hi = tl.minimum(lo + split, length)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            inside = j < hi
+            at = (paged(table, ts, slot, j.to(tl.int64), inside, PAGE, sc_page, sc_pos) + h * sc_head)[:, None] + d[None, :]
+            k_tile = tl.load(k_cache + at, mask=inside[:, None], other=0.0)
+            scores = tile_dot(q_tile, tl.trans(k_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), PRECISION,
+                              SUMMED) * scale  # [BLOCK_M, BLOCK_N] fp32
+            visible = inside[None, :]
+            if CAUSAL:
+                visible = visible & (j[None, :] <= own[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p_ = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p_, axis=1)
+            v_tile = tl.load(v_cache + at, mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tile_dot(p_.to(v_tile.dtype), v_tile, tl.zeros((BLOCK_M, D), tl.float32),
+                                                  PRECISION, SUMMED)
+            m_i = m_new
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        part = (pid * SPLITS + s) * BLOCK_M
+        tl.store(o_part + (part + m[:, None]) * D + d[None, :], out.to(o_part.dtype.element_ty))
+        tl.store(lse_part + part + m, lse)
     if MERGE:
         # The barrier puts every thread's stores above before this program's arrival (a release).
         tl.debug_barrier()
@@ -215,8 +216,9 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tens
 @dataclass(frozen=True)
 class Splits:
     """How each row's keys split over attention programs: into at most ``count`` splits of at
-    least ``least`` keys (a power of two), sized on the device from the row's length. ``count``
-    programs per (row, kv head) are launched; those past a row's last split exit at once. With
+    least ``least`` keys (a power of two), sized on the device from the row's length.
+    ``programs`` (else ``count``) programs per (row, kv head) are launched, each taking every
+    programs-th of the row's live splits; those with none exit at once. With
     ``merge`` the last of them to finish merges the row's splits itself (a ticket count says
     which is last) instead of a combine kernel over all of them."""
 
@@ -225,6 +227,11 @@ class Splits:
     merge: bool = False  # the last split of a (row, kv head) to finish merges them: no combine launch
     widest: int = 64  # keys per step inside a split, at most
     rows: int = 0  # query rows a program's tile holds whatever the window (0: sized by the call)
+    programs: int = 0  # programs per (row, kv head), each taking every programs-th split (0: count)
+
+    @property
+    def launched(self) -> int:
+        return self.programs or self.count
 
     @property
     def block(self) -> int:
@@ -245,9 +252,10 @@ def split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
 INVARIANT_SPLIT = 256  # keys per split of the batch-invariant plan, at fixed offsets 0, 256, 512, ...
 INVARIANT_MERGE_MOST = 16  # splits past which the invariant plan keeps a combine kernel
 INVARIANT_QUERY_ROWS = 64  # query rows per (row, kv head) tile in that plan: G x W up to 64 (Qwen3-8B: 4 x 16)
+INVARIANT_PROGRAMS = 1024  # attention programs a launch of that plan aims at, over its rows and kv heads
 
 
-def invariant_split_plan(max_len: int) -> Splits:
+def invariant_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
     """The batch-invariant plan: every row's keys split at the same absolute offsets
     (INVARIANT_SPLIT keys each, whatever the row's length or the batch; 256 cost less than 64
     at an 8B model's decode row: fewer programs and partials), stepped through in the same
@@ -260,12 +268,19 @@ def invariant_split_plan(max_len: int) -> Splits:
 
     The last split merges them for caches of up to INVARIANT_MERGE_MOST splits (4096 keys): it
     reads only the row's live splits (one a 256 keys it holds), so a short row's merge is short,
-    and a combine launch a layer is gone (the tiny pair's round runs 18 attention launches)."""
+    and a combine launch a layer is gone (the tiny pair's round runs 18 attention launches).
+
+    Each (row, kv head) launches one program a split up to INVARIANT_PROGRAMS over the batch's
+    ``rows``, fewer past it, each taking every so-many of the row's splits: at 64 rows and a
+    4096-token cache, 17 programs a row of which a 256-key row used one spent 83 of a plain
+    step's 8.3 ms a layer on an H200; which program takes a split changes no bit."""
     if interpreted():
         return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=INVARIANT_QUERY_ROWS)
     split = min(INVARIANT_SPLIT, triton.next_power_of_2(max_len))
     count = triton.cdiv(max_len, split)
-    return Splits(count, split, merge=count <= INVARIANT_MERGE_MOST, rows=INVARIANT_QUERY_ROWS)
+    programs = min(count, max(1, INVARIANT_PROGRAMS // (rows * kv_heads)))
+    return Splits(count, split, merge=count <= INVARIANT_MERGE_MOST, rows=INVARIANT_QUERY_ROWS,
+                  programs=programs)
 
 
 def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
@@ -327,7 +342,7 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, kv_len: T
     if out is None:
         out = torch.empty(n, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     plan = (splits.count, splits.least)
-    _attend_kernel[(n * hkv, splits.count)](
+    _attend_kernel[(n * hkv, splits.launched)](
         q, k_cache, v_cache, slots, kv_len, *launch_args(pages), o_part, lse_part, tickets, out, d**-0.5, hq, hkv,
         w, g, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2), *plan, pages.table.shape[0], k_cache.shape[0], max_len,

@@ -58,9 +58,10 @@ class SlotPool:
 
 def cache_splits(max_len: int, invariant: bool, kv_heads: int, rows: int) -> Splits:
     """How attention splits a row's keys for a batch of ``rows`` over a cache of ``max_len``
-    positions (attention.split_plan; the invariant plan ignores ``rows``)."""
+    positions (attention.split_plan; the invariant plan's splits do not follow ``rows``, only
+    how many programs take them)."""
     if invariant:
-        return invariant_split_plan(max_len)
+        return invariant_split_plan(max_len, rows, kv_heads)
     return split_plan(max_len, rows, kv_heads)
 
 
@@ -192,8 +193,8 @@ class InvariantPrefill(PrefillAttention):
             m = min(whole, first + per_launch) - first
             span = slice(first * chunk, (first + m) * chunk)
             rows = q[:, :, span].reshape(n, hq, m, chunk, d).permute(2, 0, 1, 3, 4).reshape(m * n, hq, chunk, d)
-            done = attend(rows, k, v, self.slots.repeat(m), kv_lens[first : first + m].reshape(-1), True, splits,
-                          pages=self.cache.pages)
+            done = attend(rows, k, v, self.slots.repeat(m), kv_lens[first : first + m].reshape(-1), True,
+                          self.cache.splits(m * n), pages=self.cache.pages)  # its programs for m * n rows
             out[:, :, span] = done.reshape(m, n, hq, chunk, d).permute(1, 2, 0, 3, 4).reshape(n, hq, m * chunk, d)
         if w % chunk:  # the last window, shorter
             tail = slice(whole * chunk, w)
