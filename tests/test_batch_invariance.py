@@ -47,6 +47,8 @@ def test_a_matvec_row_is_the_same_alone_and_in_any_batch(n, k, gated):
 @pytest.mark.parametrize("max_len", [200, 1100, 4200])  # on the GPU: 1 split; 5 merged in place; 17 and a combine
 @pytest.mark.parametrize("programs", [0, 1, 3])  # 0: as many as the plan takes for the rows (INVARIANT_PROGRAMS)
 def test_a_query_attends_alike_alone_in_a_window_and_beside_other_rows(max_len, programs):
+    if programs and DEV == "cpu":
+        pytest.skip("the interpreter's plan is one split: its programs change nothing there (the GPU runs these)")
     gen = torch.Generator().manual_seed(1)
     hq, hkv, d = 8, 2, 32
     k = torch.randn(9, hkv, max_len, d, generator=gen).to(DEV, DTYPE)

@@ -218,13 +218,13 @@ class Splits:
     """How each row's keys split over attention programs: into at most ``count`` splits of at
     least ``least`` keys (a power of two), sized on the device from the row's length.
     ``programs`` (else ``count``) programs per (row, kv head) are launched, each taking every
-    programs-th of the row's live splits; those with none exit at once. With
-    ``merge`` the last of them to finish merges the row's splits itself (a ticket count says
+    programs-th of the row's live splits (one with none does no work). With ``merge`` the last
+    of them to finish, whichever it is, merges the row's splits itself (a ticket count says
     which is last) instead of a combine kernel over all of them."""
 
     count: int
     least: int
-    merge: bool = False  # the last split of a (row, kv head) to finish merges them: no combine launch
+    merge: bool = False  # the last program of a (row, kv head) to finish merges them: no combine launch
     widest: int = 64  # keys per step inside a split, at most
     rows: int = 0  # query rows a program's tile holds whatever the window (0: sized by the call)
     programs: int = 0  # programs per (row, kv head), each taking every programs-th split (0: count)
@@ -266,14 +266,16 @@ def invariant_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Spli
     whole cache, which is as fixed, in 64-key steps (its summed tile products, tile_dot, stay
     small).
 
-    The last split merges them for caches of up to INVARIANT_MERGE_MOST splits (4096 keys): it
+    The last program to finish merges them for caches of up to INVARIANT_MERGE_MOST splits (4096 keys): it
     reads only the row's live splits (one a 256 keys it holds), so a short row's merge is short,
     and a combine launch a layer is gone (the tiny pair's round runs 18 attention launches).
 
     Each (row, kv head) launches one program a split up to INVARIANT_PROGRAMS over the batch's
-    ``rows``, fewer past it, each taking every so-many of the row's splits: at 64 rows and a
-    4096-token cache, 17 programs a row of which a 256-key row used one spent 83 of a plain
-    step's 8.3 ms a layer on an H200; which program takes a split changes no bit."""
+    ``rows``, fewer past it, each taking every so-many of the row's splits. At 64 rows over the
+    8B specs' 4,144-position cache (17 splits), 17 programs a (row, kv head), of which a
+    256-key row used one, took 83 µs a layer (2.96 of a plain step's 8.3 ms on an H200); two
+    take 25. Which program takes a split changes no bit. A long row among many short ones
+    now runs its splits two programs deep (not measured)."""
     if interpreted():
         return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=INVARIANT_QUERY_ROWS)
     split = min(INVARIANT_SPLIT, triton.next_power_of_2(max_len))

@@ -88,7 +88,7 @@ class StaticKV:
         self.k, self.v = list(self.data[0]), list(self.data[1])
         self.max_len, self.kv_heads, self.scratch = max_len, num_kv_heads, num_slots
         self.invariant = invariant
-        # [(slots + 1) * Hkv] arrival counts of attention's splits, one per (row, kv head) (attend)
+        # [(slots + 1) * Hkv] arrival counts of attention's programs, one per (row, kv head) (attend)
         self.tickets = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
         self.slots = SlotPool(num_slots, "KV")
         # a static slot's one page is its own
