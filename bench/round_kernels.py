@@ -7,7 +7,7 @@ specs/qwen3-8b-random-dflash.yaml 64 8 dflash-paper). Prints, for `none` and the
 round (wall), kernel µs a round in all, and the kernels with the most device time a round.
 Run it with DRAFTLINE_PDL=0: a kernel launched early waits for the one before it inside its
 own measured time. --merge-most sets the invariant attention plan's INVARIANT_MERGE_MOST (splits
-up to which the last split merges them, past which a combine kernel runs) for this run."""
+up to which the last program to finish merges them, past which a combine kernel runs) for this run."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def profiled(engine: Engine, prompts: list[list[int]], label: str) -> None:
           f"{tokens / wall:.0f} tok/s")
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[:24]:
-        print(f"  {e.self_device_time_total / max(1, rounds):9.1f} us {e.count / max(1, rounds):6.1f}/round  {e.key[:100]}")
+        print(f"  {e.self_device_time_total / max(1, rounds):9.1f} us {e.count / max(1, rounds):6.1f}/round  "
+              f"{e.key[:100]}")
 
 
 def main() -> None:
@@ -68,7 +69,7 @@ def main() -> None:
     spec = spec.model_copy(update={"server": spec.server.model_copy(update=server)})
     engine = Engine.from_spec(spec, draft_policy="always")
     none = engine.with_method({"method": "none"})
-    prompts = benchmark._prompts(none, batch, PROMPT, seed=batch)
+    prompts = benchmark.random_prompts(none.target.config.vocab_size, batch, PROMPT, seed=batch)
     continuations = benchmark.greedy_continuations(none, prompts, TOKENS + 64)
     profiled(none, prompts, f"none, batch {batch}")
     del none

@@ -90,17 +90,17 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, o_part, lse_pa
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
                    PAGE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1,
                    SUMMED: tl.constexpr = False):
-    """Program (row n, kv head h, p of P): the G*W query rows of h's query heads over the keys
-    of splits s = p, p + P, ... of the row's live ones, [s*split, (s+1)*split) ∩ [0, kv_len),
+    """Program (row n, kv head h, first of P): the G*W query rows of h's query heads over the
+    keys of splits s = first, first + P, ... of the row's live ones, [s*split, (s+1)*split) ∩ [0, kv_len),
     split from _split_keys; writes each split's normalized partial output and its log-sum-exp
     (-inf where the split saw no key). A split's sums do not depend on which program takes it,
     so P (Splits.programs) changes no bit. With MERGE the last of (n, h)'s programs to finish
     then merges the partials into o (no combine launch). With PREFETCH (under PDL) it first asks
     L2 for its first split's cached keys, so they arrive while the q/k/v kernel ahead runs."""
-    pid, p = tl.program_id(0), tl.program_id(1)
+    pid, first = tl.program_id(0), tl.program_id(1)  # first: this program's first split
     n, h = (pid // HKV).to(tl.int64), pid % HKV  # int64: a long prefill's rows x strides pass 2^31
     if PREFETCH:
-        _prefetch_split(k_cache, v_cache, slots, kv_len, table, ts, n, h, p, count, least, sc_page, sc_head,
+        _prefetch_split(k_cache, v_cache, slots, kv_len, table, ts, n, h, first, count, least, sc_page, sc_head,
                         sc_pos, num_slots, num_pages, max_len, BLOCK_N, 128, LINES, D, PAGE)
     overlap.gate(PDL)
     m = tl.arange(0, BLOCK_M)  # query row = g * W + t
@@ -112,7 +112,7 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, o_part, lse_pa
     own = length - W + m % W  # each query's own position
     slot = tl.load(slots + n).to(tl.int64)
     split = _split_keys(length, count, least, BLOCK_N)
-    for s in range(p, tl.cdiv(length, split), tl.num_programs(1)):  # the row's live splits; none past them
+    for s in range(first, tl.cdiv(length, split), tl.num_programs(1)):  # the row's live splits; none past them
         lo = s * split
         hi = tl.minimum(lo + split, length)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -121,7 +121,8 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, o_part, lse_pa
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             inside = j < hi
-            at = (paged(table, ts, slot, j.to(tl.int64), inside, PAGE, sc_page, sc_pos) + h * sc_head)[:, None] + d[None, :]
+            key = paged(table, ts, slot, j.to(tl.int64), inside, PAGE, sc_page, sc_pos) + h * sc_head
+            at = key[:, None] + d[None, :]
             k_tile = tl.load(k_cache + at, mask=inside[:, None], other=0.0)
             scores = tile_dot(q_tile, tl.trans(k_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), PRECISION,
                               SUMMED) * scale  # [BLOCK_M, BLOCK_N] fp32
@@ -131,11 +132,11 @@ def _attend_kernel(q, k_cache, v_cache, slots, kv_len, table, ts, o_part, lse_pa
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p_ = tl.exp(scores - m_safe[:, None])
+            p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p_, axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             v_tile = tl.load(v_cache + at, mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tile_dot(p_.to(v_tile.dtype), v_tile, tl.zeros((BLOCK_M, D), tl.float32),
+            acc = acc * alpha[:, None] + tile_dot(p.to(v_tile.dtype), v_tile, tl.zeros((BLOCK_M, D), tl.float32),
                                                   PRECISION, SUMMED)
             m_i = m_new
         seen = l_i > 0
