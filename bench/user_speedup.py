@@ -2,7 +2,7 @@
 has not seen, each method against `none` in the same process, greedy, 128 new tokens.
 
 `python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N] [--feed static|continuous]
-[--policy always|auto] [--plain] [--admission-wait N]`
+[--policy always|auto] [--plain] [--admission-wait N] [--num-speculative-tokens K]`
 (CUDA machine). Every (method, batch) pass takes prompts no pass before it ran, then runs them
 again: the first pass shows what one-time costs are left on the request path, the second the
 steady state. Triton compilations after start-up are counted (none should happen).
@@ -46,9 +46,11 @@ def _count_compiles() -> None:
         COMPILES[0] = -1
 
 
-def _cuda(path: str, depth: int, max_batch: int, plain: bool = False, admission_wait: int = 0):
+def _cuda(path: str, depth: int, max_batch: int, plain: bool = False, admission_wait: int = 0, k: int = 0):
     data = load_spec(path).model_dump(mode="python")
     data["backend"], data["model"]["device"] = "cuda", "cuda"
+    if k:
+        data["speculative"]["num_speculative_tokens"] = k
     if plain:
         data["model"]["batch_invariant"] = False
     data["server"].update(max_batch_size=max_batch, pipeline_depth=depth, admission_wait=admission_wait)
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="model.batch_invariant: false (default: the spec's, on)")
     ap.add_argument("--admission-wait", type=int, default=0,
                     help="server.admission_wait: steps a free slot may wait to be filled together with others")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0, help="K for every method (default: the spec's)")
     args = ap.parse_args()
     _count_compiles()
     pool = read_prompts("specs/tiny/eval_prompts.jsonl")
@@ -109,7 +112,8 @@ def main() -> None:
         for name in args.methods.split(","):
             slots = [max(batches)] if args.feed == "static" else batches  # one engine, or one per batch size
             for size in slots:
-                engine = Engine(_cuda(SPECS[name], depth, size, args.plain, args.admission_wait),
+                engine = Engine(_cuda(SPECS[name], depth, size, args.plain, args.admission_wait,
+                                      args.num_speculative_tokens),
                                 draft_policy=args.policy)
                 base = engine.with_method({"method": "none"})
                 print(f"{name} depth {depth} slots {size}: start-up {engine.startup}, none {base.startup}", flush=True)
