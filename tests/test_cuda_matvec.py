@@ -45,25 +45,6 @@ def test_matvec_matches_the_product(m, split, gated):
     torch.testing.assert_close(out.double().cpu(), _ref(x, w, gated).cpu(), rtol=1e-4, atol=1e-3)  # fp32 sum order
 
 
-@pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("split", [2, 4])
-@pytest.mark.parametrize("invariant", [False, True])
-def test_a_whole_tiling_gives_the_bits_of_its_partial_sums_added_in_order(m, split, invariant):
-    """Tiling.whole: one program sums every K chunk from zero and adds them in order, as the
-    norm and q/k/v kernels add the split form's partial sums, so the rounded result is the
-    same bit for bit, with none written."""
-    torch.manual_seed(m + split)
-    x, w = torch.randn(m, 256, device=DEV), torch.randn(72, 256, device=DEV)
-    parts = matvec(x, w, Tiling(32, 32, split, 4, 2), invariant=invariant)
-    got = matvec(x, w, Tiling(32, 32, split, 4, 2, whole=True), invariant=invariant)
-    assert parts.shape == (split, m, 72) and got.shape == (m, 72) and got.dtype == x.dtype
-    added = parts[0].clone()
-    for part in parts[1:]:
-        added += part
-    assert torch.equal(got, added.to(x.dtype))
-    assert torch.equal(norm(got, torch.ones(72, device=DEV), 1e-6, m), norm(parts, torch.ones(72, device=DEV), 1e-6, m))
-
-
 def test_matvec_rejects_shapes_it_cannot_tile():
     x, w = torch.randn(2, 96, device=DEV), torch.randn(8, 96, device=DEV)
     with pytest.raises(ValueError, match="does not divide"):

@@ -51,10 +51,9 @@ class Draw:
 class Tiling:
     block_n: int
     block_k: int
-    split: int  # K chunks, each summed from zero; the chunks' sums are added in order
+    split: int
     warps: int
     stages: int
-    whole: bool = False  # a program sums all ``split`` chunks itself and writes whole results
 
 
 MAX_ROWS = 64  # past this many rows a linear layer turns arithmetic-bound: the matrix library's turn
@@ -150,13 +149,10 @@ def _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_tem
 def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, K, CHUNK, W, SHIFT,
              GATED: tl.constexpr, SPLIT: tl.constexpr, ARGMAX: tl.constexpr, DRAW: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-             PDL: tl.constexpr, SUMMED: tl.constexpr = False, CHUNKS: tl.constexpr = 1):
+             PDL: tl.constexpr, SUMMED: tl.constexpr = False):
     """Program (row tile, column block, K chunk): BLOCK_N outputs of rows [pm*BLOCK_M, +BLOCK_M) ∩
-    [0, M) over K [pk*CHUNK, +CHUNK), or with CHUNKS > 1 (SPLIT 1, one program along K) over
-    CHUNKS chunks one after another, each summed from zero and added in order as a consumer
-    adds partial sums: the same bits, without writing and reading them back. Row tiles vary
-    fastest, so the programs reading one weight tile run side by side and all but the first
-    find it in L2."""
+    [0, M) over K [pk*CHUNK, +CHUNK). Row tiles vary fastest, so the programs reading one
+    weight tile run side by side and all but the first find it in L2."""
     pm, pn, pk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,29 +160,7 @@ def _mv_rows(x, w, out, best, tokens, ticket, bad, seed, start, inv_temp, M, N, 
     overlap.gate(PDL)
     xp = x + rm[:, None].to(tl.int64) * K + rk[None, :]
     wp = w + rn[:, None].to(tl.int64) * K + rk[None, :]
-    if CHUNKS == 1:
-        acc_g, acc_u = _chunk_sums(xp, wp, rm, rn, M, N, K, CHUNK, GATED, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
-                                   SUMMED)
-    else:
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # not read: a gated product has one chunk
-        acc_g = acc_u
-        for c in tl.static_range(CHUNKS):
-            part, _ = _chunk_sums(xp + c * CHUNK, wp + c * CHUNK, rm, rn, M, N, K, CHUNK, False, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, PRECISION, SUMMED)
-            if c == 0:
-                acc_g = part  # as a consumer's first part: 0.0 + part would turn a -0.0 into +0.0
-            else:
-                acc_g += part
-    _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_temp, rm, rn, M, N, W, SHIFT, pk,
-              x.dtype.element_ty, GATED, SPLIT, ARGMAX, DRAW)
-
-
-@triton.jit
-def _chunk_sums(xp, wp, rm, rn, M, N, K, CHUNK, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SUMMED: tl.constexpr):
-    """One K chunk from x and w tiles at xp, wp: (sums [BLOCK_M, BLOCK_N] float32 from zero, and
-    GATED's up half's, whose rows sit N rows below the gate rows)."""
-    up = wp + N.to(tl.int64) * K
+    up = wp + N.to(tl.int64) * K  # GATED: the up rows sit N rows below the gate rows
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for _ in range(0, CHUNK, BLOCK_K):
@@ -197,7 +171,8 @@ def _chunk_sums(xp, wp, rm, rn, M, N, K, CHUNK, GATED: tl.constexpr, BLOCK_M: tl
         xp += BLOCK_K
         wp += BLOCK_K
         up += BLOCK_K
-    return acc_g, acc_u
+    _epilogue(acc_g, acc_u, out, best, tokens, ticket, bad, seed, start, inv_temp, rm, rn, M, N, W, SHIFT, pk,
+              x.dtype.element_ty, GATED, SPLIT, ARGMAX, DRAW)
 
 
 EMPTY = -(2**63)  # ArgmaxScratch.best between launches: below every packed (value, column)
@@ -266,7 +241,6 @@ class ArgmaxScratch:
 
 WIDE_ROWS = 128  # from this many rows the invariant form runs programs of wider column blocks
 WIDE_WEIGHTS = 1 << 22  # ... over weights of at least this many elements (a small model's stay launch-bound)
-WHOLE_ROWS = 512  # from this many rows a K-split product's programs sum all its chunks (Tiling.whole)
 
 
 def wide(tiling: Tiling, m: int, n: int, k: int, gated: bool, itemsize: int = 2) -> Tiling:
@@ -284,8 +258,6 @@ def wide(tiling: Tiling, m: int, n: int, k: int, gated: bool, itemsize: int = 2)
         return tiling
     if gated or n >= 65536:  # the MLP's two halves, the LM head's many columns
         return replace(tiling, block_n=128, block_k=64, warps=8, stages=4)
-    if m >= WHOLE_ROWS and tiling.split > 1:
-        return replace(tiling, block_n=128, block_k=64, warps=8, stages=4, whole=True)
     if m < 256:
         return replace(tiling, block_n=128, warps=4, stages=3)
     return replace(tiling, block_n=256, block_k=64, warps=8, stages=4)
@@ -307,37 +279,37 @@ def _interpreted_columns(tiling: Tiling, block_m: int, n: int) -> int:
 
 def _launch(x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tiling, gated: bool,
             scratch: ArgmaxScratch | None = None, tokens: Tensor | None = None, draw: Draw | None = None,
-            invariant: bool = False, most: int = ROW_TILE) -> None:
-    """Grid (row tiles, column blocks, K chunks; one along K when the tiling is whole).
-    ``invariant``: any M, rows in tiles of up to ``most`` rows, every tile stepping through K in
-    the same order (the tiling is chosen by N and K alone). The matrix units round a row alike
-    in tiles of 16, 64 and 128 rows (bench/invariance_probe.py and the GPU tests check it on the
-    H200), so a row's result does not depend on M. Else one tile of all rows (M <= MAX_ROWS)."""
+            invariant: bool = False, most: int = ROW_TILE, as_given: bool = False) -> None:
+    """Grid (row tiles, column blocks, K chunks). ``invariant``: any M, rows in tiles of up to
+    ``most`` rows, every tile stepping through K in the same order (the tiling is chosen by N
+    and K alone). The matrix units round a row alike in tiles of 16, 64 and 128 rows
+    (bench/invariance_probe.py and the GPU tests check it on the H200), so a row's result does
+    not depend on M. Else one tile of all rows (M <= MAX_ROWS)."""
     m, k = x.shape
+    if invariant and not as_given:
+        tiling = wide(tiling, m, n, k, gated, x.element_size())
     block_m = row_tile(m, most if invariant else MAX_ROWS)
     block_n = _interpreted_columns(tiling, block_m, n) if summed(invariant) else tiling.block_n
-    split = 1 if tiling.whole else tiling.split
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), tiling.split)
     best, ticket, bad = (out, out, out) if scratch is None else (scratch.best, scratch.ticket, scratch.bad)
     d = draw or Draw(out, out, out, 1)  # read only by a draw
     _mv_rows[grid](x, w, out, best, out if tokens is None else tokens, ticket, bad, d.seed, d.start, d.inv_temp, m,
-                   n, k, chunk, d.width, d.shift, GATED=gated, SPLIT=split,
+                   n, k, chunk, d.width, d.shift, GATED=gated, SPLIT=tiling.split,
                    ARGMAX=draw is None and tokens is not None, DRAW=draw is not None,
                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tiling.block_k,
                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays exact for tests
                    num_warps=tiling.warps, num_stages=tiling.stages, SUMMED=summed(invariant),
-                   CHUNKS=tiling.split if tiling.whole else 1, **overlap.launch(release=True))
+                   **overlap.launch(release=True))
 
 
 def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype: torch.dtype | None = None,
            invariant: bool = False, most: int = ROW_TILE, as_given: bool = False) -> Tensor:
     """x [M, K] @ w.T for w [N, K] ([2N, K] when gated) -> [M, N] in x's dtype (rounded to it,
-    stored as ``out_dtype`` when given), or float32 partial sums [split, M, N] when the K is
-    split over programs (tiling.split > 1, not whole: the consumer adds them). ``invariant``:
-    any M, each row's result independent of the others, in tiles of at most ``most`` rows
-    (_launch; a smaller bound is for bench/invariance_probe.py, which checks that tiles of every
-    height round alike), in programs shaped for M (wide) unless ``as_given``
-    (bench/gemm_probe.py's candidates)."""
+    stored as ``out_dtype`` when given), or float32 partial sums [split, M, N] when
+    tiling.split > 1 (the consumer adds them). ``invariant``: any M, each row's result
+    independent of the others, in tiles of at most ``most`` rows (_launch; a smaller bound is
+    for bench/invariance_probe.py, which checks that tiles of every height round alike), in
+    programs shaped for M (wide) unless ``as_given`` (bench/gemm_probe.py's candidates)."""
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
     if w.shape[1] != k:
@@ -347,14 +319,12 @@ def matvec(x: Tensor, w: Tensor, tiling: Tiling, gated: bool = False, out_dtype:
     chunk = k // tiling.split
     if chunk * tiling.split != k or chunk % tiling.block_k:
         raise ValueError(f"matvec: K={k} does not divide into {tiling.split} chunks of {tiling.block_k}-wide steps")
-    if invariant and not as_given:
-        tiling = wide(tiling, m, n, k, gated, x.element_size())
     x = x.contiguous()
-    if tiling.split == 1 or tiling.whole:
+    if tiling.split == 1:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(tiling.split, m, n, dtype=torch.float32, device=x.device)
-    _launch(x, w, out, n, chunk, tiling, gated, invariant=invariant, most=most)
+    _launch(x, w, out, n, chunk, tiling, gated, invariant=invariant, most=most, as_given=as_given)
     return out
 
 
