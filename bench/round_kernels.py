@@ -2,13 +2,12 @@
 machine): torch.profiler over the rounds of one static batch, kernels summed by name per round,
 beside a `none` step's kernels at the same batch.
 
-`python bench/round_kernels.py [SPEC] [BATCH] [WIDTH] [PROFILE] [--merge-most=N] [--split-keys=N]` (defaults:
+`python bench/round_kernels.py [SPEC] [BATCH] [WIDTH] [PROFILE] [--merge-most=N]` (defaults:
 specs/qwen3-8b-random-dflash.yaml 64 8 dflash-paper). Prints, for `none` and the method: ms a
 round (wall), kernel µs a round in all, and the kernels with the most device time a round.
 Run it with DRAFTLINE_PDL=0: a kernel launched early waits for the one before it inside its
 own measured time. --merge-most sets the invariant attention plan's INVARIANT_MERGE_MOST (splits
-up to which the last program to finish merges them, past which a combine kernel runs) for this run,
---split-keys=N fixes the invariant plan's keys per split (attention.invariant_split_keys) at N."""
+up to which the last program to finish merges them, past which a combine kernel runs) for this run."""
 
 from __future__ import annotations
 
@@ -60,9 +59,6 @@ def main() -> None:
     for a in sys.argv[1:]:
         if a.startswith("--merge-most="):
             attention.INVARIANT_MERGE_MOST = int(a.split("=")[1])
-        if a.startswith("--split-keys="):
-            keys = int(a.split("=")[1])
-            attention.invariant_split_keys = lambda max_len: keys
     path = args[0] if args else "specs/qwen3-8b-random-dflash.yaml"
     batch = int(args[1]) if len(args) > 1 else 64
     width = int(args[2]) if len(args) > 2 else 8

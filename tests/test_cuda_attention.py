@@ -10,8 +10,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from draftline.backends.cuda.attention import (CacheAttention, Splits, attend, device_split_plan,  # noqa: E402
-                                              invariant_split_keys)
+from draftline.backends.cuda.attention import CacheAttention, Splits, attend, device_split_plan  # noqa: E402
 from draftline.backends.cuda.pages import Pages  # noqa: E402
 from draftline.backends.reference.kv import attend as reference_attend  # noqa: E402
 
@@ -83,12 +82,6 @@ def test_split_plan_spreads_rows_over_the_chip():
     assert device_split_plan(4096, rows=16) == device_split_plan(4096, rows=32) == Splits(2, 128, merge=True)
     assert device_split_plan(4096, kv_heads=2) == Splits(32, 128)  # fewer heads, more splits (64 capped: no split under 128)
     assert device_split_plan(128, rows=1, kv_heads=2) == Splits(4, 32, merge=True)  # a short cache splits in quarters
-
-
-def test_invariant_splits_fit_the_merge_where_a_little_wider_splits_do():
-    assert [invariant_split_keys(n) for n in (200, 4096, 8240, 32768)] == [256, 256, 256, 256]
-    assert invariant_split_keys(4144) == 320 and -(-4144 // 320) == 13  # the 8B specs: 4,096 and the margin
-    assert invariant_split_keys(8192) == 512  # 16 splits: the most a last program merges
 
 
 def test_attention_names_too_few_tickets():

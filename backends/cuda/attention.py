@@ -217,8 +217,7 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tens
 @dataclass(frozen=True)
 class Splits:
     """How each row's keys split over attention programs: into at most ``count`` splits of at
-    least ``least`` keys (a power of two, or whole key blocks in the invariant plan), sized on
-    the device from the row's length.
+    least ``least`` keys (a power of two), sized on the device from the row's length.
     ``programs`` (else ``count``) programs per (row, kv head) are launched, each taking every
     programs-th of the row's live splits (one with none does no work). With ``merge`` the last
     of them to finish, whichever it is, merges the row's splits itself (a ticket count says
@@ -259,7 +258,7 @@ INVARIANT_PROGRAMS = 1024  # attention programs a launch of that plan aims at, o
 
 def invariant_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
     """The batch-invariant plan: every row's keys split at the same absolute offsets
-    (invariant_split_keys each, whatever the row's length or the batch; 256 cost less than 64
+    (INVARIANT_SPLIT keys each, whatever the row's length or the batch; 256 cost less than 64
     at an 8B model's decode row: fewer programs and partials), stepped through in the same
     blocks, merged by the same path and warps, with queries in one tile shape
     (INVARIANT_QUERY_ROWS, whatever the method): a query reduces its keys exactly alike as a
@@ -268,36 +267,23 @@ def invariant_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Spli
     whole cache, which is as fixed, in 64-key steps (its summed tile products, tile_dot, stay
     small).
 
-    The last program to finish merges them for caches of up to INVARIANT_MERGE_MOST splits (8192 keys): it
-    reads only the row's live splits (one a split's keys it holds), so a short row's merge is short,
+    The last program to finish merges them for caches of up to INVARIANT_MERGE_MOST splits (4096 keys): it
+    reads only the row's live splits (one a 256 keys it holds), so a short row's merge is short,
     and a combine launch a layer is gone (the tiny pair's round runs 18 attention launches).
 
     Each (row, kv head) launches one program a split up to INVARIANT_PROGRAMS over the batch's
     ``rows``, fewer past it, each taking every so-many of the row's splits. At 64 rows over the
-    8B specs' 4,144-position cache (then 17 splits), 17 programs a (row, kv head), of which a
+    8B specs' 4,144-position cache (17 splits), 17 programs a (row, kv head), of which a
     256-key row used one, took 83 µs a layer (2.96 of a plain step's 8.3 ms on an H200); two
     take 25. Which program takes a split changes no bit. A long row among many short ones
     now runs its splits two programs deep (not measured)."""
     if interpreted():
         return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=INVARIANT_QUERY_ROWS)
-    split = invariant_split_keys(max_len)
+    split = min(INVARIANT_SPLIT, triton.next_power_of_2(max_len))
     count = triton.cdiv(max_len, split)
     programs = min(count, max(1, INVARIANT_PROGRAMS // (rows * kv_heads)))
     return Splits(count, split, merge=count <= INVARIANT_MERGE_MOST, rows=INVARIANT_QUERY_ROWS,
                   programs=programs)
-
-
-def invariant_split_keys(max_len: int) -> int:
-    """Keys per split of the invariant plan: INVARIANT_SPLIT, or where that makes more than
-    INVARIANT_MERGE_MOST splits, the fewest whole 64-key blocks that make at most that many,
-    up to twice INVARIANT_SPLIT. The 8B specs' cache, 4,096 positions and the pipeline's margin
-    (4,144), then takes 13 splits of 320 keys that its last program merges, where 17 of 256
-    kept a combine kernel (1.0 ms of a 64-row round's 21.3 on an H200)."""
-    split = min(INVARIANT_SPLIT, triton.next_power_of_2(max_len))
-    if triton.cdiv(max_len, split) <= INVARIANT_MERGE_MOST:
-        return split
-    fitting = triton.cdiv(triton.cdiv(max_len, INVARIANT_MERGE_MOST), 64) * 64
-    return fitting if fitting <= 2 * INVARIANT_SPLIT else split
 
 
 def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
