@@ -3,7 +3,7 @@ row's bits and how fast they run, at the linear shapes of an 8B model.
 
 `python bench/gemm_probe.py [M,...] [SHAPE,...] [--split=S]` (CUDA machine; shapes among
 SHAPES' names; --split: K chunks S instead of the invariant tiling's, to price another
-chunking at one row and at many). For each weight shape and row count M it
+chunking at one row and at many; the gated shape keeps its whole sums, which its form needs). For each weight shape and row count M it
 runs the invariant form's one-row program shape (its tiling fixed by N and K), wider shapes (more
 columns, other K steps, warps and stages a program) and the one matvec chooses for M (wide),
 checks each against the one-row tiling's result bit for bit (partial sums added in the
