@@ -22,6 +22,9 @@ class Stops:
         out, total = len(req.output_ids), len(req.prompt_ids) + len(req.output_ids)
         if req.params.max_new_tokens == 0:  # the prompt only (its logprobs): the prefill's token is dropped
             return [], {"type": "length", "length": 0}
+        n = len(tokens)
+        if out + n < req.params.max_new_tokens and total + n < req.max_model_len and req.stop_ids.isdisjoint(tokens):
+            return tokens, None  # the common case: every token kept, decided without a loop in Python
         for i, tok in enumerate(tokens, 1):
             if tok in req.stop_ids:
                 return tokens[:i], {"type": "stop", "matched": tok}
@@ -70,6 +73,6 @@ class Stops:
         round would most likely be thrown away (at tau 6, two rounds in flight past the end
         are a tenth of a 128-token request's rounds). Should they fall short, the request gets
         its next round once one of them is collected."""
-        expected = rounds * max(1.0, req.stats.accept_length)
-        return (len(req.output_ids) + expected >= req.params.max_new_tokens
-                or req.seq_len + expected >= req.max_model_len)
+        stats, out = req.stats, len(req.output_ids)  # every row, every step: no property calls
+        expected = out + rounds * (max(1.0, stats.round_tokens / stats.verify_ct) if stats.verify_ct else 1.0)
+        return expected >= req.params.max_new_tokens or len(req.prompt_ids) + expected >= req.max_model_len

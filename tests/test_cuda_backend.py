@@ -786,9 +786,10 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
 
     from draftline.backends.cuda.kv import StaticKV, StaticStore
     from draftline.backends.cuda.prefix import DevicePrefix
+    from draftline.backends.cuda.staging import Staging
 
     cache = StaticKV(1, 4, 1, 64, 8, torch.float32, torch.device("cpu"))
-    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, torch.device("cpu")), None, lambda t: t)
+    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, torch.device("cpu")), None, Staging(torch.device("cpu")))
     rng, live = random.Random(0), []
     for _ in range(300):
         if live and rng.random() < 0.4:
@@ -797,7 +798,7 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
         ids = [rng.randrange(3) for _ in range(rng.randrange(2, 30))]
         req = SimpleNamespace(prompt_ids=ids, prefill_ids=ids, prefill_len=len(ids), kv=0, prefix_blocks=[])
         store.restore(req, 0)
-        store.save(req, 0)
+        store.save([(req, 0)])
         live.append(req)
         held = [b.payload for b in store.index.blocks.values()]
         assert len(set(held)) == len(held) and not set(held) & set(store.spare)
@@ -808,7 +809,7 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
 def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(copy_bytes, monkeypatch):
     """A slot's blocks saved to the store and loaded into another slot land at the same
     positions of every layer, keys and values, and nothing past them is touched (in one copy,
-    or a block a copy where the copies' temporaries are bounded)."""
+    or a block a copy where the copies' temporaries are bounded), several slots' blocks in one save."""
     from draftline.backends.cuda import prefix
     from draftline.backends.cuda.kv import StaticKV
     from draftline.backends.cuda.prefix import BlockPool
@@ -818,13 +819,16 @@ def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(co
     cache = StaticKV(3, 2, 2, 32, 4, torch.float32, torch.device(DEV))
     cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)).to(DEV))
     pool = BlockPool.like(cache, 5, 4)
-    pool.save(cache, 0, torch.tensor([3, 1], device=DEV), 1)  # positions 4 .. 11 of slot 0
+    where = BlockPool.places(cache, 0, 1, 2, 4) + BlockPool.places(cache, 1, 5, 1, 4)  # slot 0's 4 .. 11, slot 1's 20 .. 23
+    pool.save(cache, torch.tensor(where, device=DEV), torch.tensor([3, 1, 4], device=DEV))  # in one save
     before = cache.data[:, :, 1].clone()
-    pool.load(cache, 1, torch.tensor([3, 1], device=DEV))
+    pool.load(cache, 1, torch.tensor([3, 1, 4], device=DEV))
     for layer in range(3):
-        for got, src in ((cache.k[layer], cache.k[layer]), (cache.v[layer], cache.v[layer])):
-            torch.testing.assert_close(got[1, :, :8], src[0, :, 4:12], rtol=0, atol=0)
-    torch.testing.assert_close(cache.data[:, :, 1, :, 8:], before[:, :, :, 8:], rtol=0, atol=0)
+        for kv in (0, 1):  # keys, then values
+            got = cache.data[kv, layer, 1]  # [Hkv, max_len, D]
+            torch.testing.assert_close(got[:, :8], cache.data[kv, layer, 0, :, 4:12], rtol=0, atol=0)
+            torch.testing.assert_close(got[:, 8:12], before[kv, layer, :, 20:24], rtol=0, atol=0)
+    torch.testing.assert_close(cache.data[:, :, 1, :, 12:], before[:, :, :, 12:], rtol=0, atol=0)
 
 
 def test_long_causal_windows_attend_in_pieces_as_whole():

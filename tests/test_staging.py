@@ -2,6 +2,7 @@
 intact whatever is in flight, a slab is written again only once the device has read it, and
 values too large for a slab, or steps with every slab in flight, pin a buffer of their own."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +30,28 @@ def test_values_arrive_intact_while_the_device_is_busy_and_slabs_are_reused_once
     assert all(torch.equal(a.cpu(), torch.full((4,), k, dtype=torch.int32)) for k, a in enumerate(again))
 
 
+@pytest.mark.gpu
+def test_values_put_together_share_one_slab_and_arrive_intact():
+    """A prefill's rows and columns go in one copy: numpy arrays and tensors of several dtypes
+    and shapes, each at its own aligned place in one slab."""
+    staging = Staging(torch.device("cuda"), slab_bytes=1024, slabs=2)
+    torch.cuda._sleep(100_000_000)
+    sent = (np.arange(15, dtype=np.int64).reshape(3, 5), np.array([0.5, 1.5, -2.0], dtype=np.float32),
+            torch.tensor([[True], [False]]), np.zeros((0, 4), dtype=np.int64), torch.arange(7, dtype=torch.int32))
+    kept = [np.array(v, copy=True) if isinstance(v, np.ndarray) else v.clone() for v in sent]
+    moved = staging.put_many(*sent)
+    assert staging.fallbacks == 0 and staging.used.count(True) == 1  # one slab, one copy
+    for v in sent:
+        v[...] = 0  # the host side may change at once
+    torch.cuda.synchronize()
+    for m, k in zip(moved, kept):
+        assert m.device.type == "cuda" and tuple(m.shape) == tuple(k.shape)
+        assert torch.equal(m.cpu(), torch.as_tensor(k))
+
+
 def test_without_a_gpu_values_go_straight_to_the_device():
     staging = Staging(torch.device("cpu"))
     value = torch.tensor([[1, 2], [3, 4]])
     assert torch.equal(staging.put(value), value) and not staging.slabs and staging.fallbacks == 0
+    ints, floats = staging.put_many(np.arange(6).reshape(2, 3), torch.tensor([1.5, 2.5]))
+    assert torch.equal(ints, torch.arange(6).view(2, 3)) and torch.equal(floats, torch.tensor([1.5, 2.5]))

@@ -192,7 +192,7 @@ class CudaBackend(Prefilling):
         # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
         seeded = self.ring if getattr(self.drafter, "extends_from_features", False) else None  # a hit's chunk reads it
         self.prefix_store = DevicePrefix(capacity.prefix_block, _prefix_blocks(capacity, self.kv_pages), self.cache, self.kv,
-                                         seeded, self._put) if capacity.prefix_block and self.chunked_prefill else None
+                                         seeded, self.staging) if capacity.prefix_block and self.chunked_prefill else None
         self.prefix = None if self.prefix_store is None else self.prefix_store.index
 
     def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype, max_len: int, invariant: bool,
@@ -329,12 +329,9 @@ class CudaBackend(Prefilling):
         pending = target_logprobs.window(reqs, logits, tokens, first)
         return [] if pending is None else [pending]
 
-    def _to_device(self, rows: list[list], dtype: torch.dtype) -> Tensor:
+    def _put(self, host: Tensor) -> Tensor:
         """Host values onto the device without waiting: a pinned, asynchronous copy (a plain
         one waits for every round in flight, which would drain the pipeline at each prefill)."""
-        return self._put(torch.tensor(rows, dtype=dtype))
-
-    def _put(self, host: Tensor) -> Tensor:
         return self.staging.put(host)
 
     # ------------------------------------------------------------------ rounds

@@ -2,10 +2,11 @@
 
 Each request's place in its sequence lives on the device, by KV slot (``state``: its last
 token and that token's position), so a round starts where the last round launched for the
-slot left it, whether or not the host has read that round yet. A round's rows (their slots and
-sampling parameters) are copied in only when they change; every graph opens by gathering the
-rows' last token and start from ``state``. The padding rows of a bucket point at the caches'
-scratch slot, whose state is never written, so they stay at position 0.
+slot left it, whether or not the host has read that round yet. So do its sampling parameters
+(``params``, ``fparams``), which its prefill writes. A round's rows (their slots) are copied
+in only when they change; every graph opens by gathering the rows' last token, start and
+sampling parameters from their slots. The padding rows of a bucket point at the caches'
+scratch slot, whose state is never written, so they stay at position 0, greedy.
 """
 
 from __future__ import annotations
@@ -29,26 +30,38 @@ STAGING = 4  # host staging buffers for row loads, so a load rarely waits for an
 
 
 @triton.jit
-def _gather_kernel(meta, state, stride_meta, stride_state, LAST_ROW: tl.constexpr, START_ROW: tl.constexpr,
-                   SLOT_ROW: tl.constexpr):
-    """Row n's last token and start, from its slot's state."""
+def _gather_kernel(meta, fmeta, state, slot_ints, slot_floats, stride_meta, stride_fmeta, stride_state, stride_ints,
+                   stride_floats, LAST_ROW: tl.constexpr, START_ROW: tl.constexpr, SLOT_ROW: tl.constexpr,
+                   SEED_ROW: tl.constexpr, FLOATS: tl.constexpr):
+    """Row n's last token, start and sampling parameters (seed, top-k; temperature, top-p and
+    inverse temperature), from its slot's. (No argument is named ``params``: Triton 3.6's
+    argument binder has a name of its own so called.)"""
     n = tl.program_id(0)
     slot = tl.load(meta + SLOT_ROW * stride_meta + n)
     tl.store(meta + LAST_ROW * stride_meta + n, tl.load(state + slot))
     tl.store(meta + START_ROW * stride_meta + n, tl.load(state + stride_state + slot))
+    tl.store(meta + SEED_ROW * stride_meta + n, tl.load(slot_ints + slot))
+    tl.store(meta + (SEED_ROW + 1) * stride_meta + n, tl.load(slot_ints + stride_ints + slot))
+    for f in tl.static_range(FLOATS):
+        tl.store(fmeta + f * stride_fmeta + n, tl.load(slot_floats + f * stride_floats + slot))
 
 
 class Buffers:
     def __init__(self, max_batch: int, num_drafts: int, scratch: int, device: torch.device):
         self.max_batch, self.scratch, self.device = max_batch, scratch, device
         self.state = torch.zeros(2, scratch + 1, dtype=torch.int64, device=device)  # [LAST/START, slots + 1]
+        # each slot's sampling parameters, as its prefill wrote them; the scratch slot's stay greedy
+        self.params = torch.zeros(2, scratch + 1, dtype=torch.int64, device=device)  # [SEED/TOP_K, slots + 1]
+        self.params[TOP_K - SEED] = -1
+        self.fparams = torch.zeros(3, scratch + 1, dtype=torch.float32, device=device)  # [TEMPERATURE/TOP_P/INV_TEMP, slots + 1]
+        self.fparams[TOP_P] = 1.0
         self.meta = torch.zeros(6, max_batch, dtype=torch.int64, device=device)  # [field, max_batch]
         self.fmeta = torch.zeros(3, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
+        self.meta[TOP_K], self.fmeta[TOP_P] = -1, 1.0  # greedy until the first gather
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
         self.argmax = ArgmaxScratch(device)  # the greedy head readouts' state between launches (one stream)
         pinned = device.type == "cuda"
-        self._host_i = [torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(STAGING)]
-        self._host_f = [torch.zeros(3, max_batch, dtype=torch.float32, pin_memory=pinned) for _ in range(STAGING)]
+        self._host = [torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(STAGING)]  # SLOT, DRAFT_SLOT
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING)]  # staging i reusable once set
         self._index = events.device_index(device) if pinned else -1
         self._turn = 0
@@ -56,30 +69,19 @@ class Buffers:
         self.load([], max_batch)
 
     def load(self, reqs: list[Request], bucket: int) -> None:
-        """Copy the rows' slots and sampling parameters in (two small asynchronous copies);
-        rows past len(reqs) are padding. A load of the rows already loaded is skipped."""
+        """Copy the rows' slots in (one small asynchronous copy); rows past len(reqs) are
+        padding. A load of the rows already loaded is skipped."""
         key = (tuple(r.rid for r in reqs), bucket)
         if key == self._key:
             return
-        pad = bucket - len(reqs)
-        ints = [[0] * bucket, [0] * bucket,  # LAST, START: gathered from state by each graph
-                [r.kv for r in reqs] + [self.scratch] * pad,
-                [draft_slot(r.draft_state, self.scratch) for r in reqs] + [self.scratch] * pad,
-                [r.params.seed for r in reqs] + [0] * pad,
-                [r.params.top_k for r in reqs] + [-1] * pad]
-        floats = [[r.params.temperature for r in reqs] + [0.0] * pad, [r.params.top_p for r in reqs] + [1.0] * pad]
+        pad = [self.scratch] * (bucket - len(reqs))
         i, self._turn = self._turn, (self._turn + 1) % STAGING
-        host_i, host_f, copied = self._host_i[i], self._host_f[i], self._copied[i]
+        host, copied = self._host[i], self._copied[i]
         if copied is not None:
             copied.synchronize()  # that staging's last copy has read it (STAGING loads ago)
-        host_i.numpy()[:, :bucket] = ints
-        f = host_f.numpy()
-        f[: INV_TEMP, :bucket] = floats
-        f[INV_TEMP, :bucket] = host_inverse_temperature(f[TEMPERATURE, :bucket])
-        pinned = copied is not None
-        self.meta[SLOT:, :bucket].copy_(host_i[SLOT:, :bucket], non_blocking=pinned)
-        self.fmeta[:, :bucket].copy_(host_f[:, :bucket], non_blocking=pinned)
-        if pinned:
+        host.numpy()[:, :bucket] = ([r.kv for r in reqs] + pad, [draft_slot(r.draft_state, self.scratch) for r in reqs] + pad)
+        self.meta[SLOT : DRAFT_SLOT + 1, :bucket].copy_(host[:, :bucket], non_blocking=copied is not None)
+        if copied is not None:
             events.record(copied, self._index)
         self._key = key
 
@@ -88,9 +90,19 @@ class Buffers:
         self._key = None
 
     def gather(self, bucket: int) -> None:
-        """meta's LAST and START rows from each row's slot state: what a graph opens with."""
-        _gather_kernel[(bucket,)](self.meta, self.state, self.meta.stride(0), self.state.stride(0),
-                                  LAST_ROW=LAST, START_ROW=START, SLOT_ROW=SLOT)
+        """meta's LAST, START and sampling rows, and fmeta, from each row's slot: what a graph
+        opens with."""
+        _gather_kernel[(bucket,)](self.meta, self.fmeta, self.state, self.params, self.fparams, self.meta.stride(0),
+                                  self.fmeta.stride(0), self.state.stride(0), self.params.stride(0),
+                                  self.fparams.stride(0), LAST_ROW=LAST, START_ROW=START, SLOT_ROW=SLOT,
+                                  SEED_ROW=SEED, FLOATS=3)
+
+    def remember(self, slots: Tensor, params: Tensor, fparams: Tensor) -> None:
+        """The sampling parameters of the requests prefilled in ``slots`` [n]: params [2, n]
+        (seed, top-k), fparams [3, n] (temperature, top-p, inverse temperature); padding rows
+        (the scratch slot) write the scratch slot's own greedy defaults."""
+        self.params[:, slots] = params
+        self.fparams[:, slots] = fparams
 
     def place(self, slots: Tensor, last: Tensor, start: Tensor, where: Tensor | None = None) -> None:
         """A prefilled request's state: its first token, at the position after its prompt (only

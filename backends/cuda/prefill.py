@@ -214,9 +214,9 @@ class Prefilling:
         if self.prefix_store is not None:
             self.prefix_store.stage([r.kv for r in reqs], starts, ends, features)
         done = [i for i, last in enumerate(ending) if last]
-        for i in done:
-            if self._caches(reqs[i]):
-                self.prefix_store.save(reqs[i], draft_slot(reqs[i].draft_state, scratch))
+        if self.prefix_store is not None:
+            self.prefix_store.save([(reqs[i], draft_slot(reqs[i].draft_state, scratch)) for i in done
+                                    if self._caches(reqs[i])])
         if hidden is None and not any(r.params.reads_logits for r in reqs):
             return packed, []  # the step drew and placed them as plain decoding would
         p = self.pre
@@ -239,29 +239,34 @@ class Prefilling:
                       rows: int, width: int) -> None:
         """The chunks, right-padded to ``width``, and their columns into the prefill buffers;
         padding rows (to ``rows``) prefill one token in the scratch slot and end nothing."""
-        scratch, pad = self.cache.scratch, rows - len(reqs)
-        ints = self._to_device([c + [0] * (width - len(c)) + [len(c), r.kv, draft_slot(r.draft_state, scratch), s,
-                                                               r.params.seed, r.params.top_k, int(last)]
-                                for r, c, s, last in zip(reqs, chunks, starts, ending)]
-                               + [[0] * width + [1, scratch, scratch, 0, 0, -1, 0]] * pad, torch.int64)
+        scratch, n = self.cache.scratch, len(reqs)
+        ints = np.zeros((rows, width + 7), dtype=np.int64)  # [rows, width + 7]: the chunk, then its columns
+        for i, (r, c, s, last) in enumerate(zip(reqs, chunks, starts, ending)):
+            ints[i, : len(c)] = c
+            ints[i, width:] = (len(c), r.kv, draft_slot(r.draft_state, scratch), s, r.params.seed, r.params.top_k, last)
+        ints[n:, width:] = (1, scratch, scratch, 0, 0, -1, 0)  # padding: one token in the scratch slot
         floats = np.empty((3, rows), dtype=np.float32)  # [TEMPERATURE, TOP_P, INV_TEMP]
-        floats[:2] = [[r.params.temperature for r in reqs] + [0.0] * pad, [r.params.top_p for r in reqs] + [1.0] * pad]
+        floats[TEMPERATURE, :n] = [r.params.temperature for r in reqs]
+        floats[TOP_P, :n] = [r.params.top_p for r in reqs]
+        floats[:2, n:] = ((0.0,), (1.0,))
         floats[INV_TEMP] = host_inverse_temperature(floats[TEMPERATURE])
+        ints, floats = self.staging.put_many(ints, floats)  # one copy for both
         p = self.pre
         p.ids[:rows, :width].copy_(ints[:, :width])
         p.cols[:, :rows].copy_(ints[:, width:].T)
-        p.fcols[:, :rows].copy_(self._put(torch.from_numpy(floats)))
+        p.fcols[:, :rows].copy_(floats)
 
     def _first_draws(self, rows: int, logits: Tensor) -> Tensor:
         """Each chunk's first token as plain decoding draws it (rows that filter, adjust or report
         logits are drawn again by _first_tokens), placed in its slot where the chunk ends its
-        prompt -> packed [rows, 3] as a round of width 1 lands: finite, accepted (0; -1 for a
+        prompt, and its sampling parameters kept in its slot -> packed [rows, 3] as a round of width 1 lands: finite, accepted (0; -1 for a
         chunk short of its prompt's end, which draws nothing), the token."""
         p = self.pre
         at, done = p.start[:rows] + p.at[:rows], p.done[:rows] == 1
         tokens = kernels.sample(torch.nan_to_num(logits), p.cols[SEED, :rows], at, Stream.SAMPLE,
                                 inv_temp=p.fcols[INV_TEMP, :rows])
         self.bufs.place(p.slots[:rows], tokens, at, done & (p.slots[:rows] != self.cache.scratch))
+        self.bufs.remember(p.slots[:rows], p.cols[SEED : TOP_K + 1, :rows], p.fcols[:, :rows])  # its rounds gather them
         finite = torch.isfinite(logits).all(dim=1) | ~done
         return torch.stack([finite.long(), done.long() - 1, torch.where(done, tokens, 0)], dim=1)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,6 +29,7 @@ from draftline.core.request import Request
 
 from .buffers import FeatureRing
 from .kv import StaticKV, StaticStore
+from .staging import Staging
 
 COPY_BYTES = 64 << 20  # a block copy's temporaries at most (a long prefix moves in a few copies)
 
@@ -65,16 +67,27 @@ class BlockPool:
             kv = self.blocks[group].permute(1, 2, 3, 0, 4, 5)  # [2, layers, Hkv, n, block, D]
             cache.data[:, :, slot, :, a * block : (a + group.shape[0]) * block] = kv.flatten(3, 4)
 
-    def save(self, cache: StaticKV, slot: int, ids: Tensor, first: int) -> None:
-        """Positions of ``slot``'s blocks first .. first + nb - 1 into blocks ``ids`` [nb]."""
+    def save(self, cache: StaticKV, where: Tensor, ids: Tensor) -> None:
+        """Blocks of ``cache`` into blocks ``ids`` [nb]: ``where`` [nb] is each one's page in a
+        paged cache, else [nb, 2] its slot and first position in a static one."""
         block = self.blocks.shape[4]
         for a, group in self._groups(ids):
-            at, n = (first + a) * block, group.shape[0]
+            at = where[a : a + group.shape[0]]
             if cache.pager is not None:
-                self.blocks[group] = cache.data[:, :, self._pages(cache, slot, first + a, n)].permute(2, 0, 1, 3, 4, 5)
+                self.blocks[group] = cache.data[:, :, at].permute(2, 0, 1, 3, 4, 5)
                 continue
-            kv = cache.data[:, :, slot, :, at : at + n * block]  # [2, layers, Hkv, n * block, D]
-            self.blocks[group] = kv.unflatten(3, (n, block)).permute(3, 0, 1, 2, 4, 5)
+            positions = at[:, 1:] + torch.arange(block, device=at.device)  # [n, block]
+            kv = cache.data[:, :, at[:, :1], :, positions]  # [n, block, 2, layers, Hkv, D]
+            self.blocks[group] = kv.permute(0, 2, 3, 4, 1, 5)
+
+    @staticmethod
+    def places(cache: StaticKV, slot: int, first: int, count: int, block: int) -> list:
+        """What ``save`` reads for a slot's blocks first .. first + count - 1: pages, or (slot, position)."""
+        if cache.pager is not None:
+            if cache.pager.size != block:
+                raise ValueError(f"prefix blocks of {block} tokens over KV pages of {cache.pager.size}")
+            return cache.pager.of(slot, first, count)
+        return [(slot, (first + j) * block) for j in range(count)]
 
     def _pages(self, cache: StaticKV, slot: int, first: int, count: int) -> Tensor:
         """A paged cache's pages of ``slot`` first .. first + count - 1, as a device index."""
@@ -88,9 +101,10 @@ class DevicePrefix:
     over a device store of ``capacity`` blocks."""
 
     def __init__(self, block: int, capacity: int, target: StaticKV, store: StaticStore, ring: FeatureRing | None,
-                 put: Callable[[Tensor], Tensor]):
+                 staging: "Staging"):
         self.index = PrefixCache(block, capacity, evicted=self._evicted)
-        self.block, self.put, self.store, self.ring, self.target_cache = block, put, store, ring, target
+        self.block, self.store, self.ring, self.target_cache = block, store, ring, target
+        self.put, self.put_many = staging.put, staging.put_many  # host values in stream order, no wait
         self.spare = list(range(capacity, -1, -1))  # one place more than blocks: an insert that evicts has one
         self.target = BlockPool.like(target, capacity + 1, block)
         self.drafter: BlockPool | None = None  # made once the drafter's caches exist (ready)
@@ -137,9 +151,32 @@ class DevicePrefix:
             at = self.put(torch.tensor(where).T)  # [4, n]: row, column, slot, block
             self.staged[at[2], at[3]] = features[at[0], at[1]].to(self.staged.dtype)
 
-    def save(self, req: Request, draft_slot: int) -> None:
-        """Cache the prompt's full blocks past those it found (pinned for it until it ends),
-        copied out of its slots: all but the last token's positions."""
+    def save(self, prompts: list[tuple[Request, int]]) -> None:
+        """Cache each prompt's full blocks past those it found (pinned for it until it ends),
+        copied out of its slots: all but the last token's positions. ``prompts``: (request, its
+        drafter slot). Every prompt's blocks move in one copy a store."""
+        saved = [(req, slot, have, made) for req, slot in prompts for have, made in [self._insert(req)] if made]
+        if not saved:
+            return
+        self.ready()
+        block, pools = self.block, [(self.target, self.target_cache, lambda r, d: r.kv)]
+        if self.drafter is not None:
+            pools.append((self.drafter, self.store.cache, lambda r, d: d))
+        payloads = np.array([b.payload for *_, made in saved for b in made], dtype=np.int64)
+        places = [np.array([p for req, d, have, made in saved for p in BlockPool.places(cache, slot(req, d), have,
+                                                                                         len(made), block)],
+                           dtype=np.int64) for _, cache, slot in pools]
+        ids, *wheres = self.put_many(payloads, *places)
+        for (pool, cache, _), where in zip(pools, wheres):
+            pool.save(cache, where, ids)
+        if self.ring is not None:
+            rows = np.array([(req.kv, have + j) for req, _, have, made in saved for j in range(len(made))], dtype=np.int64)
+            at = self.put(rows)
+            self.last[ids] = self.staged[at[:, 0], at[:, 1]]
+
+    def _insert(self, req: Request) -> tuple[int, list[Block]]:
+        """The prompt's full blocks past those it found, into the index -> (blocks it had, the
+        blocks made); they stay pinned for it."""
         size, have, ids = self.block, len(req.prefix_blocks), req.prefill_ids
         parent, made = req.prefix_blocks[-1] if have else None, []
         for j in range(have, (len(ids) - 1) // size):
@@ -149,16 +186,8 @@ class DevicePrefix:
                 self.spare.append(place)
                 break
             made.append(parent)
-        if not made:
-            return
         req.prefix_blocks = req.prefix_blocks + made
-        ids = self.put(torch.tensor([b.payload for b in made]))
-        self.target.save(self.target_cache, req.kv, ids, have)
-        self.ready()
-        if self.drafter is not None:
-            self.drafter.save(self.store.cache, draft_slot, ids, have)
-        if self.ring is not None:
-            self.last[ids] = self.staged[req.kv, have : have + len(made)]
+        return have, made
 
     def release(self, req: Request) -> None:
         self.index.release(req.prefix_blocks)

@@ -5,10 +5,14 @@ pages). A pageable copy waits for every launch in flight, which would drain the 
 pinning a new buffer each time took 1.0 s of the engine thread's 16.8 busy seconds at 256
 serving streams on an H200 (py-spy). So the values pass through a few pinned slabs kept for good: a slab
 is written again once the device has read it (its event), and a value too large for a slab,
-or a step with every slab still in flight, falls back to pinning its own buffer."""
+or a step with every slab still in flight, falls back to pinning its own buffer. Several
+values put together share one slab and one copy (a prefill's rows and its columns), and
+values built with numpy are written into the slab as they are: each torch call on the host
+costs several microseconds, a nested list made a tensor tens."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -16,6 +20,10 @@ from . import events
 
 SLAB_BYTES = 1 << 18  # a page table's new entries at 256 rows, or a prefill's rows, fit
 SLABS = 16  # several copies a step, two rounds in flight: a slab is free again long before its turn
+
+
+_TORCH = {np.dtype(t): torch.from_numpy(np.zeros(0, t)).dtype
+          for t in (np.int64, np.int32, np.float32, np.float64, np.bool_, np.uint8, np.int16, np.int8)}
 
 
 class Staging:
@@ -29,22 +37,34 @@ class Staging:
         self.turn = 0
         self.fallbacks = 0  # puts that pinned a buffer of their own (tests and benches read it)
 
-    def put(self, host: Tensor) -> Tensor:
-        """``host`` (a CPU tensor) on the device, in the current stream's order, without a wait."""
+    def put(self, host: Tensor | np.ndarray) -> Tensor:
+        """``host`` (a CPU tensor or a numpy array) on the device, in the current stream's order,
+        without a wait."""
+        return self.put_many(host)[0]
+
+    def put_many(self, *values: Tensor | np.ndarray) -> tuple[Tensor, ...]:
+        """Each of ``values`` on the device, all in one copy from one slab (each 8-byte aligned)."""
+        arrays = [v if isinstance(v, np.ndarray) else v.contiguous().numpy() for v in values]
         if not self.slabs:
-            return host.to(self.device)
-        host = host.contiguous()
-        nbytes = host.numel() * host.element_size()
-        i = self._free() if 0 < nbytes <= self.slab_bytes else None
+            return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays)
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // 8) * 8
+        i = self._free() if 0 < total <= self.slab_bytes else None
         if i is None:
             self.fallbacks += 1
-            return host.pin_memory().to(self.device, non_blocking=True)
-        staged = self.slabs[i][:nbytes].view(host.dtype).view(host.shape)
-        staged.copy_(host)
-        moved = staged.to(self.device, non_blocking=True)
-        events.record(self.read[i], self.index)
-        self.used[i] = True
-        return moved
+            slab = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=True)
+        else:
+            slab = self.slabs[i]
+        host = slab.numpy()
+        for a, at in zip(arrays, offsets):
+            host[at : at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+        moved = slab[:total].to(self.device, non_blocking=True)
+        if i is not None:
+            events.record(self.read[i], self.index)
+            self.used[i] = True
+        return tuple(moved[at : at + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, at in zip(arrays, offsets))
 
     def _free(self) -> int | None:
         """The next slab the device is done with, in turn; None when all are in flight."""

@@ -1,0 +1,104 @@
+"""Where the engine's host time goes at a batch size, part by part, timed with perf_counter
+(no profiler: cProfile doubles the cost of small calls and hides where a C call waits).
+
+`python bench/host_parts.py [--methods dflash,none] [--batch 16] [--prompts 48]` (CUDA machine):
+the shipped trained pair, `backend: cuda`, depth 2, greedy, 128 new tokens, drafting forced on,
+one `generate` call over BATCH slots (the continuous feed), a warm-up pass first. Each part's
+time is inclusive (a part inside another is counted in both) and reported in µs per round, with
+its calls per round; "wall" is the pass's wall time a round, "wait" the machine's blocked collects."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from draftline.core.engine import Engine
+from draftline.core.sampling import SamplingParams
+from draftline.core.training.corpus import read_prompts
+from user_speedup import SPECS, _cuda  # bench/, beside this script
+
+PARTS = {  # owner (an attribute path from the engine) -> methods timed on it
+    "machine": ("step", "_prefill", "_launch", "_collect", "_book", "_preempt"),
+    "scheduler": ("schedule", "reap"),
+    "policy": ("choose", "record"),
+    "backend": ("prefill", "launch", "collect", "_admit", "_prefill_groups", "_prefill_group", "_load_prefill",
+                "_replay", "_land", "_started", "free", "_first_tokens"),
+    "backend.bufs": ("load",),
+    "backend.graphs": ("run",),
+    "backend.prefill_graphs": ("run",),
+    "backend.prefix_store": ("restore", "stage", "save", "release"),
+    "backend.cache": ("flush", "allocate", "reserve", "release"),
+    "backend.staging": ("put",),
+}
+
+
+def _owner(engine: Engine, path: str):
+    obj = engine
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def instrument(engine: Engine) -> dict[str, list[float]]:
+    """Wrap each part on its instance -> {part: [seconds, calls]}, filled as the engine runs."""
+    spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for path, names in PARTS.items():
+        owner = _owner(engine, path)
+        for name in names if owner is not None else ():
+            if hasattr(owner, name):
+                setattr(owner, name, _timed(getattr(owner, name), spent[f"{path}.{name}"]))
+    return spent
+
+
+def _timed(fn: Callable, cell: list[float]) -> Callable:
+    def run(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cell[0] += time.perf_counter() - begin
+            cell[1] += 1
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--methods", default="dflash,none")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=48)
+    args = ap.parse_args()
+    prompts = read_prompts("specs/tiny/eval_prompts.jsonl")
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    engines: dict[str, Engine] = {}
+    for method in args.methods.split(","):
+        if method == "none":
+            first = next(iter(engines.values()), None) or Engine(_cuda(SPECS["dflash"], 2, args.batch))
+            engine = first.with_method({"method": "none"})
+        else:
+            engine = Engine(_cuda(SPECS[method], 2, args.batch), draft_policy="always")
+        engines[method] = engine
+        engine.generate(prompts[: args.prompts], params)  # warm-up: the same shapes, other prompts below
+        spent, clock = instrument(engine), engine.machine.clock
+        rounds0, prefills0, wait0 = clock.rounds, clock.prefills, clock.wait_s
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        engine.generate(prompts[args.prompts : 2 * args.prompts], params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - begin
+        rounds, prefills = clock.rounds - rounds0, clock.prefills - prefills0
+        print(f"\n{method} batch {args.batch}: {rounds} rounds, {prefills} prefill launches, wall "
+              f"{1e6 * wall / rounds:.0f} us a round, blocked in collect {1e6 * (clock.wait_s - wait0) / rounds:.0f}")
+        print(f"{'part':<40} {'us/round':>9} {'calls/round':>12} {'us/call':>8}")
+        for part, (seconds, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+            if calls:
+                print(f"{part:<40} {1e6 * seconds / rounds:9.1f} {calls / rounds:12.2f} {1e6 * seconds / calls:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
