@@ -23,7 +23,7 @@ SLABS = 16  # several copies a step, two rounds in flight: a slab is free again 
 
 
 _TORCH = {np.dtype(t): torch.from_numpy(np.zeros(0, t)).dtype
-          for t in (np.int64, np.int32, np.float32, np.float64, np.bool_, np.uint8, np.int16, np.int8)}
+          for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.float64, np.float32, np.float16, np.bool_)}
 
 
 class Staging:
@@ -43,7 +43,8 @@ class Staging:
         return self.put_many(host)[0]
 
     def put_many(self, *values: Tensor | np.ndarray) -> tuple[Tensor, ...]:
-        """Each of ``values`` on the device, all in one copy from one slab (each 8-byte aligned)."""
+        """Each of ``values`` (host values numpy can hold: integers, floats, bools; not bfloat16)
+        on the device, all in one copy from one slab (each 8-byte aligned)."""
         arrays = [v if isinstance(v, np.ndarray) else v.contiguous().numpy() for v in values]
         if not self.slabs:
             return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays)
