@@ -259,8 +259,9 @@ class Prefilling:
     def _first_draws(self, rows: int, logits: Tensor) -> Tensor:
         """Each chunk's first token as plain decoding draws it (rows that filter, adjust or report
         logits are drawn again by _first_tokens), placed in its slot where the chunk ends its
-        prompt, and its sampling parameters kept in its slot -> packed [rows, 3] as a round of width 1 lands: finite, accepted (0; -1 for a
-        chunk short of its prompt's end, which draws nothing), the token."""
+        prompt, and its sampling parameters kept in its slot -> packed [rows, 3] as a round of
+        width 1 lands: finite, accepted (0; -1 for a chunk short of its prompt's end, which draws
+        nothing), the token."""
         p = self.pre
         at, done = p.start[:rows] + p.at[:rows], p.done[:rows] == 1
         tokens = kernels.sample(torch.nan_to_num(logits), p.cols[SEED, :rows], at, Stream.SAMPLE,

@@ -17,7 +17,6 @@ given to another is read by every copy-in before it is written again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,17 +154,21 @@ class DevicePrefix:
         """Cache each prompt's full blocks past those it found (pinned for it until it ends),
         copied out of its slots: all but the last token's positions. ``prompts``: (request, its
         drafter slot). Every prompt's blocks move in one copy a store."""
-        saved = [(req, slot, have, made) for req, slot in prompts for have, made in [self._insert(req)] if made]
+        saved = []  # (request, drafter slot, blocks it had, blocks made), in insertion order
+        for req, slot in prompts:
+            have, made = self._insert(req)
+            if made:
+                saved.append((req, slot, have, made))
         if not saved:
             return
         self.ready()
-        block, pools = self.block, [(self.target, self.target_cache, lambda r, d: r.kv)]
+        pools = [(self.target, self.target_cache, [req.kv for req, *_ in saved])]  # (pool, cache, each prompt's slot)
         if self.drafter is not None:
-            pools.append((self.drafter, self.store.cache, lambda r, d: d))
+            pools.append((self.drafter, self.store.cache, [slot for _, slot, *_ in saved]))
         payloads = np.array([b.payload for *_, made in saved for b in made], dtype=np.int64)
-        places = [np.array([p for req, d, have, made in saved for p in BlockPool.places(cache, slot(req, d), have,
-                                                                                         len(made), block)],
-                           dtype=np.int64) for _, cache, slot in pools]
+        places = [np.array([p for (_, _, have, made), slot in zip(saved, slots)
+                            for p in BlockPool.places(cache, slot, have, len(made), self.block)], dtype=np.int64)
+                  for _, cache, slots in pools]
         ids, *wheres = self.put_many(payloads, *places)
         for (pool, cache, _), where in zip(pools, wheres):
             pool.save(cache, where, ids)
