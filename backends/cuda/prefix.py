@@ -90,9 +90,8 @@ class BlockPool:
 
     def _pages(self, cache: StaticKV, slot: int, first: int, count: int) -> Tensor:
         """A paged cache's pages of ``slot`` first .. first + count - 1, as a device index."""
-        if cache.pager.size != self.blocks.shape[4]:
-            raise ValueError(f"prefix blocks of {self.blocks.shape[4]} tokens over KV pages of {cache.pager.size}")
-        return cache.pager.put(torch.tensor(cache.pager.of(slot, first, count)))  # in stream order, no wait
+        pages = BlockPool.places(cache, slot, first, count, self.blocks.shape[4])
+        return cache.pager.put(torch.tensor(pages))  # in stream order, no wait
 
 
 class DevicePrefix:
