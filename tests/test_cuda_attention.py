@@ -309,6 +309,36 @@ def test_a_fused_layer_stores_and_attends_through_pages():
         assert torch.equal(gathered, cache)  # every slot's positions, the new ones too
 
 
+@pytest.mark.gpu
+def test_the_qkv_kernel_writes_the_same_bits_with_any_warps(monkeypatch):
+    """fused.QKV_WARPS only spreads a (token, head) row's tile over fewer threads: with 1, 2 or
+    4 warps a bf16 layer writes the same q, keys and values, so the output keeps its bits."""
+    from draftline.backends.cuda import fused
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.core.models.layers import DecoderLayer, Rotary
+    from draftline.core.models.presets import target_preset
+
+    torch.manual_seed(0)
+    cfg = target_preset("tiny-qwen3")
+    layer = DecoderLayer(cfg).to(DEV, torch.bfloat16)
+    rotary = Rotary(cfg.rope, cfg.head_dim).to(DEV)
+    n, w = 16, 16  # a 16-row verify: 256 tokens
+    slots = torch.arange(n, dtype=torch.int32, device=DEV)
+    kv_len = torch.randint(w, 64, (n,), dtype=torch.int32, device=DEV)
+    positions = (kv_len[:, None] - w + torch.arange(w, device=DEV)[None, :]).long()
+    h = torch.randn(n * w, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(n * w, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    results = []
+    for warps in (4, 2, 1):
+        monkeypatch.setattr(fused, "QKV_WARPS", warps)
+        cache = StaticKV(1, n, cfg.num_kv_heads, 64, cfg.head_dim, torch.bfloat16, torch.device(DEV))
+        out = fused.layer_body(layer, h, x, positions, rotary, cache, 0, slots, kv_len, True)
+        results.append((out, cache.k[0].clone(), cache.v[0].clone()))
+    for out, k, v in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, results[0][0]))
+        assert torch.equal(k, results[0][1]) and torch.equal(v, results[0][2])
+
+
 def test_page_table_never_gives_a_page_twice():
     """Random reserves and releases over a small pool: every page is free or held by exactly
     one slot, a slot's table line is its pages in order then the scratch page, and a reserve

@@ -129,6 +129,9 @@ def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cach
     tl.store(v_dst + D // 2, v2.to(dt), mask=live & (is_v & stored)[:, None])
 
 
+QKV_WARPS = 1  # a GPU program's tile is one (token, head) row of D/2 elements: one warp holds it
+
+
 def qkv_tiles(tokens: int, heads: int) -> tuple[tuple[int, int], int, int]:
     """(grid, TOKENS, HEADS) of the q/k/v kernel over ``tokens`` rows of ``heads`` heads: a
     program per (token, head) on the GPU, which spreads a decode row over the multiprocessors;
@@ -395,7 +398,7 @@ def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticK
         slots, kv_len, *launch_args(cache.pages), a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q_proj.stride(0) if parts > 1 else 0, n * w,
         QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads, TOKENS=tokens, PAGE=page_size(cache.pages),
-        **overlap.launch(release=True))
+        num_warps=QKV_WARPS, **overlap.launch(release=True))
     return q.transpose(1, 2)
 
 
@@ -476,5 +479,5 @@ def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, ca
         q, k_cache, cache.v[i], slots, kv_len, *launch_args(cache.pages), hq, a.num_kv_heads, w,
         a.k_norm.eps if qk_norm else 0.0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         qkv.stride(0) if parts > 1 else 0, n * w, QK_NORM=qk_norm, PARTS=parts, D=a.head_dim, HEADS=heads,
-        TOKENS=tokens, PAGE=page_size(cache.pages), **overlap.launch(release=True))
+        TOKENS=tokens, PAGE=page_size(cache.pages), num_warps=QKV_WARPS, **overlap.launch(release=True))
     return q.transpose(1, 2) if with_q else None
