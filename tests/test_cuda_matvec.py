@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftline.backends.cuda.embedding import embed_beside  # noqa: E402
-from draftline.backends.cuda.fused import add_norm, head_argmax, linear, linear_norm, lm_logits, norm  # noqa: E402
+from draftline.backends.cuda.fused import (add_norm, head_argmax, linear, linear_norm, lm_logits, norm,  # noqa: E402
+                                          row_argmax)
 from draftline.backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, device_tiling,  # noqa: E402
                                   matvec, matvec_argmax, matvec_draw)
 from draftline.backends.cuda.sampling import sample  # noqa: E402
@@ -148,6 +149,25 @@ def test_head_argmax_is_the_first_largest_rounded_logit(m):
         bf = head.to(torch.bfloat16)
         assert torch.equal(head_argmax(bf, hidden.to(torch.bfloat16)), bf(hidden.to(torch.bfloat16)).argmax(-1))
     assert choose_tiling(m, 1000, 128).split == 1
+
+
+@pytest.mark.parametrize("n", [1000, 9000])  # one block, and three with a ragged last
+def test_row_argmax_is_torchs_argmax(n):
+    """The argmax launch past one row tile (a DFlash block's drafts): the first largest, ties
+    within and across blocks, a NaN as largest, rows of -inf, and a head past MAX_ROWS rows."""
+    torch.manual_seed(n)
+    x = torch.randn(70, n, device=DEV).round(decimals=1)  # many ties
+    x[1, 5], x[1, n - 1] = 9.0, 9.0
+    x[2, n - 1] = float("nan")
+    x[3, 7], x[3, 3] = float("nan"), float("nan")
+    x[4] = float("-inf")
+    x[5, :] = 0.0
+    x[6, n - 1] = float("inf")
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert torch.equal(row_argmax(x[:, 2:]), x[:, 2:].argmax(-1))  # a strided view
+    head = torch.nn.Linear(64, 500, bias=False).to(DEV)
+    hidden = torch.randn(5, 20, 64, device=DEV)  # 100 rows: past MAX_ROWS
+    assert torch.equal(head_argmax(head, hidden), head(hidden).argmax(-1))
 
 
 def test_argmax_counts_nan_as_largest():
