@@ -217,6 +217,29 @@ def test_folded_draw_is_the_sampling_kernels_draw(temperatures):
         assert bool((scratch.best == EMPTY).all()) and scratch.ticket.item() == 0 and not bool(scratch.bad.any())
 
 
+@pytest.mark.parametrize("invariant", [False, True])  # row tiles of 64 (three) or of the invariant form's height
+def test_a_draw_past_one_row_tile_folds_every_row(invariant):
+    """A verify past MAX_ROWS rows (16 requests of a 16-token window) folds its draws in the
+    head's launch too: each row of each row tile gets the sampling kernel's draw, through a
+    scratch sized for the rows, left as found once taken."""
+    torch.manual_seed(9)
+    n, w, k, v = 50, 3, 64, 300
+    x, weight = torch.randn(n * w, k, device=DEV), torch.randn(v, k, device=DEV)
+    seed = torch.arange(n, device=DEV) * 7 + 1
+    start = torch.arange(n, device=DEV) * 3
+    inv_temp = torch.where(torch.arange(n, device=DEV) % 2 == 0, 0.0, 1.25)
+    scratch = ArgmaxScratch(DEV, n * w)
+    tiling = Tiling(32, 32, 1, 4, 2)
+    values = matvec_draw(x, weight, tiling, scratch, Draw(seed, start, inv_temp, w, shift=1), invariant)
+    out = scratch.take(n * w)
+    rows = torch.arange(n * w, device=DEV)
+    want = sample(values, seed[rows // w], start[rows // w] + 1 + rows % w, inv_temp=inv_temp[rows // w])
+    assert torch.equal(out[0], want) and not bool(out[1].any())
+    assert bool((scratch.best == EMPTY).all()) and not bool(scratch.bad.any())
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        matvec_draw(x, weight, tiling, ArgmaxScratch(DEV), Draw(seed, start, inv_temp, w, shift=1))
+
+
 def test_lm_logits_match_the_head():
     torch.manual_seed(5)
     head = torch.nn.Linear(256, 1000, bias=False).to(DEV)

@@ -21,7 +21,7 @@ from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch
 
 from . import events
-from .matvec import ArgmaxScratch
+from .matvec import MAX_ROWS, ArgmaxScratch
 
 # rows of Buffers.meta (int64) and Buffers.fmeta (float32); LAST and START are gathered from state
 LAST, START, SLOT, DRAFT_SLOT, SEED, TOP_K = range(6)
@@ -59,7 +59,8 @@ class Buffers:
         self.fmeta = torch.zeros(3, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.meta[TOP_K], self.fmeta[TOP_P] = -1, 1.0  # greedy until the first gather
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
-        self.argmax = ArgmaxScratch(device)  # the greedy head readouts' state between launches (one stream)
+        # the head readouts' state between launches (one stream): a verify's draws fold into it at any batch
+        self.argmax = ArgmaxScratch(device, max(MAX_ROWS, max_batch * (num_drafts + 1)))
         pinned = device.type == "cuda"
         self._host = [torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(STAGING)]  # SLOT, DRAFT_SLOT
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING)]  # staging i reusable once set

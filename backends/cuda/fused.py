@@ -285,20 +285,22 @@ def head_draw(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch, dra
     count of non-finite logits in ``scratch`` for the next kernel (matvec.take_draws); None
     where the head is not one whole-sum matvec (the caller then draws from lm_logits)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    tiling = _head_tiling(head, flat, invariant)
+    tiling = _head_tiling(head, flat, invariant, most=scratch.rows)
     if tiling is None:
         return None
     return matvec_draw(flat, head.weight, tiling, scratch, draw, invariant).view(*hidden.shape[:-1], -1)
 
 
-def _head_tiling(head: torch.nn.Linear, flat: Tensor, invariant: bool = False) -> Tiling | None:
+def _head_tiling(head: torch.nn.Linear, flat: Tensor, invariant: bool = False, most: int = MAX_ROWS
+                 ) -> Tiling | None:
     """The tiling of an LM head over rows flat [M, H] when one whole-sum matvec launch can fold
-    its readout (no bias, the decode matvec applies), else None. The K split a small head
-    would get is dropped: a fold needs whole sums, and one launch serves where the matrix
-    library's product and a separate reduction took two (a tiny pair's 4096-token head)."""
+    its readout (no bias, the decode matvec applies, at most ``most`` rows: an argmax's last
+    program unpacks one row tile, a draw's scratch holds its rows), else None. The K split a
+    small head would get is dropped: a fold needs whole sums, and one launch serves where the
+    matrix library's product and a separate reduction took two (a tiny pair's 4096-token head)."""
     n, k = head.weight.shape
     tiling = invariant_tiling(n, k) if invariant else choose_tiling(flat.shape[0], n, k)
-    if head.bias is not None or tiling is None or flat.shape[0] > MAX_ROWS:  # a fold takes one row tile
+    if head.bias is not None or tiling is None or flat.shape[0] > most:
         return None
     return replace(tiling, split=1)
 

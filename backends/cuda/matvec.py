@@ -226,10 +226,11 @@ class ArgmaxScratch:
     Every argmax launch, and every draw with the take after it, leaves them so, hence a graph
     replays them; launches sharing one must run one after another (one stream)."""
 
-    def __init__(self, device: torch.device | str):
-        self.best = torch.full((MAX_ROWS,), EMPTY, dtype=torch.int64, device=device)  # [MAX_ROWS]
+    def __init__(self, device: torch.device | str, rows: int = MAX_ROWS):
+        self.rows = rows  # a draw's rows at most (an argmax's: MAX_ROWS, one row tile)
+        self.best = torch.full((rows,), EMPTY, dtype=torch.int64, device=device)  # [rows]
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
-        self.bad = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)  # [MAX_ROWS]
+        self.bad = torch.zeros(rows, dtype=torch.int32, device=device)  # [rows]
 
     def take(self, rows: int) -> Tensor:
         """take_draws eagerly: [2, rows] int64 (draws, non-finite counts), the scratch reset."""
@@ -352,12 +353,14 @@ def matvec_draw(x: Tensor, w: Tensor, tiling: Tiling, scratch: ArgmaxScratch, dr
     """x [M, K] @ w.T rounded to x's dtype -> those values as float32 [M, N], in one launch
     that also folds each row's draw (sampling.accept_matching's, for row m = request * width
     + t at position start + shift + t) and its count of non-finite values into ``scratch``,
-    where the next kernel takes them (take_draws; eagerly, ArgmaxScratch.take)."""
+    where the next kernel takes them (take_draws; eagerly, ArgmaxScratch.take). Rows may span
+    several row tiles (up to the scratch's rows): no program unpacks the winners, the next
+    kernel does."""
     m, k = x.shape
     n = w.shape[0]
-    if w.shape[1] != k or tiling.split != 1 or k % tiling.block_k or m > MAX_ROWS or m % draw.width:
+    if w.shape[1] != k or tiling.split != 1 or k % tiling.block_k or m > scratch.rows or m % draw.width:
         raise ValueError(f"matvec_draw: x [{m}, {k}] and weight {tuple(w.shape)} need whole sums in "
-                         f"{tiling.block_k}-wide steps, at most {MAX_ROWS} rows, whole windows of {draw.width}")
+                         f"{tiling.block_k}-wide steps, at most {scratch.rows} rows, whole windows of {draw.width}")
     values = torch.empty(m, n, dtype=torch.float32, device=x.device)
     _launch(x.contiguous(), w, values, n, k, tiling, False, scratch, draw=draw,
             invariant=invariant)
