@@ -2,12 +2,14 @@
 interpreter (rounds run eagerly there, so every kernel a captured graph would hold is called
 from Python), each Triton kernel by name and each PyTorch op that would be a launch of its own.
 
-`python bench/launch_count.py [SPEC] [BATCH]` (default the tiny DFlash pair at 16 rows; several
-minutes: the interpreter runs every kernel). On the tiny pair a round's GPU time is launch
+`python bench/launch_count.py [SPEC] [BATCH] [--sites]` (default the tiny DFlash pair at 16 rows;
+several minutes: the interpreter runs every kernel). --sites also names where each PyTorch op is
+called from (the three innermost frames of the project's own files). On the tiny pair a round's GPU time is launch
 latency (2.5 to 5 µs a kernel on an H200), so the count is the round's cost there."""
 import collections
 import os
 import sys
+import traceback
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
@@ -27,20 +29,32 @@ NOT_LAUNCHES = {"empty", "empty_strided", "view", "_unsafe_view", "t", "transpos
 class Counter(TorchDispatchMode):
     """PyTorch ops outside Triton kernels (the interpreter's own tensor work is not a launch)."""
 
-    def __init__(self, counts: collections.Counter, inside: list[int]):
+    def __init__(self, counts: collections.Counter, inside: list[int], sites: collections.Counter | None = None):
         super().__init__()
-        self.counts, self.inside = counts, inside
+        self.counts, self.inside, self.sites = counts, inside, sites
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.inside[0] and name not in NOT_LAUNCHES:
             self.counts["torch " + name] += 1
+            if self.sites is not None:
+                self.sites[(name, _site())] += 1
         return func(*args, **(kwargs or {}))
 
 
+def _site() -> str:
+    """The three innermost frames in the project's files (core/, backends/), innermost first."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_stack()[:-3]
+              if f.filename.startswith(root) and "/bench/" not in f.filename][-3:]
+    return " <- ".join(f"{os.path.relpath(f.filename, root)}:{f.lineno} {f.name}" for f in reversed(frames))
+
+
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "specs/tiny-dflash.yaml"
-    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    path = args[0] if args else "specs/tiny-dflash.yaml"
+    batch = int(args[1]) if len(args) > 1 else 16
+    sites = collections.Counter() if "--sites" in sys.argv else None
     data = load_spec(path).model_dump(mode="python")
     data["backend"], data["model"]["device"] = "cuda", "cpu"
     data["server"].update(max_batch_size=batch)
@@ -61,7 +75,7 @@ def main() -> None:
 
     def counted_launch(reqs, width):
         rounds[len(reqs)] += 1
-        with Counter(counts, inside):
+        with Counter(counts, inside, sites):
             return launch(reqs, width)
 
     backend.launch = counted_launch
@@ -70,6 +84,8 @@ def main() -> None:
     print(f"{path}: {total} rounds (rows: {dict(sorted(rounds.items()))}), {sum(counts.values()) / total:.1f} launches a round")
     for name, n in counts.most_common(40):
         print(f"  {n / total:6.1f} a round  {name}")
+    for (name, site), n in (sites or collections.Counter()).most_common(40):
+        print(f"  {n / total:6.1f} a round  torch {name}: {site}")
 
 
 if __name__ == "__main__":
