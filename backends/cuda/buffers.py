@@ -59,7 +59,8 @@ class Buffers:
         self.fmeta = torch.zeros(3, max_batch, dtype=torch.float32, device=device)  # [field, max_batch]
         self.meta[TOP_K], self.fmeta[TOP_P] = -1, 1.0  # greedy until the first gather
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
-        # the head readouts' state between launches (one stream): a verify's draws fold into it at any batch
+        # the head readouts' state between launches (one stream): with the invariant kernels a verify's
+        # draws fold into it at any batch (the plain kernels' head folds up to MAX_ROWS rows)
         self.argmax = ArgmaxScratch(device, max(MAX_ROWS, max_batch * (num_drafts + 1)))
         pinned = device.type == "cuda"
         self._host = [torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(STAGING)]  # SLOT, DRAFT_SLOT

@@ -240,7 +240,7 @@ def head_argmax(head: torch.nn.Linear, hidden: Tensor, scratch: ArgmaxScratch | 
     backend binds its persistent ``scratch`` (matvec.ArgmaxScratch)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     tiling = _head_tiling(head, flat)
-    if tiling is None and head.bias is None:  # past one row tile (a DFlash block): the product, one argmax launch
+    if tiling is None and head.bias is None:  # no fold (past one row tile: a DFlash block): product, then argmax
         return row_argmax(F.linear(flat, head.weight)).view(hidden.shape[:-1])
     if tiling is None:
         return plain_head_argmax(head, hidden)

@@ -285,9 +285,11 @@ def _launch(x: Tensor, w: Tensor, out: Tensor, n: int, chunk: int, tiling: Tilin
     """Grid (row tiles, column blocks, K chunks). ``invariant``: any M, rows in tiles of up to
     ``most`` rows (SMALL_ROW_TILE on the GPU over a weight under WIDE_WEIGHTS elements: a 16-row
     verify of the tiny pair ran its matvecs 10% faster than in 128-row tiles), every tile stepping
-    through K in the same order (the tiling is chosen by N and K alone). The matrix units round a row alike in tiles of 16, 64 and 128 rows
-    (bench/invariance_probe.py and the GPU tests check it on the H200), so a row's result does
-    not depend on M. Else one tile of all rows (M <= MAX_ROWS)."""
+    through K in the same order (the tiling is chosen by N and K alone). The matrix units round a
+    row alike in tiles of 16, 64 and 128 rows (bench/invariance_probe.py and the GPU tests check
+    it on the H200), so a row's result does not depend on M. Else tiles of up to MAX_ROWS rows:
+    one tile, except for a draw through a larger scratch (matvec_draw), whose rows the next
+    kernel takes."""
     m, k = x.shape
     if invariant and not as_given:
         tiling = wide(tiling, m, n, k, gated, x.element_size())
