@@ -4,10 +4,12 @@ tokens, drafts accepted at a fixed rate, as bench/serve_host.py's InstantDevice 
 while it runs), so what is timed is the machine, scheduler, stops, policy and request
 bookkeeping a round costs the host, and next to nothing of a backend's.
 
-`python bench/engine_host.py [SLOTS,...] [--prompts N] [--profile]` (CPU): depth 2, the tiny
-DFlash spec, 128 new tokens a request, each slot count fed N prompts in one generate call
-(4 x the slots by default); prints µs a round and a row-round, the best of three passes.
---profile: the heaviest functions of one more pass at the last slot count (cProfile)."""
+`python bench/engine_host.py [SLOTS,...] [--prompts N] [--depth D] [--profile]` (CPU): depth 2
+(the cuda backend's) unless given, the tiny DFlash spec, 128 new tokens a request, each slot count
+fed N prompts in one generate call (4 x the slots by default); prints µs a round and a row-round,
+the best of three passes, and the rows a round carried (a slot whose request ended waits for the
+rounds in flight to be collected before the next prompt takes it). --profile: the heaviest
+functions of one more pass at the last slot count (cProfile)."""
 
 from __future__ import annotations
 
@@ -42,18 +44,18 @@ class CannedDevice(InstantDevice):
         return RoundResult([True] * n, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
-def engine_for(slots: int) -> Engine:
+def engine_for(slots: int, depth: int = 2) -> Engine:
     spec = load_spec("specs/tiny-dflash.yaml")
     spec = spec.model_copy(update={"server": spec.server.model_copy(update={"max_batch_size": slots})})
     engine = Engine(spec, draft_policy="always")
     engine.machine.backend = CannedDevice(engine.target.config.vocab_size, engine.plan.num_speculative_tokens)
-    engine.machine.depth = 2  # the cuda backend's
+    engine.machine.depth = depth  # 2: the cuda backend's
     return engine
 
 
-def passes(engine: Engine, prompts: list, params: SamplingParams, repeats: int = 3) -> tuple[float, float]:
-    """Best (µs a round, µs a row-round) over ``repeats`` generate calls of every prompt."""
-    best = (float("inf"), float("inf"))
+def passes(engine: Engine, prompts: list, params: SamplingParams, repeats: int = 3) -> tuple[float, float, float]:
+    """Best (µs a round, µs a row-round, rows a round) over ``repeats`` generate calls of every prompt."""
+    best = (float("inf"), float("inf"), 0.0)
     for _ in range(repeats):
         clock, trace = engine.machine.clock, []
         engine.machine.trace, rounds = trace, clock.rounds
@@ -62,7 +64,8 @@ def passes(engine: Engine, prompts: list, params: SamplingParams, repeats: int =
         seconds = time.perf_counter() - begin
         engine.machine.trace = None
         rows = sum(r["rows"] for r in trace if not r["prefill"])
-        best = min(best, (1e6 * seconds / (clock.rounds - rounds), 1e6 * seconds / max(1, rows)))
+        rounds = clock.rounds - rounds
+        best = min(best, (1e6 * seconds / rounds, 1e6 * seconds / max(1, rows), rows / max(1, rounds)))
     return best
 
 
@@ -70,16 +73,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("slots", nargs="?", default="1,16,64,256")
     ap.add_argument("--prompts", type=int, default=0, help="prompts a pass (default: 4 x the slots)")
+    ap.add_argument("--depth", type=int, default=2, help="rounds in flight (the cuda backend runs 2)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
-    print(f"{'slots':>6} {'us/round':>9} {'us/row-round':>13}")
+    print(f"{'slots':>6} {'us/round':>9} {'us/row-round':>13} {'rows/round':>11}")
     for slots in [int(s) for s in args.slots.split(",")]:
-        engine = engine_for(slots)
+        engine = engine_for(slots, args.depth)
         prompts = random_prompts(engine.target.config.vocab_size, args.prompts or 4 * slots, 64, seed=0)
         engine.generate(prompts[:slots], params)  # warm-up
-        per_round, per_row = passes(engine, prompts, params)
-        print(f"{slots:>6} {per_round:9.1f} {per_row:13.2f}", flush=True)
+        per_round, per_row, rows = passes(engine, prompts, params)
+        print(f"{slots:>6} {per_round:9.1f} {per_row:13.2f} {rows:11.2f}", flush=True)
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
