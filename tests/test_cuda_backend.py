@@ -819,7 +819,7 @@ def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(co
     cache = StaticKV(3, 2, 2, 32, 4, torch.float32, torch.device(DEV))
     cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)).to(DEV))
     pool = BlockPool.like(cache, 5, 4)
-    where = BlockPool.places(cache, 0, 1, 2, 4) + BlockPool.places(cache, 1, 5, 1, 4)  # slot 0's 4 .. 11, slot 1's 20 .. 23
+    where = pool.places(cache, 0, 1, 2) + pool.places(cache, 1, 5, 1)  # slot 0's 4 .. 11, slot 1's 20 .. 23
     pool.save(cache, torch.tensor(where, device=DEV), torch.tensor([3, 1, 4], device=DEV))  # in one save
     before = cache.data[:, :, 1].clone()
     pool.load(cache, 1, torch.tensor([3, 1, 4], device=DEV))

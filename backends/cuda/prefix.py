@@ -79,9 +79,9 @@ class BlockPool:
             kv = cache.data[:, :, at[:, :1], :, positions]  # [n, block, 2, layers, Hkv, D]
             self.blocks[group] = kv.permute(0, 2, 3, 4, 1, 5)
 
-    @staticmethod
-    def places(cache: StaticKV, slot: int, first: int, count: int, block: int) -> list:
+    def places(self, cache: StaticKV, slot: int, first: int, count: int) -> list:
         """What ``save`` reads for a slot's blocks first .. first + count - 1: pages, or (slot, position)."""
+        block = self.blocks.shape[4]
         if cache.pager is not None:
             if cache.pager.size != block:
                 raise ValueError(f"prefix blocks of {block} tokens over KV pages of {cache.pager.size}")
@@ -90,8 +90,7 @@ class BlockPool:
 
     def _pages(self, cache: StaticKV, slot: int, first: int, count: int) -> Tensor:
         """A paged cache's pages of ``slot`` first .. first + count - 1, as a device index."""
-        pages = BlockPool.places(cache, slot, first, count, self.blocks.shape[4])
-        return cache.pager.put(torch.tensor(pages))  # in stream order, no wait
+        return cache.pager.put(torch.tensor(self.places(cache, slot, first, count)))  # in stream order, no wait
 
 
 class DevicePrefix:
@@ -166,8 +165,8 @@ class DevicePrefix:
             pools.append((self.drafter, self.store.cache, [slot for _, slot, *_ in saved]))
         payloads = np.array([b.payload for *_, made in saved for b in made], dtype=np.int64)
         places = [np.array([p for (_, _, have, made), slot in zip(saved, slots)
-                            for p in BlockPool.places(cache, slot, have, len(made), self.block)], dtype=np.int64)
-                  for _, cache, slots in pools]
+                            for p in pool.places(cache, slot, have, len(made))], dtype=np.int64)
+                  for pool, cache, slots in pools]
         ids, *wheres = self.put_many(payloads, *places)
         for (pool, cache, _), where in zip(pools, wheres):
             pool.save(cache, where, ids)
