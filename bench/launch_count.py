@@ -42,12 +42,14 @@ class Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project's checkout
+
+
 def _site() -> str:
     """The three innermost frames in the project's files (core/, backends/), innermost first."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frames = [f for f in traceback.extract_stack()[:-3]
-              if f.filename.startswith(root) and "/bench/" not in f.filename][-3:]
-    return " <- ".join(f"{os.path.relpath(f.filename, root)}:{f.lineno} {f.name}" for f in reversed(frames))
+              if f.filename.startswith(ROOT) and "/bench/" not in f.filename][-3:]
+    return " <- ".join(f"{os.path.relpath(f.filename, ROOT)}:{f.lineno} {f.name}" for f in reversed(frames))
 
 
 def main() -> None:
