@@ -73,6 +73,6 @@ class Stops:
         round would most likely be thrown away (at tau 6, two rounds in flight past the end
         are a tenth of a 128-token request's rounds). Should they fall short, the request gets
         its next round once one of them is collected."""
-        expected = rounds * max(1.0, req.stats.accept_length)
-        return (len(req.output_ids) + expected >= req.params.max_new_tokens
-                or req.seq_len + expected >= req.max_model_len)
+        stats, out = req.stats, len(req.output_ids)  # every row, every step: no property calls
+        expected = out + rounds * (max(1.0, stats.round_tokens / stats.verify_ct) if stats.verify_ct else 1.0)
+        return expected >= req.params.max_new_tokens or len(req.prompt_ids) + expected >= req.max_model_len
