@@ -1,9 +1,9 @@
 """Where the GPU's time goes in `Engine.generate` with the shipped trained pair (CUDA machine):
 torch.profiler over one warm pass, kernels summed by name, against the pass's wall time.
 
-`python bench/gpu_profile.py [SPEC] [BATCH] [DEPTH] [--none] [--plain] [--prompts=N]`: prints wall ms, rounds,
+`python bench/gpu_profile.py [SPEC] [BATCH] [DEPTH] [--none] [--plain] [--prompts=N] [--top=K]`: prints wall ms, rounds,
 host work per round, GPU kernel ms in all (their sum: what a fully busy GPU would take) and the
-kernels with the most GPU time. --none runs the spec's target with method `none`; --plain turns
+kernels with the most GPU time (K of them, 18 unless given). --none runs the spec's target with method `none`; --plain turns
 the batch-invariant kernels off (`model.batch_invariant: false`); --prompts=N feeds N prompts
 through BATCH slots (a continuous feed, prefills among the rounds) instead of one static batch."""
 import sys
@@ -54,7 +54,8 @@ def main():
           f"{tokens} tokens, {clock.prefills - prefills} prefills, {1e3 * wall / max(1, rounds):.3f} ms/round wall, kernels {gpu_us / 1e3:.1f} ms "
           f"({gpu_us / max(1, rounds):.0f} us/round), host work {host:.0f} us/round")
     events.sort(key=lambda e: -e.self_device_time_total)
-    for e in events[:18]:
+    top = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--top=")), 18)
+    for e in events[:top]:
         print(f"  {e.self_device_time_total / max(1, rounds):8.1f} us/round {e.count / max(1, rounds):6.1f}/round  "
               f"{e.key[:90]}")
 

@@ -339,6 +339,42 @@ def test_the_qkv_kernel_writes_the_same_bits_with_any_warps(monkeypatch):
         assert torch.equal(k, results[0][1]) and torch.equal(v, results[0][2])
 
 
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_a_tokens_q_k_and_v_bits_do_not_depend_on_the_batch(head_dim):
+    """The q/k/v kernel's GPU tile holds heads_per_program heads, a choice of the model's shape
+    alone (4 for D 32, 2 for D 128): a row's q, keys and values are the same bits in a 512-token
+    verify as in a 16-token one (interpreter: every tile holds whole tokens alike)."""
+    from dataclasses import replace
+
+    from draftline.backends.cuda import fused
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.core.models.layers import DecoderLayer, Rotary
+    from draftline.core.models.presets import target_preset
+
+    torch.manual_seed(0)
+    cfg = replace(target_preset("tiny-qwen3"), head_dim=head_dim)
+    layer = DecoderLayer(cfg).to(DEV, torch.bfloat16)
+    rotary = Rotary(cfg.rope, cfg.head_dim).to(DEV)
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    assert fused.heads_per_program(heads, head_dim) == {32: 4, 128: 2}[head_dim]
+    n, w = 32, 16
+    kv_len = torch.randint(w, 64, (n,), dtype=torch.int32, device=DEV)
+    positions = (kv_len[:, None] - w + torch.arange(w, device=DEV)[None, :]).long()
+    qkv = torch.randn(n * w, heads * head_dim, device=DEV, dtype=torch.bfloat16)
+
+    def run(rows):
+        cache = StaticKV(1, n, cfg.num_kv_heads, 64, head_dim, torch.bfloat16, torch.device(DEV))
+        cache.k[0].zero_(), cache.v[0].zero_()
+        slots = torch.tensor(rows, dtype=torch.int32, device=DEV)
+        picked = qkv.view(n, w, -1)[rows].reshape(len(rows) * w, -1)
+        q = fused._qkv(layer, picked, positions[rows], rotary, cache, 0, slots, kv_len[rows], len(rows), w)
+        return q.transpose(1, 2), cache.k[0][rows], cache.v[0][rows]  # q [rows, W, Hq, D]
+
+    whole = run(list(range(n)))
+    alone = run([5])
+    assert all(torch.equal(a[0].view(torch.int16), b[5].view(torch.int16)) for a, b in zip(alone, whole))
+
+
 def test_page_table_never_gives_a_page_twice():
     """Random reserves and releases over a small pool: every page is free or held by exactly
     one slot, a slot's table line is its pages in order then the scratch page, and a reserve

@@ -129,20 +129,32 @@ def _qkv_kernel(qkv, q_norm, k_norm, inv_freq, positions, q_out, k_cache, v_cach
     tl.store(v_dst + D // 2, v2.to(dt), mask=live & (is_v & stored)[:, None])
 
 
-QKV_WARPS = 1  # a GPU program's tile is one (token, head) row of D/2 elements: one warp holds it
+QKV_WARPS = 1  # a GPU program's tile (at most QKV_TILE elements) is one warp's
+QKV_TILE = 128  # elements of D/2 half-rows a GPU program holds at most ...
+QKV_MOST_HEADS = 4  # ... in at most this many heads: 4 for D 32 (the tiny pair), 2 for D 128 (the 8B)
 
 
-def qkv_tiles(tokens: int, heads: int) -> tuple[tuple[int, int], int, int]:
-    """(grid, TOKENS, HEADS) of the q/k/v kernel over ``tokens`` rows of ``heads`` heads: a
-    program per (token, head) on the GPU, which spreads a decode row over the multiprocessors;
-    under the interpreter, which runs programs one after another and pays per tile op, not per
-    element, every head of as many tokens as fill 1024 tile rows (64 tokens of 16 heads) in one
-    program."""
+def qkv_tiles(tokens: int, heads: int, head_dim: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, TOKENS, HEADS) of the q/k/v kernel over ``tokens`` rows of ``heads`` heads. On the
+    GPU a program holds one token's heads_per_program(heads, head_dim) heads: a shape of the
+    model's alone, so a token's bits do not depend on the batch. Under the interpreter, which
+    runs programs one after another and pays per tile op, not per element, every head of as
+    many tokens as fill 1024 tile rows (64 tokens of 16 heads) goes in one program."""
     if not interpreted():
-        return (tokens, heads), 1, 1
+        per_head = heads_per_program(heads, head_dim)
+        return (tokens, triton.cdiv(heads, per_head)), 1, per_head
     per_head = triton.next_power_of_2(heads)
     per_token = min(triton.next_power_of_2(tokens), max(1, 1024 // per_head))
     return (triton.cdiv(tokens, per_token), 1), per_token, per_head
+
+
+def heads_per_program(heads: int, head_dim: int) -> int:
+    """A GPU program's heads, from the model's shape alone (bench/qkv_tiles.py, µs a launch for
+    1, 2 and 4 heads a program): the tiny pair at 256 tokens 2.96, 1.69, 1.47 and at 16 tokens
+    1.20, 1.17, 1.19; the 8B at 512 tokens 30.3, 15.5, 8.9 but at 1 token 1.13, 1.32, 2.38 (its
+    batch-1 step runs 36 of them)."""
+    fill = max(1, QKV_TILE // (head_dim // 2))
+    return min(triton.next_power_of_2(heads), QKV_MOST_HEADS, fill)
 
 
 @triton.jit
@@ -427,7 +439,7 @@ def _q_only(a, q_proj: Tensor, positions: Tensor, rotary: Rotary, cache: StaticK
     k_cache = cache.k[0]
     q = torch.empty(n, w, a.num_heads, a.head_dim, dtype=k_cache.dtype, device=q_proj.device)
     parts = q_proj.numel() // (n * w * a.num_heads * a.head_dim)
-    grid, tokens, heads = qkv_tiles(n * w, a.num_heads)
+    grid, tokens, heads = qkv_tiles(n * w, a.num_heads, a.head_dim)
     _qkv_kernel[grid](
         q_proj, a.q_norm.weight if qk_norm else q_proj, a.q_norm.weight if qk_norm else q_proj, rotary.inv_freq, positions, q, k_cache, cache.v[0],
         slots, kv_len, *launch_args(cache.pages), a.num_heads, 0, w, a.q_norm.eps if qk_norm else 0.0,
@@ -508,7 +520,7 @@ def _qkv(layer: DecoderLayer, qkv: Tensor, positions: Tensor, rotary: Rotary, ca
     k_cache = cache.k[i]
     q = torch.empty(n, w, hq, a.head_dim, dtype=k_cache.dtype, device=qkv.device) if with_q else k_cache
     parts = qkv.numel() // (n * w * (hq + 2 * a.num_kv_heads) * a.head_dim)
-    grid, tokens, heads = qkv_tiles(n * w, hq + 2 * a.num_kv_heads)
+    grid, tokens, heads = qkv_tiles(n * w, hq + 2 * a.num_kv_heads, a.head_dim)
     _qkv_kernel[grid](
         qkv, a.q_norm.weight if qk_norm else qkv, a.k_norm.weight if qk_norm else qkv, rotary.inv_freq, positions,
         q, k_cache, cache.v[i], slots, kv_len, *launch_args(cache.pages), hq, a.num_kv_heads, w,
