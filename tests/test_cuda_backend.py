@@ -788,8 +788,9 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
     from draftline.backends.cuda.prefix import DevicePrefix
     from draftline.backends.cuda.staging import Staging
 
-    cache = StaticKV(1, 4, 1, 64, 8, torch.float32, torch.device("cpu"))
-    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, torch.device("cpu")), None, Staging(torch.device("cpu")))
+    dev = torch.device(DEV)  # the save kernel runs where the caches are
+    cache = StaticKV(1, 4, 1, 64, 8, torch.float32, dev)
+    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, dev), None, Staging(dev))
     rng, live = random.Random(0), []
     for _ in range(300):
         if live and rng.random() < 0.4:
@@ -829,6 +830,29 @@ def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(co
             torch.testing.assert_close(got[:, :8], cache.data[kv, layer, 0, :, 4:12], rtol=0, atol=0)
             torch.testing.assert_close(got[:, 8:12], before[kv, layer, :, 20:24], rtol=0, atol=0)
     torch.testing.assert_close(cache.data[:, :, 1, :, 12:], before[:, :, :, 12:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_save_copies_each_block_from_its_place_in_one_launch(paged):
+    """BlockPool.save's kernel: each block of the store holds, for every layer's keys and
+    values, exactly the positions of the place it was saved from (a static slot's positions or
+    a paged cache's page), and the blocks not named keep what they held."""
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.backends.cuda.prefix import BlockPool
+
+    cache = StaticKV(3, 2, 2, 32, 4, torch.bfloat16, torch.device(DEV), paged=(20, 4) if paged else None)
+    if paged:
+        cache.reserve(0, 16), cache.reserve(1, 24)
+        cache.flush()
+    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(2)).to(DEV))
+    pool = BlockPool.like(cache, 6, 4)
+    pool.blocks.fill_(7.0)
+    where = pool.places(cache, 0, 1, 2) + pool.places(cache, 1, 5, 1)  # slot 0's blocks 1, 2 and slot 1's 5
+    pool.save(cache, torch.tensor(where, device=DEV), torch.tensor([3, 0, 4], device=DEV))
+    for block, (place, first) in zip([3, 0, 4], where):
+        expected = cache.data[:, :, place, :, first : first + 4]  # [2, layers, Hkv, 4, D]
+        assert torch.equal(pool.blocks[block], expected)
+    assert (pool.blocks[[1, 2, 5]] == 7.0).all()
 
 
 def test_long_causal_windows_attend_in_pieces_as_whole():
