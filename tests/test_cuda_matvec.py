@@ -247,3 +247,20 @@ def test_lm_logits_match_the_head():
     got = lm_logits(head, hidden)
     assert got.shape == (2, 3, 1000) and got.dtype == torch.float32
     torch.testing.assert_close(got, head(hidden), rtol=1e-5, atol=1e-4)
+
+
+def test_logits_a_row_reads_are_the_bits_the_folded_head_gives():
+    """With the invariant kernels, a round whose rows read logits (lm_logits) gives every row the
+    bits of the rounds that fold their draws into the head (head_draw): whole sums both, so a
+    greedy row's token does not depend on whether a batch-mate asked for logprobs."""
+    from draftline.backends.cuda.fused import head_draw
+
+    torch.manual_seed(11)
+    n, w = 4, 3
+    head = torch.nn.Linear(1024, 4096, bias=False).to(DEV)  # invariant_tiling: split 4 of two K steps each
+    hidden = torch.randn(n, w, 1024, device=DEV)
+    draw = Draw(torch.arange(n, device=DEV) + 1, torch.arange(n, device=DEV) * 5, torch.zeros(n, device=DEV), w, 1)
+    scratch = ArgmaxScratch(DEV, n * w)
+    folded = head_draw(head, hidden, scratch, draw, invariant=True)
+    scratch.take(n * w)
+    assert folded is not None and torch.equal(lm_logits(head, hidden, True), folded)

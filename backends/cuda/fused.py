@@ -240,6 +240,10 @@ def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor, invariant: bool = False)
     if lm_head.bias is not None:
         return lm_head(hidden).float()
     flat = hidden.reshape(-1, hidden.shape[-1])
+    whole = _head_tiling(lm_head, flat, True, most=flat.shape[0]) if invariant else None
+    if whole is not None:  # the sums head_draw folds (split 1): a row's logits are the same bits in either round
+        return matvec(flat, lm_head.weight, whole, out_dtype=torch.float32, invariant=True).view(
+            *hidden.shape[:-1], -1)
     out = linear(flat, lm_head.weight, out_dtype=torch.float32, invariant=invariant)
     if out.dim() == 3:  # partial sums
         out = out.sum(0).to(hidden.dtype)
