@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftline.backends.cuda.embedding import embed_beside  # noqa: E402
-from draftline.backends.cuda.fused import (add_norm, head_argmax, linear, linear_norm, lm_logits, norm,  # noqa: E402
-                                          row_argmax)
+from draftline.backends.cuda.fused import (add_norm, head_argmax, head_draw, linear, linear_norm,  # noqa: E402
+                                          lm_logits, norm, row_argmax)
 from draftline.backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, device_tiling,  # noqa: E402
                                   matvec, matvec_argmax, matvec_draw)
 from draftline.backends.cuda.sampling import sample  # noqa: E402
@@ -253,8 +253,6 @@ def test_logits_a_row_reads_are_the_bits_the_folded_head_gives():
     """With the invariant kernels, a round whose rows read logits (lm_logits) gives every row the
     bits of the rounds that fold their draws into the head (head_draw): whole sums both, so a
     greedy row's token does not depend on whether a batch-mate asked for logprobs."""
-    from draftline.backends.cuda.fused import head_draw
-
     torch.manual_seed(11)
     n, w = 4, 3
     head = torch.nn.Linear(1024, 4096, bias=False).to(DEV)  # invariant_tiling: split 4 of two K steps each
