@@ -6,6 +6,7 @@ kernels end to end."""
 import functools
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -799,7 +800,9 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
         ids = [rng.randrange(3) for _ in range(rng.randrange(2, 30))]
         req = SimpleNamespace(prompt_ids=ids, prefill_ids=ids, prefill_len=len(ids), kv=0, prefix_blocks=[])
         store.restore(req, 0)
-        store.save([(req, 0)])
+        table = np.concatenate([store.saves([(req, 0)]), np.zeros((1, 7), dtype=np.int64)])  # never empty on the device
+        counts = torch.tensor([table.shape[0] - 1, 0], device=dev)
+        store.copy(torch.from_numpy(table).to(dev), torch.zeros(1, 3, dtype=torch.int64, device=dev), counts, None)
         live.append(req)
         held = [b.payload for b in store.index.blocks.values()]
         assert len(set(held)) == len(held) and not set(held) & set(store.spare)
@@ -821,7 +824,7 @@ def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(co
     cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)).to(DEV))
     pool = BlockPool.like(cache, 5, 4)
     where = pool.places(cache, 0, 1, 2) + pool.places(cache, 1, 5, 1)  # slot 0's 4 .. 11, slot 1's 20 .. 23
-    pool.save(cache, torch.tensor(where, device=DEV), torch.tensor([3, 1, 4], device=DEV))  # in one save
+    pool.save(cache, *_save_table([3, 1, 4], where), 1)  # in one save
     before = cache.data[:, :, 1].clone()
     pool.load(cache, 1, torch.tensor([3, 1, 4], device=DEV))
     for layer in range(3):
@@ -830,6 +833,13 @@ def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(co
             torch.testing.assert_close(got[:, :8], cache.data[kv, layer, 0, :, 4:12], rtol=0, atol=0)
             torch.testing.assert_close(got[:, 8:12], before[kv, layer, :, 20:24], rtol=0, atol=0)
     torch.testing.assert_close(cache.data[:, :, 1, :, 12:], before[:, :, :, 12:], rtol=0, atol=0)
+
+
+def _save_table(blocks: list[int], where: list[tuple[int, int]], extra: list[tuple[int, int, int]] = ()):
+    """A prefill's table of saved blocks as BlockPool.save reads it on the device: (table
+    [rows, SAVE_COLS], count [1]), the place in columns 1 and 2; rows ``extra`` past the count."""
+    rows = [(b, p, f, 0, 0, 0, 0) for b, (p, f) in zip(blocks, where)] + [(b, p, f, 0, 0, 0, 0) for b, p, f in extra]
+    return torch.tensor(rows, device=DEV), torch.tensor([len(blocks)], device=DEV)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -848,7 +858,7 @@ def test_a_save_copies_each_block_from_its_place_in_one_launch(paged):
     pool = BlockPool.like(cache, 6, 4)
     pool.blocks.fill_(7.0)
     where = pool.places(cache, 0, 1, 2) + pool.places(cache, 1, 5, 1)  # slot 0's blocks 1, 2 and slot 1's 5
-    pool.save(cache, torch.tensor(where, device=DEV), torch.tensor([3, 0, 4], device=DEV))
+    pool.save(cache, *_save_table([3, 0, 4], where, extra=[(5, 1, 0)]), 1)  # the row past the count: not copied
     for block, (place, first) in zip([3, 0, 4], where):
         expected = cache.data[:, :, place, :, first : first + 4]  # [2, layers, Hkv, 4, D]
         assert torch.equal(pool.blocks[block], expected)

@@ -55,3 +55,23 @@ def test_without_a_gpu_values_go_straight_to_the_device():
     assert torch.equal(staging.put(value), value) and not staging.slabs and staging.fallbacks == 0
     ints, floats = staging.put_many(np.arange(6).reshape(2, 3), torch.tensor([1.5, 2.5]))
     assert torch.equal(ints, torch.arange(6).view(2, 3)) and torch.equal(floats, torch.tensor([1.5, 2.5]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_put_into_lands_the_values_in_the_buffer_a_graph_reads_and_nothing_past_them(device):
+    """A prefill's inputs go straight into the buffer its graph was captured over: the values,
+    bit for bit (floats stored in int64 places too), and the buffer past them untouched."""
+    staging = Staging(torch.device(device), slab_bytes=1024, slabs=2)
+    dest = torch.full((40,), -7, dtype=torch.int64, device=device)
+    if device == "cuda":
+        torch.cuda._sleep(100_000_000)
+    sent = np.arange(30, dtype=np.int64)
+    sent[10:12] = np.array([0.25, -3.5, 1e-6, 2.0], dtype=np.float32).view(np.int64)
+    kept = sent.copy()
+    staging.put_into(dest, sent)
+    sent[:] = 0  # the host side may change at once
+    assert staging.fallbacks == 0
+    assert torch.equal(dest[:30].cpu(), torch.from_numpy(kept)) and (dest[30:] == -7).all()
+    assert dest[10:12].view(torch.float32).cpu().tolist() == [0.25, -3.5, np.float32(1e-6).item(), 2.0]
+    with pytest.raises(ValueError, match="put_into"):
+        staging.put_into(dest, np.zeros(41, dtype=np.int64))

@@ -123,6 +123,7 @@ class Launch:
     copied: torch.cuda.Event | None  # None: the copy was synchronous
     logprobs: tuple[target_logprobs.Pending, ...] = ()  # on their way to the host with the result
     started: torch.cuda.Event | None = None  # recorded before the round's first device work (timing)
+    kept: bool = False  # its events are in the backend's timeline (not reused once collected)
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -183,8 +184,8 @@ class CudaBackend(Prefilling):
                                      pool=self.graphs)  # one pool: a prefill's temporaries are a round's
         self.prefill_prices = PrefillPrices()  # measured once the prefill graphs are captured (prepare)
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
-        self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len, device)
         self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
+        self._events: list[torch.cuda.Event] = []  # timing events collected rounds are done with (a new one costs the host)
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: launches' GPU spans
         self._origin: torch.cuda.Event | None = None  # the device clock's zero for RoundResult.device_at: start-up's end
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
@@ -194,6 +195,8 @@ class CudaBackend(Prefilling):
         self.prefix_store = DevicePrefix(capacity.prefix_block, _prefix_blocks(capacity, self.kv_pages), self.cache, self.kv,
                                          seeded, self.staging) if capacity.prefix_block and self.chunked_prefill else None
         self.prefix = None if self.prefix_store is None else self.prefix_store.index
+        self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len,
+                                       capacity.prefix_block if self.prefix_store is not None else 0, device)
 
     def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype, max_len: int, invariant: bool,
                    taps: int) -> KVBudget | None:
@@ -259,12 +262,8 @@ class CudaBackend(Prefilling):
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
                 self._replay(*key)
-            self.pre.slots[:bucket] = self.cache.scratch  # prefill graphs over the scratch slot
-            self.pre.draft_slots[:bucket] = self.cache.scratch
-            self.pre.at[:bucket] = 1
-            self.pre.start[:bucket] = 0
-            self.pre.done[:bucket] = 0  # so the captured draws place nothing
             for width in PREFILL_WIDTHS:
+                self.pre.pad(bucket, width, self.cache.scratch)  # over the scratch slot: the captured draws place nothing
                 for later in (False, True):  # first chunks, and later ones (a prefix hit's rest)
                     if self._prefill_graphed(bucket, width, later):
                         self.prefill_graphs.run((bucket, width, later),
@@ -389,6 +388,8 @@ class CudaBackend(Prefilling):
         timed = handle.started is not None
         device_s = handle.started.elapsed_time(handle.copied) / 1e3 if timed else None
         device_at = self._origin.elapsed_time(handle.started) / 1e3 if timed and self._origin is not None else None
+        if timed and not handle.kept:
+            self._events += (handle.started, handle.copied)
         return RoundResult(finite=[r[0] == 1 for r in rows], accepted=[r[1] for r in rows],
                            tokens=[r[2 : 3 + r[1]] for r in rows], drafted=[r[2 + w : 1 + 2 * w] for r in rows],
                            device_s=device_s, device_at=device_at)
@@ -400,7 +401,7 @@ class CudaBackend(Prefilling):
         outvote them) and ``timeline`` keeps for draftline bench."""
         if self.device.type != "cuda":
             return None
-        started = torch.cuda.Event(enable_timing=True)
+        started = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
         events.record(started, self.device_index)
         return started
 
@@ -416,11 +417,13 @@ class CudaBackend(Prefilling):
         host = free.pop() if free else torch.empty(self.capacity.max_batch, 2 * width + 1, dtype=torch.int64,
                                                    pin_memory=True)
         host[: packed.shape[0]].copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event(enable_timing=started is not None)
+        copied = self._events.pop() if self._events and started is not None else \
+            torch.cuda.Event(enable_timing=started is not None)
         events.record(copied, self.device_index)
-        if self.timeline is not None and started is not None and span:
+        kept = self.timeline is not None and started is not None and span
+        if kept:
             self.timeline.append((started, copied))
-        return Launch(packed.shape[0], width, host, copied, moved, started)
+        return Launch(packed.shape[0], width, host, copied, moved, started, kept)
 
     # ------------------------------------------------------------------ draft
 

@@ -68,6 +68,7 @@ class Buffers:
         self._index = events.device_index(device) if pinned else -1
         self._turn = 0
         self._key: tuple | None = None
+        self._slots = self.meta[SLOT : DRAFT_SLOT + 1]  # [2, max_batch]: what a load copies in
         self.load([], max_batch)
 
     def load(self, reqs: list[Request], bucket: int) -> None:
@@ -82,7 +83,8 @@ class Buffers:
         if copied is not None:
             copied.synchronize()  # that staging's last copy has read it (STAGING loads ago)
         host.numpy()[:, :bucket] = ([r.kv for r in reqs] + pad, [draft_slot(r.draft_state, self.scratch) for r in reqs] + pad)
-        self.meta[SLOT : DRAFT_SLOT + 1, :bucket].copy_(host[:, :bucket], non_blocking=copied is not None)
+        # every column: a bucket's graphs read its first ``bucket`` (no slices made on the host)
+        self._slots.copy_(host, non_blocking=copied is not None)
         if copied is not None:
             events.record(copied, self._index)
         self._key = key

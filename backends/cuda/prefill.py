@@ -33,6 +33,7 @@ from . import logprobs as target_logprobs
 from .logprobs import Pending
 from . import sampling as kernels
 from .buffers import draft_slot, host_inverse_temperature, inverse_temperature
+from .prefix import SAVE_COLS, STAGE_COLS
 from .fused import head_argmax, lm_logits
 from .kv import FrozenTargetKV, Rows
 from .windows import block_window
@@ -45,33 +46,72 @@ PREFILL_GRAPH_TOKENS = 8192  # at most this many (padded) prompt tokens per capt
 PREFILL_SLACK = 512  # padded tokens a prefill group may carry past twice its prompts' before it splits
 
 
-AT, SLOTS, DRAFT_SLOTS, START, SEED, TOP_K, DONE = range(7)  # rows of PrefillBuffers.cols
-TEMPERATURE, TOP_P, INV_TEMP = range(3)  # rows of PrefillBuffers.fcols
+AT, SLOTS, DRAFT_SLOTS, START, SEED, TOP_K, DONE = range(7)  # rows of PrefillView.cols
+TEMPERATURE, TOP_P, INV_TEMP = range(3)  # rows of PrefillView.fcols
+PADDING = (1, None, None, 0, 0, -1, 0)  # a padding row's cols: one token in the scratch slot (None), ending nothing
 
 
-@dataclass
-class PrefillBuffers:
-    """What a captured prefill reads: padded prompts, and per chunk its place and sampling
-    parameters (three copies in a step, whatever the rows)."""
+@dataclass(frozen=True)
+class PrefillView:
+    """What a prefill of (rows, width) reads, each a view of PrefillBuffers.raw, laid out as the
+    host writes them (``offsets``) so that one copy moves them all: per chunk its columns, the
+    padded chunks, and the prefix store's tables (prefix.py) for copies made inside the step."""
 
-    ids: Tensor  # [max_batch, max width] int64
-    # [7, max_batch] int64 per chunk: its length (a whole prompt's: the first token's position), KV
+    # [7, rows] int64 per chunk: its length (a whole prompt's: the first token's position), KV
     # slot, drafter slot (the scratch slot where none), first position in its prompt (0: a first
     # chunk), seed, top-k, and whether it ends its prompt (1: its first token is drawn and placed)
     cols: Tensor
-    fcols: Tensor  # [3, max_batch] float32: temperature, top-p, inverse temperature (0: greedy)
-
-    @staticmethod
-    def make(max_batch: int, width: int, device: torch.device) -> "PrefillBuffers":
-        return PrefillBuffers(torch.zeros(max_batch, width, dtype=torch.int64, device=device),
-                              torch.zeros(7, max_batch, dtype=torch.int64, device=device),
-                              torch.zeros(3, max_batch, dtype=torch.float32, device=device))
+    fcols: Tensor  # [3, rows] float32: temperature, top-p, inverse temperature (0: greedy)
+    counts: Tensor  # [2] int64: the rows of ``saves`` and ``stages`` the host filled
+    ids: Tensor  # [rows, width] int64
+    stages: Tensor  # [rows x (width // block + 1), STAGE_COLS] int64: features kept for the blocks a chunk ends
+    saves: Tensor  # [the rest, SAVE_COLS] int64: blocks saved
+    offsets: tuple[int, int, int, int, int]  # where fcols, counts, ids, stages and saves begin (int64 elements)
 
     at = property(lambda self: self.cols[AT])
     slots = property(lambda self: self.cols[SLOTS])
     draft_slots = property(lambda self: self.cols[DRAFT_SLOTS])
     start = property(lambda self: self.cols[START])
     done = property(lambda self: self.cols[DONE])
+
+
+@dataclass
+class PrefillBuffers:
+    """One flat device buffer a prefill's inputs are copied into, whatever its shape, and its
+    views by (rows, width), made once: a captured prefill reads the views it was captured with."""
+
+    raw: Tensor  # [elements] int64
+    block: int  # the prefix store's block (its tables' bound per chunk), 0: no prefix store
+    views: dict[tuple[int, int], PrefillView]
+
+    @staticmethod
+    def make(max_batch: int, width: int, block: int, device: torch.device) -> "PrefillBuffers":
+        per_row = 12 + width + (width // block + 1) * (STAGE_COLS + SAVE_COLS) if block else 12 + width
+        return PrefillBuffers(torch.zeros(max_batch * per_row + 2, dtype=torch.int64, device=device), block, {})
+
+    def view(self, rows: int, width: int) -> PrefillView:
+        found = self.views.get((rows, width))
+        return found if found is not None else self.views.setdefault((rows, width), self._view(rows, width))
+
+    def _view(self, rows: int, width: int) -> PrefillView:
+        stages = rows * (width // self.block + 1) if self.block else 0
+        fcols = 7 * rows
+        counts = fcols + -(-3 * rows // 2)
+        ids = counts + 2
+        staged = ids + rows * width
+        saved = staged + stages * STAGE_COLS
+        raw = self.raw
+        return PrefillView(raw[:fcols].view(7, rows), raw[fcols:counts].view(torch.float32)[: 3 * rows].view(3, rows),
+                           raw[counts:ids], raw[ids:staged].view(rows, width),
+                           raw[staged:saved].view(stages, STAGE_COLS),
+                           raw[saved : saved + (raw.shape[0] - saved) // SAVE_COLS * SAVE_COLS].view(-1, SAVE_COLS),
+                           (fcols, counts, ids, staged, saved))
+
+    def pad(self, rows: int, width: int, scratch: int) -> None:
+        """Every row of a (rows, width) prefill a padding row, nothing to save (start-up's captures)."""
+        v = self.view(rows, width)
+        v.cols.copy_(torch.tensor([scratch if c is None else c for c in PADDING], device=v.cols.device)[:, None])
+        v.counts.zero_()
 
 
 def _pick(value, rows: Tensor):
@@ -202,28 +242,21 @@ class Prefilling:
         if width < max(map(len, chunks)):  # _prefill_groups keeps every chunk within its group's room
             raise RuntimeError(f"prefill: a {max(map(len, chunks))}-token chunk in a group {width} wide")
         # every position's hidden states for prompt_logprobs (a resumed request's were reported)
-        scratch, hidden = self.cache.scratch, [] if any(_prompt_logprobs(r) for r in reqs) else None
+        hidden = [] if any(_prompt_logprobs(r) for r in reqs) else None
         ending = [e >= r.prefill_len for r, e in zip(reqs, ends)]  # chunks that end their prompts
-        self._load_prefill(reqs, chunks, starts, ending, rows, width)
+        v = self._load_prefill(reqs, chunks, starts, ending, rows, width)
         later = any(starts)  # later chunks (a prefix hit's rest among them) have graphs of their own
         logits, features, packed = self.prefill_graphs.run((rows, width, later),
                                                            lambda: self._prefill_step(rows, width, None, later)) \
             if self._prefill_graphed(rows, width, later) and hidden is None \
             else self._prefill_step(rows, width, hidden, later)
-        logits, features, packed = logits[:n], None if features is None else features[:n], packed[:n]
-        if self.prefix_store is not None:
-            self.prefix_store.stage([r.kv for r in reqs], starts, ends, features)
-        done = [i for i, last in enumerate(ending) if last]
-        if self.prefix_store is not None:
-            self.prefix_store.save([(reqs[i], draft_slot(reqs[i].draft_state, scratch)) for i in done
-                                    if self._caches(reqs[i])])
         if hidden is None and not any(r.params.reads_logits for r in reqs):
-            return packed, []  # the step drew and placed them as plain decoding would
-        p = self.pre
+            return packed[:n], []  # the step drew and placed them as plain decoding would
+        logits, packed, done = logits[:n], packed[:n], [i for i, last in enumerate(ending) if last]
         # the eager tail's parameters, copied out: a copy is aligned whatever the row count
-        batch = SamplingBatch(temperature=p.fcols[TEMPERATURE, :n].clone(), top_k=p.cols[TOP_K, :n].clone(),
-                              top_p=p.fcols[TOP_P, :n].clone(), seed=p.cols[SEED, :n].clone())
-        rows_in = (logits, batch, p.start[:n] + p.at[:n], p.slots[:n], hidden[0] if hidden else None, p.ids[:n])
+        batch = SamplingBatch(temperature=v.fcols[TEMPERATURE, :n].clone(), top_k=v.cols[TOP_K, :n].clone(),
+                              top_p=v.fcols[TOP_P, :n].clone(), seed=v.cols[SEED, :n].clone())
+        rows_in = (logits, batch, v.start[:n] + v.at[:n], v.slots[:n], hidden[0] if hidden else None, v.ids[:n])
         if len(done) == n:
             return self._first_tokens(reqs, *rows_in)
         if not done:
@@ -236,38 +269,49 @@ class Prefilling:
         return packed, _as_rows_of(reported, done)
 
     def _load_prefill(self, reqs: list[Request], chunks: list[list[int]], starts: list[int], ending: list[bool],
-                      rows: int, width: int) -> None:
-        """The chunks, right-padded to ``width``, and their columns into the prefill buffers;
-        padding rows (to ``rows``) prefill one token in the scratch slot and end nothing."""
-        scratch, n = self.cache.scratch, len(reqs)
-        ints = np.zeros((rows, width + 7), dtype=np.int64)  # [rows, width + 7]: the chunk, then its columns
-        for i, (r, c, s, last) in enumerate(zip(reqs, chunks, starts, ending)):
-            ints[i, : len(c)] = c
-            ints[i, width:] = (len(c), r.kv, draft_slot(r.draft_state, scratch), s, r.params.seed, r.params.top_k, last)
-        ints[n:, width:] = (1, scratch, scratch, 0, 0, -1, 0)  # padding: one token in the scratch slot
-        floats = np.empty((3, rows), dtype=np.float32)  # [TEMPERATURE, TOP_P, INV_TEMP]
+                      rows: int, width: int) -> PrefillView:
+        """The chunks, right-padded to ``width``, their columns and the prefix store's tables
+        (prompts that end here: their blocks, into its index now) into the prefill buffers in
+        one copy -> the view the step reads; padding rows (to ``rows``) prefill one token in the
+        scratch slot and end nothing."""
+        scratch, n, v = self.cache.scratch, len(reqs), self.pre.view(rows, width)
+        stages = saves = None
+        if self.prefix_store is not None:
+            stages = self.prefix_store.stages([r.kv for r in reqs], starts, [s + len(c) for s, c in zip(starts, chunks)])
+            saves = self.prefix_store.saves([(r, draft_slot(r.draft_state, scratch)) for r, last in zip(reqs, ending)
+                                             if last and self._caches(r)])
+            if saves.shape[0] > v.saves.shape[0] or stages.shape[0] > v.stages.shape[0]:
+                raise RuntimeError(f"prefill: {saves.shape[0]} blocks saved, {stages.shape[0]} staged, past the tables")
+        fcols, counts, ids, staged, saved = v.offsets
+        flat = np.zeros(saved + (0 if saves is None else saves.size), dtype=np.int64)  # what the view reads, in order
+        cols, padded = flat[:fcols].reshape(7, rows), flat[ids:staged].reshape(rows, width)
+        for i, c in enumerate(chunks):
+            padded[i, : len(c)] = c
+        cols[:, :n] = np.array([(len(c), r.kv, draft_slot(r.draft_state, scratch), s, r.params.seed, r.params.top_k, last)
+                                for r, c, s, last in zip(reqs, chunks, starts, ending)], dtype=np.int64).T
+        cols[:, n:] = np.array([scratch if c is None else c for c in PADDING], dtype=np.int64)[:, None]
+        floats = flat[fcols:counts].view(np.float32)[: 3 * rows].reshape(3, rows)  # [TEMPERATURE, TOP_P, INV_TEMP]
         floats[TEMPERATURE, :n] = [r.params.temperature for r in reqs]
         floats[TOP_P, :n] = [r.params.top_p for r in reqs]
         floats[:2, n:] = ((0.0,), (1.0,))
         floats[INV_TEMP] = host_inverse_temperature(floats[TEMPERATURE])
-        ints, floats = self.staging.put_many(ints, floats)  # one copy for both
-        p = self.pre
-        p.ids[:rows, :width].copy_(ints[:, :width])
-        p.cols[:, :rows].copy_(ints[:, width:].T)
-        p.fcols[:, :rows].copy_(floats)
+        if saves is not None:
+            flat[counts : counts + 2] = saves.shape[0], stages.shape[0]
+            flat[staged : staged + stages.size] = stages.ravel()
+            flat[saved:] = saves.ravel()
+        self.staging.put_into(self.pre.raw, flat)
+        return v
 
-    def _first_draws(self, rows: int, logits: Tensor) -> Tensor:
+    def _first_draws(self, p: PrefillView, logits: Tensor) -> Tensor:
         """Each chunk's first token as plain decoding draws it (rows that filter, adjust or report
         logits are drawn again by _first_tokens), placed in its slot where the chunk ends its
         prompt, and its sampling parameters kept in its slot -> packed [rows, 3] as a round of
         width 1 lands: finite, accepted (0; -1 for a chunk short of its prompt's end, which draws
         nothing), the token."""
-        p = self.pre
-        at, done = p.start[:rows] + p.at[:rows], p.done[:rows] == 1
-        tokens = kernels.sample(torch.nan_to_num(logits), p.cols[SEED, :rows], at, Stream.SAMPLE,
-                                inv_temp=p.fcols[INV_TEMP, :rows])
-        self.bufs.place(p.slots[:rows], tokens, at, done & (p.slots[:rows] != self.cache.scratch))
-        self.bufs.remember(p.slots[:rows], p.cols[SEED : TOP_K + 1, :rows], p.fcols[:, :rows])  # its rounds gather them
+        at, done = p.start + p.at, p.done == 1
+        tokens = kernels.sample(torch.nan_to_num(logits), p.cols[SEED], at, Stream.SAMPLE, inv_temp=p.fcols[INV_TEMP])
+        self.bufs.place(p.slots, tokens, at, done & (p.slots != self.cache.scratch))
+        self.bufs.remember(p.slots, p.cols[SEED : TOP_K + 1], p.fcols)  # its rounds gather them
         finite = torch.isfinite(logits).all(dim=1) | ~done
         return torch.stack([finite.long(), done.long() - 1, torch.where(done, tokens, 0)], dim=1)
 
@@ -308,34 +352,37 @@ class Prefilling:
         V], taps). ``hidden_out`` (eager only) receives every position's hidden states, for
         prompt_logprobs. ``later``: chunks past their prompts' first, which the drafter takes as
         a round's extension (from the features before them, in the ring). Also each chunk's
-        first token as plain decoding draws it, placed (_first_draws: packed [rows, 3])."""
-        p = self.pre
-        positions = p.start[:rows, None] + torch.arange(width, device=self.device)[None]  # [rows, P]
-        attention = self.cache.prefill_attention(p.slots[:rows], start=p.start[:rows] if later else None)
-        hidden, features = self.target(p.ids[:rows, :width], positions, attention, self.plan.target_layer_ids)
+        first token as plain decoding draws it, placed (_first_draws: packed [rows, 3]); then the
+        prefix store's copies its tables name (features kept, prompts' blocks saved)."""
+        p = self.pre.view(rows, width)
+        positions = p.start[:, None] + torch.arange(width, device=self.device)[None]  # [rows, P]
+        attention = self.cache.prefill_attention(p.slots, start=p.start if later else None)
+        hidden, features = self.target(p.ids, positions, attention, self.plan.target_layer_ids)
         if hidden_out is not None:
             hidden_out.append(hidden)
         if self.drafter is not None and later:
-            self.drafter.extend_rows(self._draft_rows(rows, later), features, p.ids[:rows, :width])
+            self.drafter.extend_rows(self._draft_rows(p, rows, later), features, p.ids)
         elif self.drafter is not None:
-            self.drafter.prefill_rows(self._draft_rows(rows, later), features, p.ids[:rows, :width])
-        ends = torch.arange(rows, device=self.device), p.at[:rows] - 1
+            self.drafter.prefill_rows(self._draft_rows(p, rows, later), features, p.ids)
+        ends = torch.arange(rows, device=self.device), p.at - 1
         if self.ring is not None:  # a chunk's last features: the next chunk's, or the first round's
-            self.ring.write(p.slots[:rows], p.start[:rows] + ends[1], features[ends][:, None])
+            self.ring.write(p.slots, p.start + ends[1], features[ends][:, None])
         last = hidden[ends]  # [rows, H]
         # the first token as a verify row would draw it, whatever the batch (invariant)
         logits = lm_logits(self.target.lm_head, last, True) if self.cache.invariant else self.target.logits(last)
-        return logits, features, self._first_draws(rows, logits)
+        packed = self._first_draws(p, logits)
+        if self.prefix_store is not None:
+            self.prefix_store.copy(p.saves, p.stages, p.counts, features)
+        return logits, features, packed
 
-    def _draft_rows(self, rows: int, later: bool) -> DraftRows:
+    def _draft_rows(self, p: PrefillView, rows: int, later: bool) -> DraftRows:
         """The chunks' rows as a drafter sees them, from each chunk's start (0 for first chunks);
         ``later`` chunks as a round's extension, with the features before them from the ring
         (the last chunk's last)."""
-        p, start = self.pre, self.pre.start[:rows]
-        features = self.ring.read(p.slots[:rows], start, shift=-1) if later and self.ring is not None else None
-        return DraftRows(last_token=p.ids[:rows, 0], start=start, batch=self.bufs.sampling(rows),
-                         caches=Rows(p.draft_slots[:rows], start),
-                         target_kv=FrozenTargetKV(self.cache, p.slots[:rows], start), features=features,
+        features = self.ring.read(p.slots, p.start, shift=-1) if later and self.ring is not None else None
+        return DraftRows(last_token=p.ids[:, 0], start=p.start, batch=self.bufs.sampling(rows),
+                         caches=Rows(p.draft_slots, p.start),
+                         target_kv=FrozenTargetKV(self.cache, p.slots, p.start), features=features,
                          block_window=block_window,
                          head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
 

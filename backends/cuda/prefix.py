@@ -36,22 +36,52 @@ from .staging import Staging
 COPY_BYTES = 64 << 20  # a block copy's temporaries at most (a long prefix moves in a few copies)
 
 
+# a prefill's tables (PrefillBuffers): a saved block's row, and a staged feature's
+SAVE_COLS = 7  # its block, its place in the target's cache (slot or page, first position), in the drafter's, and
+# where its last position's features wait (slot, block) to be kept with it (a drafter that reads them)
+STAGE_COLS = 3  # where in ``staged`` (slot x blocks a slot + block), the chunk's row, the column in it
+COPY_PROGRAMS = 16  # a copy's programs along its entries: a table's count is read on the device
+
+
 @triton.jit
-def _save_kernel(src, dst, where, ids, ROWS_ALL, HEADS, LAYERS, s_two, s_layer, s_place, s_head, s_pos, d_block,
-                 SIZE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (block i, ROWS rows): row j = (keys or values, layer, head) of block i is SIZE
-    contiguous elements (its positions' D each) at where[i] = (slot or page, first position) of
-    src [2, layers, places, Hkv, positions, D], copied to dst [blocks, 2, layers, Hkv, block, D] at ids[i]."""
-    i = tl.program_id(0)
+def _copy_kernel(src, dst, table, count, stride_table, ROWS_ALL, HEADS, LAYERS, s_two, s_layer, s_place, s_head, s_pos,
+                 d_block, ID: tl.constexpr, PLACE: tl.constexpr, FIRST: tl.constexpr, SIZE: tl.constexpr,
+                 ROWS: tl.constexpr, CHUNK: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Entries e < count[0] of ``table`` [entries, columns], program (p, r) those e = p mod
+    PROGRAMS, rows r * ROWS ..: row j = (keys or values, layer, head) is SIZE contiguous elements
+    at (table[e, PLACE], table[e, FIRST]) = (slot or page, first position) of src [2, layers,
+    places, Hkv, positions, D], copied to row j of block table[e, ID] of dst [blocks, ...]. The
+    count is the device's: a graph captured once copies what each prefill's table names."""
     j = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     head, pair = j % HEADS, j // HEADS
-    place, first, block = tl.load(where + 2 * i), tl.load(where + 2 * i + 1), tl.load(ids + i)
-    at = (pair // LAYERS) * s_two + (pair % LAYERS) * s_layer + place * s_place + head * s_head + first * s_pos
-    to = block * d_block + j * SIZE
-    for c in range(0, SIZE, CHUNK):
-        e = c + tl.arange(0, CHUNK)
-        live = (j < ROWS_ALL)[:, None] & (e < SIZE)[None, :]
-        tl.store(dst + to[:, None] + e[None, :], tl.load(src + at[:, None] + e[None, :], mask=live), mask=live)
+    rows = (pair // LAYERS) * s_two + (pair % LAYERS) * s_layer + head * s_head
+    for e in range(tl.program_id(0), tl.load(count), PROGRAMS):
+        entry = table + e * stride_table
+        at = rows + tl.load(entry + PLACE) * s_place + tl.load(entry + FIRST) * s_pos
+        to = tl.load(entry + ID) * d_block + j * SIZE
+        for c in range(0, SIZE, CHUNK):
+            k = c + tl.arange(0, CHUNK)
+            live = (j < ROWS_ALL)[:, None] & (k < SIZE)[None, :]
+            tl.store(dst + to[:, None] + k[None, :], tl.load(src + at[:, None] + k[None, :], mask=live), mask=live)
+
+
+def copy_rows(src: Tensor, dst: Tensor, table: Tensor, count: Tensor, columns: tuple[int, int, int],
+              shape: tuple[int, int, int], strides: tuple[int, ...], size: int) -> None:
+    """One launch: for each of the first count[0] entries of ``table``, columns (block, place,
+    first), ``shape`` = (2, layers, heads) rows of ``size`` elements from src at ``strides`` =
+    (two, layer, place, head, position) into that block of ``dst`` (a block: rows x size, contiguous)."""
+    two, layers, heads = shape
+    if src.dtype != dst.dtype or not dst.is_contiguous() or dst[0].numel() != two * layers * heads * size:
+        raise ValueError(f"copy_rows: {tuple(src.shape)} {src.dtype} rows of {size} into {tuple(dst.shape)} {dst.dtype}")
+    rows = two * layers * heads
+    # GPU: few rows a program (a program's tile stays small); the interpreter, which pays per tile op, all at once
+    per = triton.next_power_of_2(rows) if interpreted() else triton.next_power_of_2(triton.cdiv(rows, 64))
+    chunk = triton.next_power_of_2(size) if interpreted() else min(triton.next_power_of_2(size), max(64, 4096 // per))
+    programs = 1 if interpreted() else COPY_PROGRAMS
+    ident, place, first = columns
+    _copy_kernel[(programs, triton.cdiv(rows, per))](
+        src, dst, table, count, table.stride(0), rows, heads, layers, *strides, dst.stride(0),
+        ID=ident, PLACE=place, FIRST=first, SIZE=size, ROWS=per, CHUNK=chunk, PROGRAMS=programs)
 
 
 @dataclass(frozen=True)
@@ -87,21 +117,15 @@ class BlockPool:
             kv = self.blocks[group].permute(1, 2, 3, 0, 4, 5)  # [2, layers, Hkv, n, block, D]
             cache.data[:, :, slot, :, a * block : (a + group.shape[0]) * block] = kv.flatten(3, 4)
 
-    def save(self, cache: StaticKV, where: Tensor, ids: Tensor) -> None:
-        """Blocks of ``cache`` into blocks ``ids`` [nb]: ``where`` [nb, 2] is each one's place
-        (page, 0) in a paged cache or (slot, first position) in a static one. One launch, where
-        slicing, indexing and scattering the blocks took about six PyTorch calls a store, each
-        paid on the host at every prompt's prefill."""
-        two, layers, _, heads, _, dim = cache.data.shape
-        rows, size = two * layers * heads, self.blocks.shape[4] * dim  # a block's rows of size contiguous elements
+    def save(self, cache: StaticKV, table: Tensor, count: Tensor, place: int) -> None:
+        """Blocks of ``cache`` into the pool, in one launch: entry e < count[0] of ``table``
+        [entries, SAVE_COLS] names the block (column 0) and its place, columns ``place`` and
+        ``place`` + 1: (page, 0) in a paged cache, (slot, first position) in a static one."""
+        _, _, _, heads, _, dim = cache.data.shape
         if cache.data.stride(4) != dim or cache.data.stride(5) != 1 or not self.blocks.is_contiguous():
             raise ValueError("BlockPool.save: a cache whose positions' keys are not contiguous")
-        # GPU: a program a (block, row); the interpreter, which pays per tile op, every row at once
-        per, chunk = (1, min(triton.next_power_of_2(size), 1024)) if not interpreted() else \
-            (triton.next_power_of_2(rows), triton.next_power_of_2(size))
-        _save_kernel[(ids.shape[0], triton.cdiv(rows, per))](
-            cache.data, self.blocks, where, ids, rows, heads, layers, *cache.data.stride()[:5],
-            self.blocks.stride(0), SIZE=size, ROWS=per, CHUNK=chunk)
+        copy_rows(cache.data, self.blocks, table, count, (0, place, place + 1), tuple(cache.data.shape[:2]) + (heads,),
+                  cache.data.stride()[:5], self.blocks.shape[4] * dim)
 
     def places(self, cache: StaticKV, slot: int, first: int, count: int) -> list[tuple[int, int]]:
         """Where ``save`` reads a slot's blocks first .. first + count - 1: (page, 0) each, or (slot, position)."""
@@ -162,43 +186,49 @@ class DevicePrefix:
             self.ring.write(at[:1], at[1:], self.last[ids[-1:]][:, None])
         return cached
 
-    def stage(self, slots: list[int], starts: list[int], ends: list[int], features: Tensor) -> None:
-        """A prefill's features [rows, width, F] at the last positions of the blocks its chunks
-        cover (row i from position starts[i]), kept by slot until the prompt is saved."""
+    def stages(self, slots: list[int], starts: list[int], ends: list[int]) -> np.ndarray:
+        """Where a prefill's features at the last positions of the blocks its chunks cover (row i
+        from position starts[i]) wait, by slot, until the prompt is saved -> [n, STAGE_COLS]
+        for ``copy`` (none without a drafter that reads them)."""
         if self.ring is None:
-            return
-        where = [(i, p - start, slot, p // self.block) for i, (slot, start, end) in enumerate(zip(slots, starts, ends))
-                 for p in range((start // self.block + 1) * self.block - 1, end, self.block)]
-        if where:
-            at = self.put(torch.tensor(where).T)  # [4, n]: row, column, slot, block
-            self.staged[at[2], at[3]] = features[at[0], at[1]].to(self.staged.dtype)
+            return np.zeros((0, STAGE_COLS), dtype=np.int64)
+        blocks = self.staged.shape[1]
+        return np.array([(slot * blocks + p // self.block, i, p - start)
+                         for i, (slot, start, end) in enumerate(zip(slots, starts, ends))
+                         for p in range((start // self.block + 1) * self.block - 1, end, self.block)],
+                        dtype=np.int64).reshape(-1, STAGE_COLS)
 
-    def save(self, prompts: list[tuple[Request, int]]) -> None:
-        """Cache each prompt's full blocks past those it found (pinned for it until it ends),
-        copied out of its slots: all but the last token's positions. ``prompts``: (request, its
-        drafter slot). Every prompt's blocks move in one copy a store."""
-        saved = []  # (request, drafter slot, blocks it had, blocks made), in insertion order
+    def saves(self, prompts: list[tuple[Request, int]]) -> np.ndarray:
+        """Cache each prompt's full blocks past those it found (pinned for it until it ends):
+        all but the last token's positions, into the index now -> [n, SAVE_COLS] for ``copy``,
+        which copies them out of the prompts' slots at the end of their prefill's forward.
+        ``prompts``: (request, its drafter slot)."""
+        rows = []
         for req, slot in prompts:
             have, made = self._insert(req)
-            if made:
-                saved.append((req, slot, have, made))
-        if not saved:
-            return
-        self.ready()
-        pools = [(self.target, self.target_cache, [req.kv for req, *_ in saved])]  # (pool, cache, each prompt's slot)
+            if made:  # the drafter's caches page with the target's table, so its slot's places read alike
+                ours = self.target.places(self.target_cache, req.kv, have, len(made))
+                theirs = ours if slot == self.target_cache.scratch else \
+                    self.target.places(self.target_cache, slot, have, len(made))  # (the scratch slot: no drafter cache)
+                rows += [(b.payload, *t, *d, req.kv, have + j) for j, (b, t, d) in enumerate(zip(made, ours, theirs))]
+        return np.array(rows, dtype=np.int64).reshape(-1, SAVE_COLS)
+
+    def copy(self, saves: Tensor, stages: Tensor, counts: Tensor, features: Tensor | None) -> None:
+        """A prefill's tables on the device (``counts`` [2]: the saves', the stages'), after its
+        forward: its features staged, then the blocks saved (the target's, the drafter's, their
+        last features). Launched inside the prefill's graph: no host work a prompt."""
+        self.ready()  # the drafter's caches are made by the first prefill's forward (start-up's warm-up on a GPU)
+        if self.ring is not None and features is not None:
+            feats, features = features.shape[-1], features.contiguous()
+            copy_rows(features, self.staged.view(-1, feats), stages, counts[1:], (0, 1, 2), (1, 1, 1),
+                      (0, 0, features.stride(0), 0, features.stride(1)), feats)
+        self.target.save(self.target_cache, saves, counts, 1)
         if self.drafter is not None:
-            pools.append((self.drafter, self.store.cache, [slot for _, slot, *_ in saved]))
-        payloads = np.array([b.payload for *_, made in saved for b in made], dtype=np.int64)
-        places = [np.array([p for (_, _, have, made), slot in zip(saved, slots)
-                            for p in pool.places(cache, slot, have, len(made))], dtype=np.int64)
-                  for pool, cache, slots in pools]
-        ids, *wheres = self.put_many(payloads, *places)
-        for (pool, cache, _), where in zip(pools, wheres):
-            pool.save(cache, where, ids)
+            self.drafter.save(self.store.cache, saves, counts, 3)
         if self.ring is not None:
-            rows = np.array([(req.kv, have + j) for req, _, have, made in saved for j in range(len(made))], dtype=np.int64)
-            at = self.put(rows)
-            self.last[ids] = self.staged[at[:, 0], at[:, 1]]
+            feats = self.last.shape[1]
+            copy_rows(self.staged, self.last, saves, counts, (0, 5, 6), (1, 1, 1),
+                      (0, 0, self.staged.stride(0), 0, self.staged.stride(1)), feats)
 
     def _insert(self, req: Request) -> tuple[int, list[Block]]:
         """The prompt's full blocks past those it found, into the index -> (blocks it had, the

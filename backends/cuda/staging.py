@@ -67,6 +67,25 @@ class Staging:
             self.used[i] = True
         return tuple(moved[at : at + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, at in zip(arrays, offsets))
 
+    def put_into(self, dest: Tensor, host: np.ndarray) -> None:
+        """``host`` (a flat numpy array of ``dest``'s element size) into dest[: host.size] on
+        the device, in stream order, without a wait: one copy from a slab, straight into a
+        buffer a captured graph reads (no device tensor made, no copy on the device)."""
+        if dest.dim() != 1 or host.ndim != 1 or host.itemsize != dest.element_size() or host.size > dest.shape[0]:
+            raise ValueError(f"put_into: {host.size} x {host.dtype} into {tuple(dest.shape)} {dest.dtype}")
+        if not self.slabs:
+            dest[: host.size].copy_(torch.from_numpy(host).view(dest.dtype))
+            return
+        i = self._free() if 0 < host.nbytes <= self.slab_bytes else None
+        if i is None:
+            self.fallbacks += 1
+        slab = self.slabs[i] if i is not None else torch.empty(max(host.nbytes, 8), dtype=torch.uint8, pin_memory=True)
+        slab.numpy()[: host.nbytes] = host.view(np.uint8)
+        dest[: host.size].view(torch.uint8).copy_(slab[: host.nbytes], non_blocking=True)
+        if i is not None:
+            events.record(self.read[i], self.index)
+            self.used[i] = True
+
     def _free(self) -> int | None:
         """The next slab the device is done with, in turn; None when all are in flight."""
         for _ in range(len(self.slabs)):
