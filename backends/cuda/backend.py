@@ -269,7 +269,8 @@ class CudaBackend(Prefilling):
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
         priced = time.perf_counter()
-        self.prefill_prices = PrefillPrices.measure(self.prefill_graphs, self.device_index)
+        self.prefill_prices = PrefillPrices.measure(self.prefill_graphs, self.device_index,
+                                                    lambda key: self.pre.pad(key[0], key[1], self.cache.scratch))
         priced = time.perf_counter() - priced
         self.graphs.seal()
         self.prefill_graphs.seal()

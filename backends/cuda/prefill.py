@@ -108,10 +108,14 @@ class PrefillBuffers:
                            (fcols, counts, ids, staged, saved))
 
     def pad(self, rows: int, width: int, scratch: int) -> None:
-        """Every row of a (rows, width) prefill a padding row, nothing to save (start-up's captures)."""
+        """Every row of a (rows, width) prefill a padding row of token 0, nothing to save: what
+        start-up's captures and timings run over (the views of other shapes share the buffer,
+        so what it held may be anything)."""
         v = self.view(rows, width)
         v.cols.copy_(torch.tensor([scratch if c is None else c for c in PADDING], device=v.cols.device)[:, None])
+        v.fcols.copy_(torch.tensor([0.0, 1.0, 0.0], device=v.fcols.device)[:, None])  # greedy
         v.counts.zero_()
+        v.ids.zero_()
 
 
 def _pick(value, rows: Tensor):

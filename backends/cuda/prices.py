@@ -12,7 +12,7 @@ choice is made from each graph's measured device time, not from a rule about pad
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 from .graphs import Graphs
 
@@ -27,9 +27,14 @@ class PrefillPrices:
     _memo: dict[tuple[int, int, bool], list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def measure(cls, graphs: Graphs, device_index: int) -> "PrefillPrices":
-        """One timed replay of every captured prefill graph (they run over the scratch slot)."""
-        return cls({key: graphs.replay_ms(key, device_index) for key in graphs.keys()})
+    def measure(cls, graphs: Graphs, device_index: int, pad: Callable[[Hashable], None]) -> "PrefillPrices":
+        """One timed replay of every captured prefill graph, each over padding rows (``pad``
+        writes them for its key: the scratch slot)."""
+        ms = {}
+        for key in graphs.keys():
+            pad(key)
+            ms[key] = graphs.replay_ms(key, device_index)
+        return cls(ms)
 
     def pieces(self, rows: int, width: int, later: bool) -> list[int]:
         """How many of a group's ``rows`` chunks (at most ``width`` tokens) each forward takes,
