@@ -263,9 +263,9 @@ class CudaBackend(Prefilling):
             for key in self._graph_keys(bucket):
                 self._replay(*key)
             for width in PREFILL_WIDTHS:
-                self.pre.pad(bucket, width, self.cache.scratch)  # over the scratch slot: the captured draws place nothing
                 for later in (False, True):  # first chunks, and later ones (a prefix hit's rest)
                     if self._prefill_graphed(bucket, width, later):
+                        self.pre.pad(bucket, width, self.cache.scratch)  # the scratch slot: the draws place nothing
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
         priced = time.perf_counter()
