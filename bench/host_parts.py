@@ -32,7 +32,7 @@ PARTS = {  # owner (an attribute path from the engine) -> methods timed on it
     "backend.prefill_graphs": ("run",),
     "backend.prefix_store": ("restore", "stages", "saves", "copy", "release"),
     "backend.cache": ("flush", "allocate", "reserve", "release"),
-    "backend.staging": ("put", "put_many"),  # the backend's own calls (the prefix store bound its own at start-up)
+    "backend.staging": ("put", "put_many", "put_into"),  # the backend's own calls (the prefix store bound its own at start-up)
 }
 
 

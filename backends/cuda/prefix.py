@@ -150,7 +150,7 @@ class DevicePrefix:
                  staging: "Staging"):
         self.index = PrefixCache(block, capacity, evicted=self._evicted)
         self.block, self.store, self.ring, self.target_cache = block, store, ring, target
-        self.put, self.put_many = staging.put, staging.put_many  # host values in stream order, no wait
+        self.put = staging.put  # host values in stream order, no wait
         self.spare = list(range(capacity, -1, -1))  # one place more than blocks: an insert that evicts has one
         self.target = BlockPool.like(target, capacity + 1, block)
         self.drafter: BlockPool | None = None  # made once the drafter's caches exist (ready)
