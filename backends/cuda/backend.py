@@ -265,12 +265,12 @@ class CudaBackend(Prefilling):
             for width in PREFILL_WIDTHS:
                 for later in (False, True):  # first chunks, and later ones (a prefix hit's rest)
                     if self._prefill_graphed(bucket, width, later):
-                        self.pre.pad(bucket, width, self.cache.scratch)  # the scratch slot: the draws place nothing
+                        self._pad_prefill(bucket, width)  # the scratch slot: the draws place nothing
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
         priced = time.perf_counter()
         self.prefill_prices = PrefillPrices.measure(self.prefill_graphs, self.device_index,
-                                                    lambda key: self.pre.pad(key[0], key[1], self.cache.scratch))
+                                                    lambda key: self._pad_prefill(key[0], key[1]))
         priced = time.perf_counter() - priced
         self.graphs.seal()
         self.prefill_graphs.seal()
@@ -402,9 +402,13 @@ class CudaBackend(Prefilling):
         outvote them) and ``timeline`` keeps for draftline bench."""
         if self.device.type != "cuda":
             return None
-        started = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
+        started = self._timing_event()
         events.record(started, self.device_index)
         return started
+
+    def _timing_event(self) -> torch.cuda.Event:
+        """A timing event a collected round is done with, or a new one."""
+        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
 
     def _land(self, packed: Tensor, width: int, logprobs: list | None = None,
               started: torch.cuda.Event | None = None, span: bool = True) -> Launch:
@@ -418,8 +422,7 @@ class CudaBackend(Prefilling):
         host = free.pop() if free else torch.empty(self.capacity.max_batch, 2 * width + 1, dtype=torch.int64,
                                                    pin_memory=True)
         host[: packed.shape[0]].copy_(packed, non_blocking=True)
-        copied = self._events.pop() if self._events and started is not None else \
-            torch.cuda.Event(enable_timing=started is not None)
+        copied = self._timing_event() if started is not None else torch.cuda.Event()
         events.record(copied, self.device_index)
         kept = self.timeline is not None and started is not None and span
         if kept:

@@ -48,7 +48,6 @@ PREFILL_SLACK = 512  # padded tokens a prefill group may carry past twice its pr
 
 AT, SLOTS, DRAFT_SLOTS, START, SEED, TOP_K, DONE = range(7)  # rows of PrefillView.cols
 TEMPERATURE, TOP_P, INV_TEMP = range(3)  # rows of PrefillView.fcols
-PADDING = (1, None, None, 0, 0, -1, 0)  # a padding row's cols: one token in the scratch slot (None), ending nothing
 
 
 @dataclass(frozen=True)
@@ -106,16 +105,6 @@ class PrefillBuffers:
                            raw[staged:saved].view(stages, STAGE_COLS),
                            raw[saved : saved + (raw.shape[0] - saved) // SAVE_COLS * SAVE_COLS].view(-1, SAVE_COLS),
                            (fcols, counts, ids, staged, saved))
-
-    def pad(self, rows: int, width: int, scratch: int) -> None:
-        """Every row of a (rows, width) prefill a padding row of token 0, nothing to save: what
-        start-up's captures and timings run over (the views of other shapes share the buffer,
-        so what it held may be anything)."""
-        v = self.view(rows, width)
-        v.cols.copy_(torch.tensor([scratch if c is None else c for c in PADDING], device=v.cols.device)[:, None])
-        v.fcols.copy_(torch.tensor([0.0, 1.0, 0.0], device=v.fcols.device)[:, None])  # greedy
-        v.counts.zero_()
-        v.ids.zero_()
 
 
 def _pick(value, rows: Tensor):
@@ -291,9 +280,10 @@ class Prefilling:
         cols, padded = flat[:fcols].reshape(7, rows), flat[ids:staged].reshape(rows, width)
         for i, c in enumerate(chunks):
             padded[i, : len(c)] = c
-        cols[:, :n] = np.array([(len(c), r.kv, draft_slot(r.draft_state, scratch), s, r.params.seed, r.params.top_k, last)
-                                for r, c, s, last in zip(reqs, chunks, starts, ending)], dtype=np.int64).T
-        cols[:, n:] = np.array([scratch if c is None else c for c in PADDING], dtype=np.int64)[:, None]
+        if reqs:
+            cols[:, :n] = np.array([(len(c), r.kv, draft_slot(r.draft_state, scratch), s, r.params.seed, r.params.top_k,
+                                     last) for r, c, s, last in zip(reqs, chunks, starts, ending)], dtype=np.int64).T
+        cols[:, n:] = np.array([1, scratch, scratch, 0, 0, -1, 0], dtype=np.int64)[:, None]  # padding: one token in the scratch slot
         floats = flat[fcols:counts].view(np.float32)[: 3 * rows].reshape(3, rows)  # [TEMPERATURE, TOP_P, INV_TEMP]
         floats[TEMPERATURE, :n] = [r.params.temperature for r in reqs]
         floats[TOP_P, :n] = [r.params.top_p for r in reqs]
@@ -305,6 +295,12 @@ class Prefilling:
             flat[saved:] = saves.ravel()
         self.staging.put_into(self.pre.raw, flat)
         return v
+
+    def _pad_prefill(self, rows: int, width: int) -> None:
+        """Every row of a (rows, width) prefill a padding row of token 0, nothing to save: what
+        start-up's captures and timings run over (the views of other shapes share the buffer,
+        so what it held may be anything)."""
+        self._load_prefill([], [], [], [], rows, width)
 
     def _first_draws(self, p: PrefillView, logits: Tensor) -> Tensor:
         """Each chunk's first token as plain decoding draws it (rows that filter, adjust or report

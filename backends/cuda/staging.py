@@ -52,19 +52,12 @@ class Staging:
         for a in arrays:
             offsets.append(total)
             total += -(-a.nbytes // 8) * 8
-        i = self._free() if 0 < total <= self.slab_bytes else None
-        if i is None:
-            self.fallbacks += 1
-            slab = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=True)
-        else:
-            slab = self.slabs[i]
+        i, slab = self._slab(total)
         host = slab.numpy()
         for a, at in zip(arrays, offsets):
             host[at : at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
         moved = slab[:total].to(self.device, non_blocking=True)
-        if i is not None:
-            events.record(self.read[i], self.index)
-            self.used[i] = True
+        self._sent(i)
         return tuple(moved[at : at + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, at in zip(arrays, offsets))
 
     def put_into(self, dest: Tensor, host: np.ndarray) -> None:
@@ -76,12 +69,21 @@ class Staging:
         if not self.slabs:
             dest[: host.size].copy_(torch.from_numpy(host).view(dest.dtype))
             return
-        i = self._free() if 0 < host.nbytes <= self.slab_bytes else None
-        if i is None:
-            self.fallbacks += 1
-        slab = self.slabs[i] if i is not None else torch.empty(max(host.nbytes, 8), dtype=torch.uint8, pin_memory=True)
+        i, slab = self._slab(host.nbytes)
         slab.numpy()[: host.nbytes] = host.view(np.uint8)
         dest[: host.size].view(torch.uint8).copy_(slab[: host.nbytes], non_blocking=True)
+        self._sent(i)
+
+    def _slab(self, nbytes: int) -> tuple[int | None, Tensor]:
+        """(index, slab) of a free slab for ``nbytes``, or (None, a buffer pinned for them alone)."""
+        i = self._free() if 0 < nbytes <= self.slab_bytes else None
+        if i is None:
+            self.fallbacks += 1
+            return None, torch.empty(max(nbytes, 8), dtype=torch.uint8, pin_memory=True)
+        return i, self.slabs[i]
+
+    def _sent(self, i: int | None) -> None:
+        """Slab ``i``'s copy is enqueued: it is written again once the device has read it."""
         if i is not None:
             events.record(self.read[i], self.index)
             self.used[i] = True
