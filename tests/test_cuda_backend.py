@@ -835,6 +835,24 @@ def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(co
     torch.testing.assert_close(cache.data[:, :, 1, :, 12:], before[:, :, :, 12:], rtol=0, atol=0)
 
 
+def test_a_captured_prefill_shape_is_padded_over_whatever_the_shared_buffer_held():
+    """Every prefill shape's views share one buffer, so start-up pads a shape just before its
+    capture and timing: every row one token 0 in the scratch slot, greedy, ending nothing, and
+    no block to save or feature to stage, whatever the buffer held."""
+    plain = _engine("eagle3", "cuda", batch_invariant=True)
+    spec = plain.spec.model_dump(mode="python")
+    spec["server"] |= {"enable_prefix_caching": True, "block_size": 4}
+    backend = Engine(type(plain.spec).model_validate(spec), plain.target, plain.tokenizer).backend
+    assert backend.prefix_store is not None and backend.ring is not None  # both tables in the view
+    backend.pre.raw.fill_(12345)
+    backend._pad_prefill(4, 16)
+    v = backend.pre.view(4, 16)
+    scratch = backend.cache.scratch
+    assert v.cols.tolist() == [[1] * 4, [scratch] * 4, [scratch] * 4, [0] * 4, [0] * 4, [-1] * 4, [0] * 4]
+    assert v.fcols.tolist() == [[0.0] * 4, [1.0] * 4, [0.0] * 4]
+    assert v.counts.tolist() == [0, 0] and not v.ids.any()
+
+
 def _save_table(blocks: list[int], where: list[tuple[int, int]], extra: list[tuple[int, int, int]] = ()):
     """A prefill's table of saved blocks as BlockPool.save reads it on the device: (table
     [rows, SAVE_COLS], count [1]), the place in columns 1 and 2; rows ``extra`` past the count."""
