@@ -6,8 +6,11 @@ with ``model.batch_invariant`` off and on. ``--temperature`` above 0 samples ins
 prompt with its own seed: the same counts for seeded sampled requests.
 
 `python bench/identity.py [--batches 1,4,16] [--prompts 32] [--tokens 128] [--invariant off,on]
-[--temperature 0] [--depths 2]` (CUDA machine). ``--depths``: the pipeline depths (rounds in
-flight) of the drafting engines, each measured in turn."""
+[--temperature 0] [--depths 2] [--feed static|continuous]` (CUDA machine). ``--depths``: the
+pipeline depths (rounds in flight) of the drafting engines, each measured in turn. ``--feed
+continuous``: every prompt in one generate call through ``batch`` slots (engines built for each
+batch size), so finished requests' slots take new prompts while the others run, as a server's
+do; static (the default): one call per ``batch`` prompts."""
 
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--invariant", default="off,on", help="model.batch_invariant settings to run")
     ap.add_argument("--temperature", type=float, default=0.0, help="above 0: seeded sampling, a seed per prompt")
     ap.add_argument("--depths", default="2", help="pipeline depths of the drafting engines (0, 1, 2)")
+    ap.add_argument("--feed", choices=["static", "continuous"], default="static")
     args = ap.parse_args()
     prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: args.prompts]
     params = [SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=args.temperature, seed=1000 + i)
@@ -57,18 +61,21 @@ def main() -> None:
           f"{'auto = none':>13}")
     for name, invariant, depth in itertools.product(args.methods.split(","), [m == "on" for m in args.invariant.split(",")],
                                                 [int(d) for d in args.depths.split(",")]):
-        engine = Engine(_spec(SPECS[name], invariant, max(batches), depth), draft_policy="always")
-        base = engine.with_method({"method": "none"})
-        auto = Engine(engine.spec, target=engine.target, tokenizer=engine.tokenizer, draft_policy="auto")
-        alone = _outputs(base, prompts, 1, params)
-        for batch in batches:
-            spec, plain = _outputs(engine, prompts, batch, params), _outputs(base, prompts, batch, params)
-            policy = _outputs(auto, prompts, batch, params)
-            counts = [sum(a == b for a, b in zip(x, y)) for x, y in
-                      ((spec, plain), (spec, alone), (plain, alone), (policy, plain))]
-            print(f"{name:<11}{invariant!s:>10}{depth:>6}{batch:>6}{counts[0]:>5}/{n:<3}{counts[1]:>5}/{n:<3}"
-                  f"{counts[2]:>10}/{n:<3}{counts[3]:>9}/{n:<3}", flush=True)
-        del engine, base, auto
+        alone = None
+        for slots in [max(batches)] if args.feed == "static" else batches:  # one engine, or one a batch size
+            engine = Engine(_spec(SPECS[name], invariant, slots, depth), draft_policy="always")
+            base = engine.with_method({"method": "none"})
+            auto = Engine(engine.spec, target=engine.target, tokenizer=engine.tokenizer, draft_policy="auto")
+            alone = alone or _outputs(base, prompts, 1, params)
+            for batch in batches if args.feed == "static" else [slots]:
+                per_call = batch if args.feed == "static" else len(prompts)
+                spec, plain = _outputs(engine, prompts, per_call, params), _outputs(base, prompts, per_call, params)
+                policy = _outputs(auto, prompts, per_call, params)
+                counts = [sum(a == b for a, b in zip(x, y)) for x, y in
+                          ((spec, plain), (spec, alone), (plain, alone), (policy, plain))]
+                print(f"{name:<11}{invariant!s:>10}{depth:>6}{batch:>6}{counts[0]:>5}/{n:<3}{counts[1]:>5}/{n:<3}"
+                      f"{counts[2]:>10}/{n:<3}{counts[3]:>9}/{n:<3}", flush=True)
+            del engine, base, auto
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ TAU = {w: sum(RATE ** i for i in range(w)) for w in ROUND_S}
 class Device:
     """Rounds and prefills on a virtual stream, their results drawn at the profile's rate."""
 
-    name, max_depth = "simulated", 2
+    name, max_depth, prefill_beside = "simulated", 2, False
 
     def __init__(self, seed: int = 0):
         self.free_at, self.rng = 0.0, random.Random(seed)

@@ -43,7 +43,7 @@ RATE = 0.7  # each draft accepted given the one before
 class InstantDevice:
     """Rounds and prefills decided at once: random tokens, drafts accepted at RATE."""
 
-    name, max_depth = "instant", 2
+    name, max_depth, prefill_beside = "instant", 2, False
 
     def __init__(self, vocab: int, k: int):
         self.vocab, self.k, self.rng = vocab, k, random.Random(0)

@@ -166,10 +166,13 @@ class Backend(Protocol):
     handle; ``collect`` waits for that round's result (one small copy). A round starts from
     where the device left each row: after its prefill, or after the last round launched for
     it, collected or not. So the machine may launch up to ``max_depth`` further rounds for a
-    row before collecting the first (0: the backend runs rounds synchronously)."""
+    row before collecting the first (0: the backend runs rounds synchronously). A backend
+    with ``prefill_beside`` runs prefills concurrently with the rounds launched after them, so
+    the machine launches a prefilled row's first round in a later step than its prefill."""
 
     name: str
     max_depth: int
+    prefill_beside: bool
 
     def prepare(self) -> dict[str, Any]:
         """Start-up work (graph capture for every batch bucket); returns what it did and how long."""

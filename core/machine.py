@@ -160,10 +160,7 @@ class Machine:
         done = self.scheduler.reap(self.free)  # cancelled now, or ended in _preempt's drain: their KV goes first
         if prefills:
             self._prefill(prefills)
-        known = {id(r) for r in running}  # the running, and those admitted now, join the round once
-        admitted = [r for r, _ in prefills if id(r) not in known]  # their whole prompt is prefilled
-        launched = self._launch([r for r in running + admitted if r.phase is not Phase.FINISHED
-                                 and r.prefilled >= r.prefill_len])
+        launched = self._launch(self._rows(running, prefills))
         while self.flights and (not launched or self._due(self.flights[0])):
             self._collect(self.flights.popleft())
             launched = True  # one collect is progress enough when nothing could be launched
@@ -173,6 +170,20 @@ class Machine:
         if not self.flights:  # idle until the next step, or synchronous: no cycle to time
             self._cycle = self._host_s = None
         return done + self.scheduler.reap(self.free)
+
+    def _rows(self, running: list[Request], prefills: list[tuple[Request, int]]) -> list[Request]:
+        """The requests this step's round may carry: the running, and those admitted now, once,
+        each with its whole prompt prefilled. Where the backend runs prefills beside the rounds
+        (``prefill_beside``), the rows prefilled this step join from the next one, so that this
+        round runs while their prefill does; unless nothing else runs."""
+        known = {id(r) for r in running}
+        rows = [r for r in running + [r for r, _ in prefills if id(r) not in known]
+                if r.phase is not Phase.FINISHED and r.prefilled >= r.prefill_len]
+        if not (prefills and self.depth and self.backend.prefill_beside):
+            return rows
+        fresh = {id(r) for r, _ in prefills}
+        others = [r for r in rows if id(r) not in fresh]
+        return others or rows
 
     def _due(self, flight: Flight) -> bool:
         """Whether the oldest flight is collected now: its rows would otherwise run more than

@@ -114,6 +114,35 @@ def test_rows_that_stop_while_rounds_are_in_flight(method):
     assert sorted(eng.backend.cache.slots.free) == [0, 1, 2, 3] and sorted(eng.backend.kv.slots.free) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_rows_prefilled_beside_the_rounds_join_from_the_next_step(method, monkeypatch):
+    """Prefills beside the rounds (DRAFTLINE_PREFILL_BESIDE=1; on a GPU their own stream, on a
+    CPU the machine's side of it): a request admitted while others run never rides the round
+    launched in its prefill's step, joins the others' rounds from a later step, and every token
+    equals the reference's, with two rounds in flight and slots reused."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 7, 4, 5, 2, 4)]
+    ref = _engine(method, "reference").generate(PROMPTS + PROMPTS[:2], params)
+    monkeypatch.setenv("DRAFTLINE_PREFILL_BESIDE", "1")
+    eng = _engine(method, "cuda", depth=2)
+    assert eng.backend.prefill_beside == (DEV == "cuda")  # a stream of its own needs a GPU
+    eng.backend.prefill_beside = True  # the machine's side of it, on a CPU too
+    reqs = [eng.add_request(p, s) for p, s in zip(PROMPTS + PROMPTS[:2], params)]  # six through four slots
+    joined, beside = False, 0
+    while eng.scheduler.has_work():
+        before = list(eng.machine.flights)
+        eng.step()
+        new = [f for f in eng.machine.flights if not any(f is b for b in before)]
+        fresh = {id(r) for f in new if f.prefill for r in f.reqs}
+        for f in (f for f in new if not f.prefill):
+            riding = [r for r in f.reqs if id(r) in fresh]
+            assert not riding or len(riding) == len(f.reqs)  # only when nothing else runs (the first wave)
+            beside += bool(fresh) and not riding
+            joined |= any(r is reqs[4] for r in f.reqs) and len(f.reqs) > 1
+    assert beside and joined  # a round ran beside a prefill; a later request then joined the others
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    assert not eng.machine.flights and sorted(eng.backend.cache.slots.free) == [0, 1, 2, 3]
+
+
 TRAINED = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml",
            "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 TRAINED_PROMPTS = ["import os\nclass A:\n    def run(self, n):", "def add(a, b):\n    ",

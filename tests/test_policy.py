@@ -207,7 +207,7 @@ def test_the_machine_prices_a_round_by_its_device_time_not_the_hosts_hiccups():
     from draftline.core.stops import Stops
 
     class Timed:
-        name, max_depth = "timed", 2
+        name, max_depth, prefill_beside = "timed", 2, False
 
         def __init__(self):
             self.rounds = 0

@@ -44,6 +44,7 @@ from . import logprobs as target_logprobs
 from . import overlap
 from . import sampling as kernels
 from .attention import INVARIANT_QUERY_ROWS
+from .beside import PrefillStream, beside_wanted
 from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing
 from .fused import fuse_layer, head_argmax, head_draw, lm_logits
 from .graphs import Graphs
@@ -179,9 +180,12 @@ class CudaBackend(Prefilling):
         if self.drafter is not None and self.drafter.reads_last_features:
             self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)
         self.graphs = Graphs(enabled=device.type == "cuda" and capacity.graphs)
+        # prefills on a stream of their own, beside the rounds, where asked for (beside.py)
+        self.beside = PrefillStream(device, beside_wanted(device, self.graphs.enabled))
+        self.prefill_beside = self.beside.stream is not None  # the machine's rows join the step after their prefill
         # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
         self.prefill_graphs = Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0",
-                                     pool=self.graphs)  # one pool: a prefill's temporaries are a round's
+                                     pool=self._prefill_pool())
         self.prefill_prices = PrefillPrices()  # measured once the prefill graphs are captured (prepare)
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
         self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
@@ -222,12 +226,17 @@ class CudaBackend(Prefilling):
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def _prefill_pool(self) -> Graphs | None:
+        """The graphs whose memory pool the prefill graphs share: the rounds', where they run in
+        one stream (a prefill's temporaries are a round's); none beside them (their own pool)."""
+        return None if self.prefill_beside else self.graphs
+
     def set_draft_override(self, override: "DraftOverride | None") -> dict:
         """Rewrite every greedy draft step's drafts (draftline.core.simulated, for bench --acceptance);
         the graphs are captured again with it inside."""
         self.draft_override = override
         self.graphs = Graphs(enabled=self.graphs.enabled)
-        self.prefill_graphs = Graphs(enabled=self.prefill_graphs.enabled, pool=self.graphs)
+        self.prefill_graphs = Graphs(enabled=self.prefill_graphs.enabled, pool=self._prefill_pool())
         if self.graphs.enabled:  # the old graphs' pool back to the device before the new ones' captures
             torch.cuda.empty_cache()
         return self.prepare()
@@ -274,6 +283,7 @@ class CudaBackend(Prefilling):
         priced = time.perf_counter() - priced
         self.graphs.seal()
         self.prefill_graphs.seal()
+        self.beside.active = self.prefill_beside  # requests' prefills from now on
         self._origin = torch.cuda.Event(enable_timing=True)
         events.record(self._origin, self.device_index)
         torch.cuda.synchronize()
@@ -340,6 +350,7 @@ class CudaBackend(Prefilling):
     def launch(self, reqs: list[Request], width: int) -> Launch:
         n, bucket = len(reqs), self.bucket(len(reqs))
         width = min(width, self.width) if self.drafter is not None else 1
+        self.beside.join(reqs)  # rows whose prefill runs beside: their first round waits for it
         started = self._started()
         if self.cache.pager is not None:  # paged KV: pages for the positions this round and those in flight write
             for r in reqs:
@@ -531,6 +542,7 @@ class CudaBackend(Prefilling):
 
     def free(self, req: Request) -> None:
         self.bufs.forget()  # a preempted request comes back under its id in other slots
+        self.beside.forget(req.kv)
         if self.prefix_store is not None:
             self.prefix_store.release(req)
         if req.kv is not None:

@@ -90,12 +90,24 @@ class StaticKV:
         self.invariant = invariant
         # [(slots + 1) * Hkv] arrival counts of attention's programs, one per (row, kv head) (attend)
         self.tickets = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
+        self.prefill_tickets = torch.zeros_like(self.tickets)  # the prefills' (apart: prefills_apart)
         self.slots = SlotPool(num_slots, "KV")
         # a static slot's one page is its own
         self.pages = self.pager.pages if self.pager else Pages.identity_of(num_slots + 1, max_len, device)
 
     def allocate(self) -> int:
         return self.slots.allocate()
+
+    @contextmanager
+    def prefills_apart(self):
+        """Attention launched inside (a prefill's, eager or captured) counts its programs'
+        arrivals in tickets of its own: tickets go by a row's place in its launch, and prefills
+        may run beside the rounds (beside.py), whose launches count theirs in ``tickets``."""
+        self.tickets, shared = self.prefill_tickets, self.tickets
+        try:
+            yield
+        finally:
+            self.tickets = shared
 
     def reserve(self, slot: int, positions: int) -> None:
         """Room for the slot's positions 0 .. positions - 1 (a static slot has its whole context);
@@ -337,6 +349,15 @@ class StaticStore:
     def _ensure(self, num_layers: int, k: Tensor) -> StaticKV:
         """The caches, made on the first write from its keys [..., Hkv, T, D]."""
         return self._make(num_layers, k.shape[-3], k.shape[-1], k.dtype)
+
+    @contextmanager
+    def prefills_apart(self):
+        """StaticKV.prefills_apart for the caches, once made (the first write, a warm-up's)."""
+        if self.cache is None:
+            yield
+            return
+        with self.cache.prefills_apart():
+            yield
 
     def _make(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> StaticKV:
         if self.cache is None:

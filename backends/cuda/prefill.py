@@ -147,7 +147,18 @@ class Prefilling:
         width (causal attention: a prompt's tokens never see the padding after them; the
         padding's keys lie past the prompt's length, where the first round writes over them),
         the drafter's entries for the prompts in the same pass. Short ones replay a graph
-        captured at start-up for their (rows, width) bucket. One copy back for all."""
+        captured at start-up for their (rows, width) bucket. One copy back for all. Where asked
+        for, on a stream of its own beside the rounds (beside.py), but for rows that read
+        logits or prompt logprobs (their eager tail is the rounds' stream's)."""
+        if not self.beside.on:
+            return self._prefill_launch(reqs, ends)
+        if any(r.params.reads_logits or _prompt_logprobs(r) for r in reqs):
+            self.beside.join_all()  # in line, after the prefills beside (a prefix block one saved)
+            return self._prefill_launch(reqs, ends)
+        with self.beside.run(reqs):
+            return self._prefill_launch(reqs, ends)
+
+    def _prefill_launch(self, reqs: list[Request], ends: list[int] | None) -> Launch:
         started = self._started()  # the prefill's own device time (the round trace reads it)
         ends = [e if r.kv is not None else self._admit(r, e)
                 for r, e in zip(reqs, ends or [r.prefill_len for r in reqs])]
@@ -354,6 +365,11 @@ class Prefilling:
         a round's extension (from the features before them, in the ring). Also each chunk's
         first token as plain decoding draws it, placed (_first_draws: packed [rows, 3]); then the
         prefix store's copies its tables name (features kept, prompts' blocks saved)."""
+        with self.cache.prefills_apart(), self.kv.prefills_apart():  # beside the rounds: tickets apart
+            return self._prefill_forward(rows, width, hidden_out, later)
+
+    def _prefill_forward(self, rows: int, width: int, hidden_out: list | None, later: bool
+                         ) -> tuple[Tensor, Tensor | None, Tensor]:
         p = self.pre.view(rows, width)
         positions = p.start[:, None] + torch.arange(width, device=self.device)[None]  # [rows, P]
         attention = self.cache.prefill_attention(p.slots, start=p.start if later else None)

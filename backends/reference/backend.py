@@ -41,6 +41,7 @@ class ReferenceBackend:
     chunked_prefill = True  # a prompt may be prefilled in chunks over several steps
     features = frozenset({"penalties", "logprobs", "prompt_logprobs"})  # everything SamplingParams asks
     max_depth = default_depth = 0  # synchronous: a round reads the request as the host booked it
+    prefill_beside = False
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity | None = None):  # contiguous per-request caches grow as needed
