@@ -42,7 +42,7 @@ def _engine(path: str, slots: int, beside: bool, method: dict | None = None) -> 
 def _pass(engine: Engine, prompts: list[str], params: SamplingParams) -> tuple[float, int, int, int]:
     """(seconds, rounds, row-rounds, prefills) of one generate call over every prompt."""
     clock = engine.machine.clock
-    rounds, prefills, rows = clock.rounds, clock.prefills, 0
+    rounds, prefills = clock.rounds, clock.prefills
     torch.cuda.synchronize()
     start = time.perf_counter()
     done = engine.generate(prompts, params)

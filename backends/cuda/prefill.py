@@ -125,6 +125,12 @@ def _prompt_logprobs(req: Request) -> bool:
     return req.params.prompt_logprobs is not None and not req.recomputed
 
 
+def _eager_tail(reqs: list[Request]) -> bool:
+    """Whether a prefill's first tokens are drawn again eagerly over its logits: rows that
+    filter, adjust or report logits, or report the prompt's logprobs."""
+    return any(r.params.reads_logits or _prompt_logprobs(r) for r in reqs)
+
+
 def filtered(reqs: list[Request]) -> bool:
     """Rows with top-k or top-p need the full probability pass; the rest sample from logits."""
     return any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs)
@@ -152,7 +158,7 @@ class Prefilling:
         logits or prompt logprobs (their eager tail is the rounds' stream's)."""
         if not self.beside.on:
             return self._prefill_launch(reqs, ends)
-        if any(r.params.reads_logits or _prompt_logprobs(r) for r in reqs):
+        if _eager_tail(reqs):
             self.beside.join_all()  # in line, after the prefills beside (a prefix block one saved)
             return self._prefill_launch(reqs, ends)
         with self.beside.run(reqs):
@@ -254,7 +260,7 @@ class Prefilling:
                                                            lambda: self._prefill_step(rows, width, None, later)) \
             if self._prefill_graphed(rows, width, later) and hidden is None \
             else self._prefill_step(rows, width, hidden, later)
-        if hidden is None and not any(r.params.reads_logits for r in reqs):
+        if not _eager_tail(reqs):
             return packed[:n], []  # the step drew and placed them as plain decoding would
         logits, packed, done = logits[:n], packed[:n], [i for i, last in enumerate(ending) if last]
         # the eager tail's parameters, copied out: a copy is aligned whatever the row count
