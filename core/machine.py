@@ -249,7 +249,7 @@ class Machine:
         rest (just prefilled) joins the same round and catches up a round a step, so a batch
         stays one round instead of splitting into groups that never merge again."""
         ready = [r for r in running if r.in_flight <= self.depth and not r.cancelled]
-        rows = [r for r in ready if not Stops.done_in_flight(r, r.in_flight)]
+        rows = [r for r in ready if not self.stops.done_in_flight(r, r.in_flight)]
         if not rows:
             return False
         held = len(ready) - len(rows)  # counted once a step, on its first round (the trace reads it)

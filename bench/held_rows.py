@@ -1,0 +1,172 @@
+"""What holding a request out of new rounds costs and saves, offline: the real Machine, Scheduler
+and Stops over a stand-in device on a virtual clock, with closed-loop streams of the serving
+benchmark's shape (issue 22's: 128-token prompts, 256 new tokens, 8 x streams requests).
+
+With rounds in flight, a request near its length limit is held out of the next round when the
+rounds it has in flight should end it (``Stops.done_in_flight``). If they fall short it joins a
+round again, whose tokens come ``depth`` steps later: its stream sees a gap of about depth + 1
+steps. If it is not held, a round past its end is work thrown away. This prints, per rule, the
+streams' output rate on the virtual clock, the rows the rounds ran (a request's past its end too), the holds that
+fell short, and the worst token gap over the request's median (the serving benchmark's gap x),
+in steps and in time: "mean" is the rule before (held on the request's mean tokens a round),
+"shipped" the one in draftline.core.stops.
+
+`python bench/held_rows.py [--streams 64] [--width 8] [--rate 0.86] [--seeds 8]` (CPU, seconds;
+`--streams 16 --requests 48 --new-tokens 128 --width 16 --rate 0.75 --cost 0.35,0.002`: the tiny
+pair's 16 slots, launch-bound).
+The device's round costs ROUND_MS + ROW_MS a row (the 8B DFlash spec at width 8 on an H200: 32
+rows 11.4 ms, 64 rows 19.2 ms), a prefill PREFILL_MS + PROMPT_MS a prompt token."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from draftline.core.contract import RoundResult
+from draftline.core.machine import Machine, Plan
+from draftline.core.policy import DraftPolicy
+from draftline.core.request import Request, SpecStats
+from draftline.core.sampling import SamplingParams
+from draftline.core.scheduler import Scheduler
+from draftline.core.simulated import accepted_runs
+from draftline.core.stops import Stops
+
+ROUND_MS, ROW_MS = 3.5, 0.245
+PREFILL_MS, PROMPT_MS = 1.0, 0.02
+HOST_MS = 1.0  # the engine's own work a step, beside the device
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0  # ms
+
+
+class Device:
+    """Launches queue on one virtual stream; collecting one moves the clock to its end."""
+
+    name, max_depth, prefill_beside = "stand-in", 2, False
+
+    def __init__(self, clock: Clock, rate: float, width: int, seed: int, cost: tuple[float, float]):
+        import random
+
+        self.cost = cost  # (ms a round, ms a row)
+        self.clock, self.rate, self.width, self.rng, self.free_at = clock, rate, width, random.Random(seed), 0.0
+        self.rows_run = 0
+
+    def _enqueue(self, ms: float) -> float:
+        self.free_at = max(self.clock.now, self.free_at) + ms
+        return self.free_at
+
+    def verify_widths(self, rows: int) -> tuple[int, ...]:
+        return (self.width,)
+
+    def prefill(self, reqs, ends):
+        tokens = sum(end - r.prefilled for r, end in zip(reqs, ends))
+        for req, end in zip(reqs, ends):
+            req.prefilled = end
+        n = len(reqs)
+        return self._enqueue(PREFILL_MS + PROMPT_MS * tokens), RoundResult([True] * n, [0] * n, [[7]] * n, [[]] * n)
+
+    def launch(self, reqs, width):
+        self.rows_run += len(reqs)
+        accepted = accepted_runs(self.rng, len(reqs), width, self.rate)
+        done = self._enqueue(self.cost[0] + self.cost[1] * len(reqs))
+        return done, RoundResult([True] * len(reqs), accepted, [[7] * (a + 1) for a in accepted],
+                                 [[5] * (width - 1) for _ in reqs])
+
+    def collect(self, handle):
+        done, result = handle
+        self.clock.now = max(self.clock.now, done)
+        return result
+
+    def free(self, req) -> None:
+        pass
+
+
+class Timed(Stops):
+    """Stops that note when (virtual ms) and in which step each request's tokens arrive."""
+
+    def __init__(self, clock: Clock, machine_steps, rule: str):
+        super().__init__(lambda ids: "")
+        self.clock, self.steps, self.rule = clock, machine_steps, rule
+        self.arrivals: dict[int, list[tuple[float, int]]] = {}
+
+    def apply(self, req, tokens):
+        kept = super().apply(req, tokens)
+        if kept:
+            self.arrivals.setdefault(req.rid, []).append((self.clock.now, self.steps()))
+        return kept
+
+    def done_in_flight(self, req, rounds):
+        return _by_mean(req, rounds) if self.rule == "mean" else Stops.done_in_flight(req, rounds)
+
+
+def _by_mean(req: Request, rounds: int) -> bool:
+    """The rule before: the rounds in flight each emitting the request's mean tokens a round."""
+    stats, out = req.stats, len(req.output_ids)
+    expected = out + rounds * (max(1.0, stats.round_tokens / stats.verify_ct) if stats.verify_ct else 1.0)
+    return expected >= req.params.max_new_tokens or len(req.prompt_ids) + expected >= req.max_model_len
+
+
+def run(rule: str, streams: int, width: int, rate: float, seed: int, new_tokens: int = 256, requests: int = 0,
+        cost: tuple[float, float] = (ROUND_MS, ROW_MS)) -> dict:
+    clock = Clock()
+    device = Device(clock, rate, width, seed, cost)
+    scheduler = Scheduler(streams, 8192)
+    holder: list[Machine] = []
+    stops = Timed(clock, lambda: holder[0].steps, rule)
+    machine = Machine(Plan("dflash", "parallel", width - 1), device, scheduler, DraftPolicy("always"), stops, depth=2)
+    holder.append(machine)
+    total, sent = requests or 8 * streams, 0
+
+    def send() -> None:
+        nonlocal sent
+        scheduler.add(Request(rid=sent, prompt_ids=[1] * 128, params=SamplingParams(max_new_tokens=new_tokens,
+                              ignore_eos=True), stop_ids=frozenset(), max_model_len=1024, stats=SpecStats(width - 1)))
+        sent += 1
+
+    for _ in range(streams if not requests else total):  # --requests: every one queued at once (Engine.generate)
+        send()
+    while scheduler.has_work():
+        finished = machine.step()
+        clock.now += HOST_MS
+        for _ in finished:
+            if sent < total and not requests:
+                send()
+    gaps_t, gaps_s, short = [], [], 0
+    for times in stops.arrivals.values():
+        dt = [b[0] - a[0] for a, b in zip(times, times[1:])]
+        ds = [b[1] - a[1] for a, b in zip(times, times[1:])]
+        gaps_t.append(max(dt) / statistics.median(dt))
+        gaps_s.append(max(ds))
+        short += sum(d > 2 for d in ds)
+    return {"tok/s": total * new_tokens / clock.now * 1e3, "rounds": machine.clock.rounds,
+            "rows": device.rows_run, "short": short,
+            "gap x p50": statistics.median(gaps_t), "gap x max": max(gaps_t),
+            "gap steps max": max(gaps_s), "streams with a gap > 2 steps": sum(g > 2 for g in gaps_s)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=0.86)
+    ap.add_argument("--seeds", type=int, default=8, help="runs per rule, each its own draws (means are printed)")
+    ap.add_argument("--requests", type=int, default=0, help="queue this many at once instead of closed-loop streams")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--cost", default=f"{ROUND_MS},{ROW_MS}", help="ms a round, ms a row")
+    args = ap.parse_args()
+    cost = tuple(map(float, args.cost.split(",")))
+    print(f"{'rule':<9}{'tok/s':>8}{'rounds':>8}{'rows':>8}{'short':>7}{'gap x p50':>11}{'gap x max':>11}"
+          f"{'steps max':>11}{'streams > 2 steps':>19}")
+    for rule in ("mean", "shipped"):
+        runs = [run(rule, args.streams, args.width, args.rate, seed, args.new_tokens, args.requests, cost)
+                for seed in range(args.seeds)]
+        m = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+        print(f"{rule:<9}{m['tok/s']:>8.0f}{m['rounds']:>8.1f}{m['rows']:>8.0f}{m['short']:>7.1f}{m['gap x p50']:>11.2f}"
+              f"{m['gap x max']:>11.2f}{max(r['gap steps max'] for r in runs):>11}"
+              f"{m['streams with a gap > 2 steps']:>19.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
