@@ -83,6 +83,28 @@ def test_linear_partials_feed_add_norm(m):
     torch.testing.assert_close(normed, ref, rtol=1e-5, atol=1e-4)
 
 
+def test_a_small_weight_past_the_matvec_rows_is_one_launch_whatever_the_rows(monkeypatch):
+    """A launch-bound weight past the decode matvec's 64 rows (a tiny drafter's 16-token blocks
+    at 16 rows): the invariant matvec, the gated form's SiLU·up inside it (no second launch), and
+    a row's values the same bits whatever the rows beside it; a large weight keeps the library."""
+    import draftline.backends.cuda.fused as fused
+
+    def library(*args, **kwargs):
+        raise AssertionError("a launch-bound product went to the matrix library")
+
+    torch.manual_seed(0)
+    x = torch.randn(130, 128, device=DEV)
+    w = torch.randn(2 * 96, 128, device=DEV) / 8
+    monkeypatch.setattr(fused.F, "linear", library)
+    monkeypatch.setattr(fused, "silu_mul", library)
+    y = linear(x, w, gated=True)
+    torch.testing.assert_close(y.double(), _ref(x, w, True), rtol=1e-4, atol=1e-4)
+    assert torch.equal(linear(x[:70], w, gated=True), y[:70])
+    monkeypatch.undo()
+    assert fused.launch_bound(65, w) and not fused.launch_bound(64, w)
+    assert not fused.launch_bound(65, torch.empty(4096, 4096, device="meta"))
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_norm_adds_partial_sums(m):
     """A projection's partial sums normalized with no residual (a DFlash context's fc + norm)."""

@@ -30,7 +30,7 @@ from draftline.core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import (MAX_ROWS, ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, invariant_tiling, matvec,
+from .matvec import (MAX_ROWS, WIDE_WEIGHTS, ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, invariant_tiling, matvec,
                      matvec_argmax, matvec_draw)
 from .pages import launch_args, page_size, paged
 from .sliding import Window, attend_window
@@ -223,7 +223,15 @@ def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtyp
     matrix library. ``gated``: weight is [gate; up] and the result silu(gate) * up. Whole
     results are rounded to x's dtype, then stored as ``out_dtype`` when given. ``invariant``:
     the matvec at every M, its reductions fixed by the weight's shape (matvec.invariant_tiling),
-    where the matrix library's algorithm would change with M."""
+    where the matrix library's algorithm would change with M; a launch-bound weight past the
+    matvec's rows takes that form too (launch_bound)."""
+    return product(x, weight, gated, out_dtype, invariant or launch_bound(x.shape[0], weight))
+
+
+def product(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtype | None = None,
+            invariant: bool = False) -> Tensor:
+    """linear's product as asked: the decode matvec up to its rows, else the matrix library's
+    (a small weight's too: one product, not partial sums, for callers that want whole values)."""
     n, k = weight.shape[0] // (2 if gated else 1), weight.shape[1]
     tiling = invariant_tiling(n, k, gated) if invariant else choose_tiling(x.shape[0], n, k, gated)
     if tiling is not None:
@@ -232,6 +240,16 @@ def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtyp
     if gated:
         y = silu_mul(y)
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def launch_bound(m: int, weight: Tensor) -> bool:
+    """Whether x [m, K] @ weight.T past the decode matvec's rows is a small model's product,
+    whose launch costs what its work does: the invariant matvec's row tiles then serve it in
+    one launch, the gated form's SiLU·up inside, where the matrix library took two (a tiny
+    drafter's 16-token blocks at 16 rows: four layers' products a round), and past those rows a
+    row's values do not change with M. A large weight's product is arithmetic-bound there: the
+    library's."""
+    return m > MAX_ROWS and weight.numel() < WIDE_WEIGHTS
 
 
 def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor, invariant: bool = False) -> Tensor:
@@ -244,7 +262,7 @@ def lm_logits(lm_head: torch.nn.Linear, hidden: Tensor, invariant: bool = False)
     if whole is not None:  # the sums head_draw folds (split 1): a row's logits are the same bits in either round
         return matvec(flat, lm_head.weight, whole, out_dtype=torch.float32, invariant=True).view(
             *hidden.shape[:-1], -1)
-    out = linear(flat, lm_head.weight, out_dtype=torch.float32, invariant=invariant)
+    out = product(flat, lm_head.weight, out_dtype=torch.float32, invariant=invariant)
     if out.dim() == 3:  # partial sums
         out = out.sum(0).to(hidden.dtype)
     return out.float().view(*hidden.shape[:-1], -1)
