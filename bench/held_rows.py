@@ -12,8 +12,8 @@ in steps and in time: "mean" is the rule before (held on the request's mean toke
 "shipped" the one in draftline.core.stops.
 
 `python bench/held_rows.py [--streams 64] [--width 8] [--rate 0.86] [--seeds 8]` (CPU, seconds;
-`--streams 16 --requests 48 --new-tokens 128 --width 16 --rate 0.75 --cost 0.35,0.002`: the tiny
-pair's 16 slots, launch-bound).
+`--streams 16 --requests 48 --new-tokens 128 --width 16 --rate 0.75 --cost 0.35,0.002 --host-ms 0.15`:
+the tiny pair's 16 slots, launch-bound).
 The device's round costs ROUND_MS + ROW_MS a row (the 8B DFlash spec at width 8 on an H200: 32
 rows 11.4 ms, 64 rows 19.2 ms), a prefill PREFILL_MS + PROMPT_MS a prompt token."""
 
@@ -109,7 +109,7 @@ def _by_mean(req: Request, rounds: int) -> bool:
 
 
 def run(rule: str, streams: int, width: int, rate: float, seed: int, new_tokens: int = 256, requests: int = 0,
-        cost: tuple[float, float] = (ROUND_MS, ROW_MS)) -> dict:
+        cost: tuple[float, float] = (ROUND_MS, ROW_MS), host_ms: float = HOST_MS) -> dict:
     clock = Clock()
     device = Device(clock, rate, width, seed, cost)
     scheduler = Scheduler(streams, 8192)
@@ -129,7 +129,7 @@ def run(rule: str, streams: int, width: int, rate: float, seed: int, new_tokens:
         send()
     while scheduler.has_work():
         finished = machine.step()
-        clock.now += HOST_MS
+        clock.now += host_ms
         for _ in finished:
             if sent < total and not requests:
                 send()
@@ -155,12 +155,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="queue this many at once instead of closed-loop streams")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--cost", default=f"{ROUND_MS},{ROW_MS}", help="ms a round, ms a row")
+    ap.add_argument("--host-ms", type=float, default=HOST_MS, help="the engine's own work a step")
     args = ap.parse_args()
     cost = tuple(map(float, args.cost.split(",")))
     print(f"{'rule':<9}{'tok/s':>8}{'rounds':>8}{'rows':>8}{'short':>7}{'gap x p50':>11}{'gap x max':>11}"
           f"{'steps max':>11}{'streams > 2 steps':>19}")
     for rule in ("mean", "shipped"):
-        runs = [run(rule, args.streams, args.width, args.rate, seed, args.new_tokens, args.requests, cost)
+        runs = [run(rule, args.streams, args.width, args.rate, seed, args.new_tokens, args.requests, cost, args.host_ms)
                 for seed in range(args.seeds)]
         m = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
         print(f"{rule:<9}{m['tok/s']:>8.0f}{m['rounds']:>8.1f}{m['rows']:>8.0f}{m['short']:>7.1f}{m['gap x p50']:>11.2f}"

@@ -87,6 +87,10 @@ class DraftRows:
     # the backend's block_window (the cuda backend's is one launch)
     block_window: Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]] = block_window
     drafts: int = 0  # drafts the round verifies (a narrower verify; 0: K): a drafter may propose only those
+    # [N, W] int64: the positions start .. start + W - 1 of the window extend_rows (prefill_rows) is
+    # given, where the backend has them on the device already (its verify's, its prefill's); else
+    # a drafter that needs them makes them
+    positions: Tensor | None = None
 
     def verified(self, k: int) -> int:
         """The drafts the round verifies, at most K: the steps a chain runs, the block slots a

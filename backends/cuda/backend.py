@@ -442,7 +442,7 @@ class CudaBackend(Prefilling):
 
     # ------------------------------------------------------------------ draft
 
-    def _rows(self, bucket: int, drafts: int = 0) -> DraftRows:
+    def _rows(self, bucket: int, drafts: int = 0, positions: Tensor | None = None) -> DraftRows:
         b = self.bufs
         slots, start = b.row(SLOT, bucket), b.row(START, bucket)
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
@@ -450,7 +450,7 @@ class CudaBackend(Prefilling):
                          target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
                          head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window,
-                         drafts=drafts)
+                         drafts=drafts, positions=positions)
 
     def _draft_step(self, bucket: int, width: int) -> None:
         """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps)."""
@@ -474,7 +474,7 @@ class CudaBackend(Prefilling):
             if self.drafter is not None and self.drafter.graph_safe and not started:
                 started = True  # beside the layers after the last tap and the LM head: only the next round
                 with self.branch.fork():  # reads the drafter's cache; ring row start - 1 is not written below
-                    self.drafter.extend_rows(self._rows(bucket), features, ids)
+                    self.drafter.extend_rows(self._rows(bucket, positions=positions), features, ids)
 
         attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True, tapped=extend)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack

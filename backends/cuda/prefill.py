@@ -383,9 +383,9 @@ class Prefilling:
         if hidden_out is not None:
             hidden_out.append(hidden)
         if self.drafter is not None and later:
-            self.drafter.extend_rows(self._draft_rows(p, rows, later), features, p.ids)
+            self.drafter.extend_rows(self._draft_rows(p, rows, later, positions), features, p.ids)
         elif self.drafter is not None:
-            self.drafter.prefill_rows(self._draft_rows(p, rows, later), features, p.ids)
+            self.drafter.prefill_rows(self._draft_rows(p, rows, later, positions), features, p.ids)
         ends = torch.arange(rows, device=self.device), p.at - 1
         if self.ring is not None:  # a chunk's last features: the next chunk's, or the first round's
             self.ring.write(p.slots, p.start + ends[1], features[ends][:, None])
@@ -397,7 +397,7 @@ class Prefilling:
             self.prefix_store.copy(p.saves, p.stages, p.counts, features)
         return logits, features, packed
 
-    def _draft_rows(self, p: PrefillView, rows: int, later: bool) -> DraftRows:
+    def _draft_rows(self, p: PrefillView, rows: int, later: bool, positions: Tensor | None = None) -> DraftRows:
         """The chunks' rows as a drafter sees them, from each chunk's start (0 for first chunks);
         ``later`` chunks as a round's extension, with the features before them from the ring
         (the last chunk's last)."""
@@ -406,7 +406,7 @@ class Prefilling:
                          caches=Rows(p.draft_slots, p.start),
                          target_kv=FrozenTargetKV(self.cache, p.slots, p.start), features=features,
                          block_window=block_window,
-                         head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax))
+                         head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax), positions=positions)
 
     def _prefill_shape(self, n: int, longest: int, room: int | None = None) -> tuple[int, int]:
         """(rows, width) to prefill n prompts at: a batch bucket, and a width in few sizes

@@ -190,7 +190,9 @@ class DFlashDrafter(Drafter):
             self.kv.append(req.draft_state, layer, k[0], v[0])
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
-        positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)  # [N, W]
+        positions = rows.positions  # [N, W]
+        if positions is None:
+            positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)
         m = self.model
         self.kv.write_projected(rows.caches, m.layers, features, positions, m.rotary, fc=m.fc,
                                 hidden_norm=m.hidden_norm)
