@@ -23,7 +23,7 @@ from draftline.core.training.corpus import read_prompts  # noqa: E402
 
 NOT_LAUNCHES = {"empty", "empty_strided", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "select",
                 "slice", "unsqueeze", "squeeze", "reshape", "as_strided", "detach", "alias", "unflatten", "split",
-                "split_with_sizes", "unbind", "_reshape_alias", "lift_fresh", "empty_like",
+                "split_with_sizes", "unbind", "_reshape_alias", "lift_fresh", "empty_like", "new_empty",
                 "resolve_conj", "resolve_neg"}  # views, allocations, and flag checks that copy nothing here
 
 

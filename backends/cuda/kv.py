@@ -31,9 +31,13 @@ PARTIALS_BYTES = 256 << 20  # an invariant prefill launch's split outputs at mos
 LONG_WINDOW = 64  # query rows (new tokens x heads per KV head) past which eager attention leaves the decode kernel
 
 
-def rms_norm(x: Tensor, module) -> Tensor:
-    """An RMSNorm module over x [..., H] in one launch (fused.norm): the fused forms' ``norm``."""
+def rms_norm(x: Tensor, module, out: Tensor | None = None) -> Tensor:
+    """An RMSNorm module over x [..., H] in one launch (fused.norm): the fused forms' ``norm``.
+    Into ``out`` [..., H] when given, which may be columns of a wider tensor (returned as is)."""
     rows = x.numel() // x.shape[-1]
+    if out is not None:
+        norm(x.reshape(rows, -1), module.weight, module.eps, rows, out=out.view(rows, -1))
+        return out
     return norm(x.reshape(rows, -1), module.weight, module.eps, rows).view(x.shape)
 
 
@@ -242,6 +246,9 @@ class Rows:
 
     slots: Tensor  # [N] int64
     start: Tensor  # [N] int64, position of each row's first new token
+    # [N] int64: start + the width of the one forward these rows serve, where the caller has it on
+    # the device already (a chain's next positions); else computed once a forward (a launch)
+    end: Tensor | None = None
 
 
 class RowsAttention:
@@ -256,6 +263,8 @@ class RowsAttention:
         self._lengths: dict[int, Tensor] = {}  # W -> kv_len, computed once per forward
 
     def kv_len(self, width: int) -> Tensor:
+        if self.rows.end is not None:
+            return self.rows.end
         if width not in self._lengths:
             self._lengths[width] = self.rows.start + width
         return self._lengths[width]
@@ -413,9 +422,10 @@ class StaticStore:
             return self._ensure(num_layers, k).prefill_attention(rows.slots, sliding)(layer, q, k, v)
         return attention
 
-    def at(self, rows: Rows, start: Tensor) -> Rows:
-        """The same rows with their new keys going at ``start`` [N] (a chain's later steps)."""
-        return Rows(rows.slots, start)
+    def at(self, rows: Rows, start: Tensor, end: Tensor | None = None) -> Rows:
+        """The same rows with their new keys going at ``start`` [N] (a chain's later steps);
+        ``end`` [N]: start + the forward's width, where the caller has it (Rows.end)."""
+        return Rows(rows.slots, start, end)
 
     def attention(self, caches: Rows | list[Slot], causal: bool, persist: bool, windows: dict[int, int] | None = None,
                   anchor: Tensor | None = None, block_causal: bool = False, per_query: bool = False

@@ -228,18 +228,18 @@ class Eagle3Drafter(Drafter):
         rows.features), then K-1 chained steps (fewer where the round verifies fewer drafts:
         rows.verified), one position on each -> logits [N, K, V]."""
         first = (rows.start - 1).clamp(min=0)  # [N]
-        attn = self._attention(rows, first, first)
-        out = self.model.step(self.model.embed(self.target, rows.last_token[:, None]),
-                              self.model.fuse(rows.features[:, None]), first[:, None], attn)  # [N, 1, H]
         steps, k = [], rows.verified(self.plan.num_speculative_tokens)
         later = _later_positions(first, k)
+        attn = self._attention(rows, first, first, later[0])
+        out = self.model.step(self.model.embed(self.target, rows.last_token[:, None]),
+                              self.model.fuse(rows.features[:, None]), first[:, None], attn)  # [N, 1, H]
         for j in range(k):
             steps.append(self.model.logits(out[:, 0]))  # [N, V]
             if j == k - 1:
                 break
             token = self._pick_rows(steps[-1], rows, j)  # [N]
             at = later[j]
-            attn = self._attention(rows, at, first)
+            attn = self._attention(rows, at, first, later[j + 1])
             out = self.model.step(self.model.embed(self.target, token[:, None]), self.model.next_hidden(out),
                                   at[:, None], attn)
         return torch.stack(steps, dim=1)
@@ -247,17 +247,17 @@ class Eagle3Drafter(Drafter):
     def _greedy_rows(self, rows: DraftRows) -> Tensor:
         """_chain_rows for greedy drafts, reading out tokens (no logits) -> [N, K]."""
         first = (rows.start - 1).clamp(min=0)  # [N]
-        attn = self._attention(rows, first, first)
-        out, normed = self.model.step_normed(self.model.embed(self.target, rows.last_token[:, None]),
-                                             self.model.fuse(rows.features[:, None]), first[:, None], attn)
         tokens, k = [], rows.verified(self.plan.num_speculative_tokens)
         later = _later_positions(first, k)
+        attn = self._attention(rows, first, first, later[0])
+        out, normed = self.model.step_normed(self.model.embed(self.target, rows.last_token[:, None]),
+                                             self.model.fuse(rows.features[:, None]), first[:, None], attn)
         for j in range(k):
             tokens.append(self._greedy(self.model.readout(out, normed)[:, 0], rows))  # [N]
             if j == k - 1:
                 break
             at = later[j]
-            attn = self._attention(rows, at, first)
+            attn = self._attention(rows, at, first, later[j + 1])
             out, normed = self.model.step_normed(self.model.embed(self.target, tokens[-1][:, None]),
                                                  self.model.next_hidden(out, normed), at[:, None], attn)
         return torch.stack(tokens, dim=1)
@@ -269,10 +269,11 @@ class Eagle3Drafter(Drafter):
             return rows.head_argmax(self.model.lm_head, readout)
         return self.model.greedy(readout, rows.head_argmax)
 
-    def _attention(self, rows: DraftRows, at: Tensor, first: Tensor):
-        """Positional store: attention for new keys at ``at`` [N] of a chain started at ``first``
-        [N], whose sliding windows stay where they were at the chain's start (as the reference's)."""
-        return self.kv.attention(self.kv.at(rows.caches, at), causal=True, persist=True, windows=self.windows,
+    def _attention(self, rows: DraftRows, at: Tensor, first: Tensor, end: Tensor):
+        """Positional store: attention for a new key at ``at`` [N] (``end`` = at + 1, already on
+        the device) of a chain started at ``first`` [N], whose sliding windows stay where they
+        were at the chain's start (as the reference's)."""
+        return self.kv.attention(self.kv.at(rows.caches, at, end), causal=True, persist=True, windows=self.windows,
                                  anchor=first)
 
     def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
@@ -328,9 +329,10 @@ class Eagle3Drafter(Drafter):
 
 
 def _later_positions(first: Tensor, k: int) -> Tensor:
-    """A chain's later steps' positions [K - 1, N], step j + 1's in row j (contiguous, as the
-    attention reads a start): made in one go, not two launches a step inside the draft graph."""
-    return first[None] + torch.arange(1, max(k, 1), device=first.device)[:, None]
+    """A chain's later positions [K, N], first + 1 + j in row j (contiguous rows): step j + 1's
+    position and step j's end (its keys' count), made in one go, not a launch or two a step
+    inside the draft graph."""
+    return first[None] + torch.arange(1, max(k, 1) + 1, device=first.device)[:, None]
 
 
 # ---------------------------------------------------------------- training objective

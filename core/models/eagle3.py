@@ -140,8 +140,10 @@ class Eagle3DraftModel(nn.Module):
         m = self.midlayer
         # each layer's closing add+norm is the next one's input norm (the last's: the final norm)
         closing = [layer.input_layernorm for layer in self.extra_layers] + [self.norm]
-        normed = attn.norm(hidden, m.hidden_norm)
-        x = torch.cat([attn.norm(embeds, m.input_layernorm), normed], dim=-1)  # [B, T, 2H]
+        h = embeds.shape[-1]
+        x = embeds.new_empty(*embeds.shape[:-1], 2 * h)  # [B, T, 2H]: the two norms write its halves
+        attn.norm(embeds, m.input_layernorm, out=x[..., :h])
+        normed = attn.norm(hidden, m.hidden_norm, out=x[..., h:])
         out, x = layer_fn(m, normed if m.norm_before_residual else hidden, x, positions, self.rotary, 0, closing[0])
         for i, layer in enumerate(self.extra_layers, start=1):  # plain decoder layers on the first's output
             out, x = layer_fn(layer, out, x, positions, self.rotary, i, closing[i])
