@@ -153,6 +153,30 @@ def test_embed_beside_is_the_scaled_rows_then_the_other(dtype):
         embed_beside(table, ids, 2.0, other[:3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_normed_beside_is_the_two_norms_side_by_side(dtype, rows):
+    """An EAGLE-3 step's input in one launch: the embedding rows and the hidden state through
+    their own RMSNorms, side by side, the same bits as two norm launches (and the eager norms)."""
+    from draftline.backends.cuda.embedding import normed_beside
+    from draftline.core.models.layers import RMSNorm
+
+    torch.manual_seed(rows)
+    table = torch.randn(100, 48, device=DEV).to(dtype)
+    ids = torch.randint(0, 100, (rows, 1), device=DEV)
+    other = torch.randn(rows, 1, 48, device=DEV).to(dtype)
+    norm_a, norm_b = RMSNorm(48, 1e-6).to(DEV, dtype), RMSNorm(48, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm_a.weight.uniform_(0.5, 1.5)
+        norm_b.weight.uniform_(0.5, 1.5)
+        got = normed_beside(table, ids, norm_a, other, norm_b)
+        two = [norm(x.reshape(rows, 48), n.weight, n.eps, rows) for x, n in ((table[ids], norm_a), (other, norm_b))]
+        assert torch.equal(got.reshape(rows, 96), torch.cat(two, dim=-1))
+        torch.testing.assert_close(got, torch.cat([norm_a(table[ids]), norm_b(other)], dim=-1))
+    with pytest.raises(ValueError, match="does not follow ids"):
+        normed_beside(table, ids, norm_a, other[..., :40], norm_b)
+
+
 @pytest.mark.parametrize("m", [1, 15])
 def test_head_argmax_is_the_first_largest_rounded_logit(m):
     """The greedy readout that never writes logits: torch's argmax over the head's output in

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import INVARIANT_QUERY_ROWS, CacheAttention, Splits, attend, invariant_split_plan, split_plan, store_kv
-from .embedding import embed_beside
+from .embedding import embed_beside, normed_beside
 from .fused import add_norm, layer_body, linear_norm, norm, project_kv_stack, query_layer_body, run_stack
 from .pages import Pages, PageTable
 from .sliding import Window, attend_window, layer_windows, window_mask
@@ -324,6 +324,7 @@ class RowsAttention:
         return out.view(n, w, -1), normed.view(n, w, -1)
 
     norm = staticmethod(rms_norm)
+    normed_beside = staticmethod(normed_beside)
 
 
 class StaticStore:

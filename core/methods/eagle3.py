@@ -250,7 +250,7 @@ class Eagle3Drafter(Drafter):
         tokens, k = [], rows.verified(self.plan.num_speculative_tokens)
         later = _later_positions(first, k)
         attn = self._attention(rows, first, first, later[0])
-        out, normed = self.model.step_normed(self.model.embed(self.target, rows.last_token[:, None]),
+        out, normed = self.model.step_tokens(self.target, rows.last_token[:, None],
                                              self.model.fuse(rows.features[:, None]), first[:, None], attn)
         for j in range(k):
             tokens.append(self._greedy(self.model.readout(out, normed)[:, 0], rows))  # [N]
@@ -258,7 +258,7 @@ class Eagle3Drafter(Drafter):
                 break
             at = later[j]
             attn = self._attention(rows, at, first, later[j + 1])
-            out, normed = self.model.step_normed(self.model.embed(self.target, tokens[-1][:, None]),
+            out, normed = self.model.step_tokens(self.target, tokens[-1][:, None],
                                                  self.model.next_hidden(out, normed), at[:, None], attn)
         return torch.stack(tokens, dim=1)
 

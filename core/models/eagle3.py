@@ -137,14 +137,32 @@ class Eagle3DraftModel(nn.Module):
         if layer_fn is None:
             out = self.step(embeds, hidden, positions, attn)
             return out, self.norm(out)
-        m = self.midlayer
-        # each layer's closing add+norm is the next one's input norm (the last's: the final norm)
-        closing = [layer.input_layernorm for layer in self.extra_layers] + [self.norm]
-        h = embeds.shape[-1]
+        m, h = self.midlayer, embeds.shape[-1]
         x = embeds.new_empty(*embeds.shape[:-1], 2 * h)  # [B, T, 2H]: the two norms write its halves
         attn.norm(embeds, m.input_layernorm, out=x[..., :h])
-        normed = attn.norm(hidden, m.hidden_norm, out=x[..., h:])
-        out, x = layer_fn(m, normed if m.norm_before_residual else hidden, x, positions, self.rotary, 0, closing[0])
+        attn.norm(hidden, m.hidden_norm, out=x[..., h:])
+        return self._fused_layers(x, hidden, positions, layer_fn)
+
+    def step_tokens(self, target, tokens: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn
+                    ) -> tuple[Tensor, Tensor]:
+        """step_normed() for tokens [B, T], embedded here: where the attention offers
+        ``normed_beside(table, ids, norm_a, other, norm_b) -> [..., 2H]`` (a backend's kernel: the
+        embedding rows and both input norms in one launch), through it."""
+        layer_fn, beside = getattr(attn, "decoder_layer", None), getattr(attn, "normed_beside", None)
+        if layer_fn is None or beside is None:
+            return self.step_normed(self.embed(target, tokens), hidden, positions, attn)
+        table = (target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens).weight
+        m = self.midlayer
+        x = beside(table, tokens, m.input_layernorm, hidden, m.hidden_norm)  # [B, T, 2H]
+        return self._fused_layers(x, hidden, positions, layer_fn)
+
+    def _fused_layers(self, x: Tensor, hidden: Tensor, positions: Tensor, layer_fn) -> tuple[Tensor, Tensor]:
+        """The layers of step_normed from the first layer's input x = [norm(embeds), norm(hidden)]
+        [B, T, 2H] -> (out, norm(out))."""
+        m, h = self.midlayer, hidden.shape[-1]
+        # each layer's closing add+norm is the next one's input norm (the last's: the final norm)
+        closing = [layer.input_layernorm for layer in self.extra_layers] + [self.norm]
+        out, x = layer_fn(m, x[..., h:] if m.norm_before_residual else hidden, x, positions, self.rotary, 0, closing[0])
         for i, layer in enumerate(self.extra_layers, start=1):  # plain decoder layers on the first's output
             out, x = layer_fn(layer, out, x, positions, self.rotary, i, closing[i])
         return out, x
