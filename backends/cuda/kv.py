@@ -263,6 +263,9 @@ class RowsAttention:
         self._lengths: dict[int, Tensor] = {}  # W -> kv_len, computed once per forward
 
     def kv_len(self, width: int) -> Tensor:
+        """Each row's keys after a forward of ``width`` new ones: rows.end where the caller gave
+        it (its promise that it is start + width: a device tensor cannot be checked without a
+        wait), else start + width, one launch a forward."""
         if self.rows.end is not None:
             return self.rows.end
         if width not in self._lengths:
