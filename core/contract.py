@@ -133,8 +133,9 @@ class KVStore(Protocol):
     # every DecoderLayer's k/v projection of x, or of hidden_norm(fc(x)) (k-norm, RoPE), at each
     # row's positions start .. start+W-1; and at(caches, start [N], end=None) -> the same rows' handle
     # with new keys going at ``start`` (``end`` [N]: start + the width of the one forward it serves,
-    # where the caller has it on the device; else the store adds it); and prefill_attention(caches, num_layers, windows=None) -> causal
-    # attention among the rows' first T entries, stored at positions 0 .. T - 1 (a batched prefill's).
+    # where the caller has it on the device; else the store adds it); and prefill_attention(caches,
+    # num_layers, windows=None) -> causal attention among the rows' first T entries, stored at
+    # positions 0 .. T - 1 (a batched prefill's).
 
 
 @dataclass(frozen=True)

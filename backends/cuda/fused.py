@@ -30,8 +30,8 @@ from draftline.core.models.layers import DecoderLayer, RMSNorm, Rotary
 
 from . import overlap
 from .attention import attend
-from .matvec import (MAX_ROWS, WIDE_WEIGHTS, ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted, invariant_tiling, matvec,
-                     matvec_argmax, matvec_draw)
+from .matvec import (MAX_ROWS, WIDE_WEIGHTS, ArgmaxScratch, Draw, Tiling, choose_tiling, interpreted,
+                     invariant_tiling, matvec, matvec_argmax, matvec_draw)
 from .pages import launch_args, page_size, paged
 from .sliding import Window, attend_window
 
