@@ -12,6 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
+from .fused import norm_warps, rms_row
 
 
 @triton.jit
@@ -63,9 +64,8 @@ def _normed_beside_kernel(table, ids, other, w_a, w_b, out, H, so, eps, BLOCK: t
         src = other + r * so
         weight = tl.load(w_b + cols, mask=inside, other=0.0)
     dt = out.dtype.element_ty
-    x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32).to(dt).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    tl.store(out + r * 2 * H + j * H + cols, (weight * (x * rstd).to(dt)).to(dt), mask=inside)
+    x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32).to(dt).to(tl.float32)  # as fused.norm reads
+    tl.store(out + r * 2 * H + j * H + cols, rms_row(x, weight, H, eps, dt), mask=inside)
 
 
 def normed_beside(table: Tensor, ids: Tensor, norm_a, other: Tensor, norm_b) -> Tensor:
@@ -82,5 +82,5 @@ def normed_beside(table: Tensor, ids: Tensor, norm_a, other: Tensor, norm_b) -> 
     out = torch.empty(*ids.shape, 2 * width, dtype=table.dtype, device=table.device)
     _normed_beside_kernel[(rows, 2)](table, ids.contiguous(), flat, norm_a.weight, norm_b.weight, out, width,
                                      flat.stride(0), norm_a.eps, BLOCK=triton.next_power_of_2(width),
-                                     num_warps=16 if rows > 1 else 4, **overlap.launch(release=True))
+                                     num_warps=norm_warps(rows), **overlap.launch(release=True))
     return out

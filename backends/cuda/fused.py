@@ -50,13 +50,20 @@ def _summed(a, offsets, mask, stride, dt, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, sy, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
+def rms_row(s, weight, H, eps, dt):
+    """One row's rmsnorm(s) * weight, s [BLOCK] float32 (zero past H), rounded to ``dt`` as the
+    eager RMSNorm module rounds: every fused norm's last step (embedding.normed_beside's too)."""
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
+    return (weight * (s * rstd).to(dt)).to(dt)
+
+
+@triton.jit
+def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
                      PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, KEEP: tl.constexpr = False):
     """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w.
     Without HAS_H, s = a (its partial sums added and rounded), written to h_out only with KEEP. h and
     h_out rows are ``sh`` and ``so`` apart (a tapped layer's output goes into the features); a's
-    partial sums ``part`` elements (rows x H, from the host: past 2^31 in a long prefill); y_out
-    rows ``sy`` apart (an EAGLE-3 step's two norms write the halves of one input)."""
+    partial sums ``part`` elements (rows x H, from the host: past 2^31 in a long prefill)."""
     overlap.gate(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -72,10 +79,8 @@ def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, sy, HAS_ADD: t
         s = s.to(h_out.dtype.element_ty)
         tl.store(h_out + r * so + cols, s, mask=inside)
         s = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
-    normed = (s * rstd).to(y_out.dtype.element_ty)
     weight = tl.load(w + cols, mask=inside, other=0.0)
-    tl.store(y_out + r * sy + cols, (weight * normed).to(y_out.dtype.element_ty), mask=inside)
+    tl.store(y_out + r * H + cols, rms_row(s, weight, H, eps, y_out.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -184,31 +189,29 @@ def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tenso
         total = out if out is not None else torch.empty(rows, width, dtype=h.dtype, device=h.device)
     normed = torch.empty(rows, width, dtype=h.dtype, device=h.device)
     _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows * width,
-                              flat.stride(0), total.stride(0), width, HAS_ADD=a is not None, HAS_H=True, PARTS=parts,
+                              flat.stride(0), total.stride(0), HAS_ADD=a is not None, HAS_H=True, PARTS=parts,
                               BLOCK=triton.next_power_of_2(width),
-                              num_warps=_norm_warps(rows, invariant), **overlap.launch(release=True))
+                              num_warps=norm_warps(rows, invariant), **overlap.launch(release=True))
     return total.view(h.shape), normed.view(h.shape)
 
 
-def _norm_warps(rows: int, invariant: bool) -> int:
+def norm_warps(rows: int, invariant: bool = False) -> int:
     """More loads in flight for rows of partial sums; one row's norm is quicker with 4. The
     invariant form keeps 4 at any row count (a row's reduction tree must not depend on it),
     so a decode row costs what it does without the guarantee."""
     return 4 if rows == 1 or invariant else 16
 
 
-def norm(a: Tensor, weight: Tensor, eps: float, rows: int, keep: Tensor | None = None, out: Tensor | None = None
-         ) -> Tensor:
+def norm(a: Tensor, weight: Tensor, eps: float, rows: int, keep: Tensor | None = None) -> Tensor:
     """rmsnorm(a) * weight -> [rows, H], where ``a`` is a linear's result [rows, H] or its
     float32 partial sums [parts, rows, H] (added and rounded to the model dtype as read); with
-    ``keep`` [rows, H] the rounded sum is written there too (a residual stream's start). Into
-    ``out`` [rows, H] when given (its rows may be strided: columns of a wider tensor)."""
+    ``keep`` [rows, H] the rounded sum is written there too (a residual stream's start)."""
+    out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
     width = weight.shape[0]
-    out = torch.empty(rows, width, dtype=weight.dtype, device=a.device) if out is None else out
     _add_norm_kernel[(rows,)](a, a, weight, out if keep is None else keep, out, width, eps, rows * width, width,
-                              width if keep is None else keep.stride(0), out.stride(0), HAS_ADD=True, HAS_H=False,
-                              PARTS=a.numel() // (rows * width), BLOCK=triton.next_power_of_2(weight.shape[0]),
-                              num_warps=16 if rows > 1 else 4, KEEP=keep is not None, **overlap.launch(release=True))
+                              width if keep is None else keep.stride(0), HAS_ADD=True, HAS_H=False,
+                              PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
+                              num_warps=norm_warps(rows), KEEP=keep is not None, **overlap.launch(release=True))
     return out
 
 

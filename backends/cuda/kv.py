@@ -31,13 +31,9 @@ PARTIALS_BYTES = 256 << 20  # an invariant prefill launch's split outputs at mos
 LONG_WINDOW = 64  # query rows (new tokens x heads per KV head) past which eager attention leaves the decode kernel
 
 
-def rms_norm(x: Tensor, module, out: Tensor | None = None) -> Tensor:
-    """An RMSNorm module over x [..., H] in one launch (fused.norm): the fused forms' ``norm``.
-    Into ``out`` [..., H] when given, which may be columns of a wider tensor (returned as is)."""
+def rms_norm(x: Tensor, module) -> Tensor:
+    """An RMSNorm module over x [..., H] in one launch (fused.norm): the fused forms' ``norm``."""
     rows = x.numel() // x.shape[-1]
-    if out is not None:
-        norm(x.reshape(rows, -1), module.weight, module.eps, rows, out=out.view(rows, -1))
-        return out
     return norm(x.reshape(rows, -1), module.weight, module.eps, rows).view(x.shape)
 
 

@@ -210,7 +210,7 @@ class Eagle3Drafter(Drafter):
         feats = torch.cat([rows.features[:, None], features[:, :-1]], dim=1)  # [N, W, taps*H]
         positions = first[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True, windows=self.windows)
-        self.model.step(self.model.embed(self.target, tokens), self.model.fuse(feats), positions, attn)
+        self.model.step_tokens(self.target, tokens, self.model.fuse(feats), positions, attn)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
         if self.positional and self.ascending and self.plan.draft_sample_method == "greedy":
@@ -231,8 +231,8 @@ class Eagle3Drafter(Drafter):
         steps, k = [], rows.verified(self.plan.num_speculative_tokens)
         later = _later_positions(first, k)
         attn = self._attention(rows, first, first, later[0])
-        out = self.model.step(self.model.embed(self.target, rows.last_token[:, None]),
-                              self.model.fuse(rows.features[:, None]), first[:, None], attn)  # [N, 1, H]
+        out = self.model.step_tokens(self.target, rows.last_token[:, None], self.model.fuse(rows.features[:, None]),
+                                     first[:, None], attn)[0]  # [N, 1, H]
         for j in range(k):
             steps.append(self.model.logits(out[:, 0]))  # [N, V]
             if j == k - 1:
@@ -240,8 +240,8 @@ class Eagle3Drafter(Drafter):
             token = self._pick_rows(steps[-1], rows, j)  # [N]
             at = later[j]
             attn = self._attention(rows, at, first, later[j + 1])
-            out = self.model.step(self.model.embed(self.target, token[:, None]), self.model.next_hidden(out),
-                                  at[:, None], attn)
+            out = self.model.step_tokens(self.target, token[:, None], self.model.next_hidden(out), at[:, None],
+                                         attn)[0]
         return torch.stack(steps, dim=1)
 
     def _greedy_rows(self, rows: DraftRows) -> Tensor:

@@ -137,15 +137,14 @@ class Eagle3DraftModel(nn.Module):
         if layer_fn is None:
             out = self.step(embeds, hidden, positions, attn)
             return out, self.norm(out)
-        m, h = self.midlayer, embeds.shape[-1]
-        x = embeds.new_empty(*embeds.shape[:-1], 2 * h)  # [B, T, 2H]: the two norms write its halves
-        attn.norm(embeds, m.input_layernorm, out=x[..., :h])
-        attn.norm(hidden, m.hidden_norm, out=x[..., h:])
+        m = self.midlayer
+        x = torch.cat([attn.norm(embeds, m.input_layernorm), attn.norm(hidden, m.hidden_norm)], dim=-1)  # [B, T, 2H]
         return self._fused_layers(x, hidden, positions, layer_fn)
 
     def step_tokens(self, target, tokens: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn
                     ) -> tuple[Tensor, Tensor]:
-        """step_normed() for tokens [B, T], embedded here: where the attention offers
+        """step_normed() for tokens [B, T], embedded here (what a graph-safe chain and its
+        extension run, over a backend's fused forms): where the attention offers
         ``normed_beside(table, ids, norm_a, other, norm_b) -> [..., 2H]`` (a backend's kernel: the
         embedding rows and both input norms in one launch), through it."""
         layer_fn, beside = getattr(attn, "decoder_layer", None), getattr(attn, "normed_beside", None)

@@ -21,8 +21,7 @@ class AttentionFn(Protocol):
     """A backend's attention for one forward. It may also offer ``decoder_stack(layers,
     final_norm, rotary, h, positions, taps) -> (normed hidden, taps or None)`` to run a whole
     stack of DecoderLayers its own way (fused kernels); models built from DecoderLayers use it
-    when present (see run_layers). Likewise ``norm(x, rmsnorm_module, out=None)`` (``out``: columns
-    of a wider tensor to write into) and ``decoder_layer(
+    when present (see run_layers). Likewise ``norm(x, rmsnorm_module)`` and ``decoder_layer(
     layer, residual, x, positions, rotary, index, final_norm) -> (out, final_norm(out))`` for
     one decoder-shaped layer from its normed input (an EAGLE-3 head: see Eagle3DraftModel)."""
 
