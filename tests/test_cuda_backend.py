@@ -275,23 +275,24 @@ def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
     assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first
 
 
-@pytest.mark.gpu  # the trained pair's 16-token windows take the interpreter past 20 minutes here
-def test_stops_and_cancellation_in_flight_equal_the_synchronous_run():
-    """Each stop kind (length, a stop id, a stop string, EOS) falling inside a round with two
-    more in flight, and a request cancelled mid-stream: every other request gets exactly the
-    tokens of the synchronous (depth 0) run, and every slot comes back."""
-    spec = respec(load_spec(TRAINED["dflash"]), "cuda", max_batch_size=4, device=DEV, dtype="float32",
-                  max_model_len=128)
+def _stops_in_flight_match_depth_0(engine_at, prompts: list[str], n: int) -> list:
+    """Each stop kind (length, a stop id, a stop string, EOS or length) falling inside a round
+    with two more in flight, and a request cancelled mid-stream, run at depth 0 and 2 by
+    ``engine_at(depth)``; ``n`` scales the requests' lengths. Every request but the cancelled
+    one gets exactly the synchronous run's tokens, text and finish reason, every slot comes
+    back, and nothing stays in flight. Returns the piped run's completions."""
     runs = []
     for depth in (0, 2):
-        eng = Engine(with_depth(spec, depth), draft_policy="always")
-        alone = eng.generate([TRAINED_PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+        eng = engine_at(depth)
+        alone = eng.generate([prompts[0]], SamplingParams(max_new_tokens=2 * n, ignore_eos=True))[0]
         free, stop_id = alone.text, alone.output_ids[5]
-        reqs = [eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=9, ignore_eos=True)),
-                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=20, stop_token_ids=(stop_id,))),
-                eng.add_request(TRAINED_PROMPTS[0], SamplingParams(max_new_tokens=20), stop=[free[6:9]]),
-                eng.add_request(TRAINED_PROMPTS[1], SamplingParams(max_new_tokens=20)),
-                eng.add_request(TRAINED_PROMPTS[2], SamplingParams(max_new_tokens=40, ignore_eos=True))]
+        # a stop string from its text past the first tokens (not a random model's undecodable bytes)
+        stop = next(free[i:i + 2] for i in range(4, len(free) - 1) if "\ufffd" not in free[i:i + 2])
+        reqs = [eng.add_request(prompts[0], SamplingParams(max_new_tokens=n, ignore_eos=True)),
+                eng.add_request(prompts[0], SamplingParams(max_new_tokens=2 * n, stop_token_ids=(stop_id,))),
+                eng.add_request(prompts[0], SamplingParams(max_new_tokens=2 * n), stop=[stop]),
+                eng.add_request(prompts[1], SamplingParams(max_new_tokens=2 * n)),
+                eng.add_request(prompts[2], SamplingParams(max_new_tokens=4 * n, ignore_eos=True))]
         for _ in range(2):
             eng.step()
         reqs[-1].cancelled = True  # a client gone while its rounds run
@@ -306,6 +307,38 @@ def test_stops_and_cancellation_in_flight_equal_the_synchronous_run():
     assert piped[2].meta_info["finish_reason"]["matched"] == sync[2].meta_info["finish_reason"]["matched"]
     for a, b in zip(sync[:4], piped[:4]):
         assert a.output_ids == b.output_ids and a.text == b.text and a.meta_info["finish_reason"] == b.meta_info["finish_reason"]
+    return piped
+
+
+@pytest.mark.gpu  # the trained pair's 16-token windows take the interpreter past 20 minutes here
+def test_stops_and_cancellation_in_flight_equal_the_synchronous_run():
+    """The trained pair's own drafts: rounds accept what the drafter gets right."""
+    spec = respec(load_spec(TRAINED["dflash"]), "cuda", max_batch_size=4, device=DEV, dtype="float32",
+                  max_model_len=128)
+    _stops_in_flight_match_depth_0(lambda depth: Engine(with_depth(spec, depth), draft_policy="always"),
+                                   TRAINED_PROMPTS, 9)
+
+
+def test_stops_and_cancellation_in_flight_with_accepted_drafts_equal_the_synchronous_run():
+    """The same on a CPU: the tiny random pair's 5-token blocks, their drafts replaced by the
+    target's own continuation made wrong at one place a round (bench --acceptance's override,
+    rate 0.8), so rounds accept several tokens and a stop lands inside one."""
+    from draftline.core.simulated import SimulatedAcceptance
+
+    prompts = PROMPTS[1:] + PROMPTS[:1]
+    reference = _engine("none", "reference").generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    continuations = {}
+
+    def engine_at(depth: int) -> Engine:
+        eng = _engine("dflash", "cuda", depth=depth)
+        continuations.update({tuple(eng.encode(p)): c.output_ids for p, c in zip(prompts, reference)})
+        eng.backend.set_draft_override(SimulatedAcceptance(0.8, continuations, 4, eng.backend.cache.max_len,
+                                                           eng.target.config.vocab_size, eng.device))
+        return eng
+
+    piped = _stops_in_flight_match_depth_0(engine_at, prompts, 6)
+    accepted = sum(c.meta_info["completion_tokens"] - 1 - c.meta_info["spec_verify_ct"] for c in piped[:4])
+    assert accepted >= 8  # rounds took drafts: the stops fell inside multi-token rounds
 
 
 @pytest.mark.parametrize("method", ["none", "eagle3"])
