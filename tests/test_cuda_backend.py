@@ -1036,3 +1036,51 @@ def test_a_chunked_prompt_keeps_no_flight_past_the_pipeline_depth():
         oldest.append(eng.machine.steps - min((f.step for f in eng.machine.flights), default=eng.machine.steps))
     assert len(eng.encode(long)) > 3 * 8 and max(oldest) < eng.machine.depth == 2
     assert [eng.completion(r).output_ids for r in reqs + [first]] == expected
+
+
+@pytest.mark.parametrize("method, pages", [("none", 7), ("dflash", 12)])  # a request takes up to 7 and 10
+def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method, pages):
+    """A property test of the paged pool on the cuda backend: requests arrive, are cancelled
+    and are preempted at random through four slots and too few 4-token pages, two rounds in
+    flight. After every step each page is free or held by one slot's table line, in that line's
+    order, and only a running request's slot holds any; at the end every page is free, and each
+    request not cancelled emitted what the reference backend emits for its prompt."""
+    import random
+
+    from draftline.core.machine import Phase
+
+    rng = random.Random(5)
+    base = _engine(method, "cuda", depth=2, batch_invariant=True)
+    data = base.spec.model_dump(mode="python")
+    data["server"] |= {"block_size": 4, "num_kv_blocks": pages}
+    engine = Engine(type(base.spec).model_validate(data), base.target, base.tokenizer)
+    pager, reqs = engine.backend.cache.pager, []
+    for step in range(24):
+        if rng.random() < 0.7 and len(reqs) < 10:
+            prompt = [rng.randrange(2, 200) for _ in range(rng.randrange(2, 6))]
+            reqs.append(engine.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(6, 16), ignore_eos=True)))
+        running = [r for r in engine.scheduler.running if r.phase is not Phase.FINISHED]
+        if step % 7 == 6 and running:  # a client gone, its rounds in flight
+            rng.choice(running).cancelled = True
+        engine.step()
+        _pages_owned_once(pager, {r.kv for r in engine.scheduler.running if r.phase is not Phase.FINISHED})
+    while engine.scheduler.has_work():
+        engine.step()
+    assert pager.in_use == 0 and sorted(pager.free) == list(range(pages))
+    assert sum(r.preemptions for r in reqs) > 0 and any(r.cancelled for r in reqs)
+    kept = [r for r in reqs if not r.cancelled]
+    want = _engine(method, "reference").generate([r.prompt_ids for r in kept],
+                                                 [r.params for r in kept])
+    assert [r.output_ids for r in kept] == [c.output_ids for c in want]
+
+
+def _pages_owned_once(pager, live_slots: set[int]) -> None:
+    """Every page free or in one table line (host and device alike), lines only for live slots."""
+    pager.flush()
+    owned = [p for line in pager.owned for p in line]
+    assert len(owned) == len(set(owned)) and not set(owned) & set(pager.free)  # none held twice
+    assert sorted(owned + pager.free) == list(range(pager.scratch))  # none lost
+    table = pager.pages.table.cpu()
+    for slot, line in enumerate(pager.owned):
+        assert not line or slot in live_slots
+        assert table[slot, : len(line)].tolist() == line and bool((table[slot, len(line):] == pager.scratch).all())
