@@ -741,12 +741,14 @@ def test_prefix_cache_hits_emit_and_draft_as_without_the_cache(method, budget, t
     assert all(b.refs == 0 for b in cached.backend.prefix.blocks.values())  # released when the requests ended
 
 
-@pytest.mark.parametrize("method", ["dflash", "eagle3"])
-def test_a_preempted_request_resumes_exactly(method):
+@pytest.mark.parametrize("method, temperature", [("dflash", 0.0), ("eagle3", 0.0), ("gemma4_mtp", 0.0),
+                                                  ("dflash", 0.8)])
+def test_a_preempted_request_resumes_exactly(method, temperature):
     """Two rounds in flight: the machine collects them before it preempts, frees the slots,
-    and the resumed prefill (prompt and generated tokens) goes on as if never stopped."""
+    and the resumed prefill (prompt and generated tokens) goes on as if never stopped; a
+    seeded sampled request draws what it drew unpreempted (draws keyed by seed and position)."""
     free = _engine(method, "cuda", depth=2, batch_invariant=True)
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=temperature, seed=3)
     prompts = [PROMPTS[0], PROMPTS[2]]
     want = free.generate(prompts, params)
     data = free.spec.model_dump(mode="python")
@@ -764,15 +766,16 @@ def test_a_preempted_request_resumes_exactly(method):
     assert all(b.refs == 0 for b in backend.prefix.blocks.values())
 
 
-@pytest.mark.parametrize("method", ["none", "dflash", "eagle3", "gemma4_mtp"])
-def test_paged_kv_serves_what_static_slots_serve(method):
+@pytest.mark.parametrize("method, temperature", [("none", 0.0), ("dflash", 0.0), ("eagle3", 0.0),
+                                                  ("gemma4_mtp", 0.0), ("eagle3", 0.8)])
+def test_paged_kv_serves_what_static_slots_serve(method, temperature):
     """server.num_kv_blocks on the cuda backend: the target's keys live in a shared pool of
     4-token pages that rows take as they grow (their pages interleaved), two rounds in flight
     and the prefix cache on, and every output equals the static slots' (taken as the reference
     backend's, which the differential tests above hold them to for every method); the pool
-    holds less than the slots would, and every page comes back."""
+    holds less than the slots would, and every page comes back; seeded sampling too."""
     free = _engine(method, "cuda", depth=2, batch_invariant=True)  # static slots, sized against
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 4, 7)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=temperature, seed=n) for n in (9, 4, 7)]
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]]
     free.generate(prompts[:1], SamplingParams(max_new_tokens=1))  # a drafter's static cache is made at its first prompt
     want = _engine(method, "reference").generate(prompts, params)
