@@ -158,13 +158,15 @@ def _trained_reference(method: str, batch: int) -> tuple:
     return tuple(Engine(spec, draft_policy="always").generate(TRAINED_PROMPTS[:batch], params, trace=True))
 
 
-@pytest.mark.parametrize("method, batch, depth", [("dflash", 1, 2), ("eagle3", 4, 1), ("gemma4_mtp", 4, 0)])
+@pytest.mark.parametrize("method, batch, depth", [("dflash", 1, 2), ("eagle3", 4, 1), ("gemma4_mtp", 4, 0),
+                                                  ("dflash", 4, 0), ("eagle3", 1, 2), ("gemma4_mtp", 1, 1)])
 def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
     """The shipped trained drafters, whose drafts are often accepted: the pipeline takes the
     reference's rounds exactly (the drafter's static context, its graph-safe update, the
-    target's KV past accepted runs, the state each round leaves). One case per method keeps
-    the interpreter's time in bounds; together they cover batch 1 and 4 and depths 0, 1, 2
-    (the random-weight tests above run every method at depth 1 or 2 too). The DFlash case
+    target's KV past accepted runs, the state each round leaves). Two cases per method keep
+    the interpreter's time in bounds: each method at batch 1 and 4 (of mixed lengths) and two
+    depths, every depth for two methods (the random-weight tests above run every method at
+    depth 1 or 2 too). The DFlash case
     takes the spec's default kernels, the batch-invariant ones, also under the interpreter."""
     ref = _trained_reference(method, batch)
     assert sum(x.accepted for c in ref for x in c.rounds) >= 2 * batch  # drafts were accepted: the check has teeth
