@@ -12,8 +12,11 @@ LONG = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(12))
 SHORT = ["import os\n", "class A:\n"]
 
 
-@pytest.mark.parametrize("path", ["specs/tiny-dflash.yaml", "specs/tiny-eagle3.yaml", "specs/tiny-gemma4-mtp.yaml"])
-def test_a_long_prompt_in_chunks_drafts_and_emits_as_prefilled_whole(path):
+@pytest.mark.parametrize("path, temperature", [("specs/tiny-dflash.yaml", 0.0), ("specs/tiny-eagle3.yaml", 0.0),
+                                               ("specs/tiny-gemma4-mtp.yaml", 0.0), ("specs/tiny-dflash.yaml", 0.8)])
+def test_a_long_prompt_in_chunks_drafts_and_emits_as_prefilled_whole(path, temperature):
+    """Greedy, and seeded sampling (draws keyed by seed and position, so the chunking must
+    leave every draw where it was)."""
     spec = load_spec(path)
     whole = Engine(spec, draft_policy="always")
     data = spec.model_dump(mode="python")
@@ -27,7 +30,7 @@ def test_a_long_prompt_in_chunks_drafts_and_emits_as_prefilled_whole(path):
         chunked.step()
     assert probe.prefilled == len(probe.prompt_ids) and len(probe.output_ids) == 1
     chunked.backend.prefix.blocks.clear()  # the comparison below starts cold, as `whole` does
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=temperature, seed=11)
     for engine in (whole, chunked):  # the same prompts twice: the second pass also meets the prefix cache
         runs = [engine.generate(SHORT + [LONG], params, trace=True) for _ in range(2)]
         engine.runs = runs
