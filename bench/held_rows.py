@@ -17,7 +17,10 @@ worst gap opened while it was, over its stream's median;
 `--streams 16 --requests 48 --new-tokens 128 --width 16 --rate 0.75 --cost 0.35,0.002 --host-ms 0.15`:
 the tiny pair's 16 slots, launch-bound).
 The device's round costs ROUND_MS + ROW_MS a row (the 8B DFlash spec at width 8 on an H200: 32
-rows 11.4 ms, 64 rows 19.2 ms), a prefill PREFILL_MS + PROMPT_MS a prompt token."""
+rows 11.4 ms, 64 rows 19.2 ms), a prefill PREFILL_MS + PROMPT_MS a prompt token (--prefill-ms,
+--prompt-ms: `--prefill-ms 2.6 --prompt-ms 0.031` are the H200's 8B prefills, 6.6 ms for one
+128-token prompt and 33 for eight; `--prefill-ms 0 --prompt-ms 0.022` prices a prompt's tokens
+as a 64-row round's products take them, as if they rode inside the round's forward)."""
 
 from __future__ import annotations
 
@@ -49,10 +52,11 @@ class Device:
     name, max_depth, prefill_beside = "stand-in", 2, False
 
     def __init__(self, clock: Clock, rate: float, width: int, seed: int, cost: tuple[float, float],
-                 prompt_ms: float = PROMPT_MS):
+                 prompt_ms: float = PROMPT_MS, prefill_ms: float = PREFILL_MS):
         import random
 
-        self.cost, self.prompt_ms = cost, prompt_ms  # (ms a round, ms a row), ms a prompt token
+        self.cost = cost  # (ms a round, ms a row)
+        self.prompt_ms, self.prefill_ms = prompt_ms, prefill_ms  # ms a prompt token, a prefill launch's besides
         self.clock, self.rate, self.width, self.rng, self.free_at = clock, rate, width, random.Random(seed), 0.0
         self.rows_run = 0
 
@@ -69,7 +73,7 @@ class Device:
             req.prefilled = end
         n = len(reqs)
         first = [[7] if r.prefilled >= r.prefill_len else [] for r in reqs]  # a chunk short of its prompt's end: none
-        return self._enqueue(PREFILL_MS + self.prompt_ms * tokens), RoundResult([True] * n, [0] * n, first, [[]] * n)
+        return self._enqueue(self.prefill_ms + self.prompt_ms * tokens), RoundResult([True] * n, [0] * n, first, [[]] * n)
 
     def launch(self, reqs, width):
         self.rows_run += len(reqs)
@@ -114,9 +118,9 @@ def _by_mean(req: Request, rounds: int) -> bool:
 
 def run(rule: str, streams: int, width: int, rate: float, seed: int, new_tokens: int = 256, requests: int = 0,
         cost: tuple[float, float] = (ROUND_MS, ROW_MS), host_ms: float = HOST_MS, long_prompt: int = 0,
-        chunk: int = 256, prompt_ms: float = PROMPT_MS) -> dict:
+        chunk: int = 256, prompt_ms: float = PROMPT_MS, prefill_ms: float = PREFILL_MS) -> dict:
     clock = Clock()
-    device = Device(clock, rate, width, seed, cost, prompt_ms)
+    device = Device(clock, rate, width, seed, cost, prompt_ms, prefill_ms)
     # with a long prompt, prefills go in chunks of at most ``chunk`` tokens a step (--max-num-batched-tokens)
     scheduler = Scheduler(streams + 1, chunk, chunked=True) if long_prompt else Scheduler(streams, 8192)
     holder: list[Machine] = []
@@ -186,13 +190,14 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=0, help="a prompt of this many tokens sent mid-run")
     ap.add_argument("--chunk", type=int, default=256, help="with --long-prompt: prefill tokens a step at most")
     ap.add_argument("--prompt-ms", type=float, default=PROMPT_MS, help="a prefill's ms a prompt token")
+    ap.add_argument("--prefill-ms", type=float, default=PREFILL_MS, help="a prefill launch's ms besides its tokens")
     args = ap.parse_args()
     cost = tuple(map(float, args.cost.split(",")))
     print(f"{'rule':<9}{'tok/s':>8}{'rounds':>8}{'rows':>8}{'short':>7}{'gap x p50':>11}{'gap x max':>11}"
           f"{'steps max':>11}{'streams > 2 steps':>19}" + (f"{'long gap x':>12}{'its prefill ms':>16}" if args.long_prompt else ""))
     for rule in ("mean", "shipped"):
         runs = [run(rule, args.streams, args.width, args.rate, seed, args.new_tokens, args.requests, cost, args.host_ms,
-                    args.long_prompt, args.chunk, args.prompt_ms) for seed in range(args.seeds)]
+                    args.long_prompt, args.chunk, args.prompt_ms, args.prefill_ms) for seed in range(args.seeds)]
         m = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
         print(f"{rule:<9}{m['tok/s']:>8.0f}{m['rounds']:>8.1f}{m['rows']:>8.0f}{m['short']:>7.1f}{m['gap x p50']:>11.2f}"
               f"{m['gap x max']:>11.2f}{max(r['gap steps max'] for r in runs):>11}"

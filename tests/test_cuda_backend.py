@@ -1043,7 +1043,7 @@ def test_a_chunked_prompt_keeps_no_flight_past_the_pipeline_depth():
     assert [eng.completion(r).output_ids for r in reqs + [first]] == expected
 
 
-@pytest.mark.parametrize("method, pages", [("none", 7), ("dflash", 12)])  # a request takes up to 7 and 10
+@pytest.mark.parametrize("method, pages", [("none", 7), ("dflash", 11)])  # a request takes up to 6 and 9
 def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method, pages):
     """A property test of the paged pool on the cuda backend: requests arrive, are cancelled
     and are preempted at random through four slots and too few 4-token pages, two rounds in
@@ -1060,12 +1060,13 @@ def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method
     data["server"] |= {"block_size": 4, "num_kv_blocks": pages}
     engine = Engine(type(base.spec).model_validate(data), base.target, base.tokenizer)
     pager, reqs = engine.backend.cache.pager, []
-    for step in range(24):
-        if rng.random() < 0.7 and len(reqs) < 10:
+    for step in range(16):
+        if rng.random() < 0.7 and len(reqs) < 8:
             prompt = [rng.randrange(2, 200) for _ in range(rng.randrange(2, 6))]
-            reqs.append(engine.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(6, 16), ignore_eos=True)))
+            params = SamplingParams(max_new_tokens=rng.randrange(6, 14), ignore_eos=True)
+            reqs.append(engine.add_request(prompt, params))
         running = [r for r in engine.scheduler.running if r.phase is not Phase.FINISHED]
-        if step % 7 == 6 and running:  # a client gone, its rounds in flight
+        if step % 5 == 4 and running:  # a client gone, its rounds in flight
             rng.choice(running).cancelled = True
         engine.step()
         _pages_owned_once(pager, {r.kv for r in engine.scheduler.running if r.phase is not Phase.FINISHED})
@@ -1088,4 +1089,5 @@ def _pages_owned_once(pager, live_slots: set[int]) -> None:
     table = pager.pages.table.cpu()
     for slot, line in enumerate(pager.owned):
         assert not line or slot in live_slots
-        assert table[slot, : len(line)].tolist() == line and bool((table[slot, len(line):] == pager.scratch).all())
+        assert table[slot, : len(line)].tolist() == line
+        assert bool((table[slot, len(line):] == pager.scratch).all())
