@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The open targets' GPU runs, in two device calls of under ten minutes each. Each call begins
+# The open targets' GPU runs, in three device calls of under ten minutes each. Each call begins
 # as bench/device_run.sh does (the carried wheels into /tmp/site, PYTHONPATH), then:
 #   bash bench/open_targets.sh 1   # the GPU tests; the tiny pair at 16 slots; tau = 1 at batch 1
 #   bash bench/open_targets.sh 2   # 8B serving at 64 streams; a 4,096-token prompt under 32 streams
+#   bash bench/open_targets.sh 3   # a prompt token's device time in a prefill and in a 64-row round
 # Every log goes under $OUT; the tail of each run prints last. docs/RESULTS.md names each
 # command's earlier figures and the issue's target beside it.
 set -u
@@ -26,7 +27,7 @@ if [ "$part" = 1 ]; then
   run 170 tiny_b16 python3 bench/user_speedup.py --batches 16 --feed continuous --prompts 48
   # issue 19: no regression at tau = 1 (none <= 1.23x floor, dflash round <= 1.25x)
   run 130 tau1_b1 python3 -m draftline bench --spec specs/qwen3-8b-random-dflash.yaml --batch-sizes 1
-else
+elif [ "$part" = 2 ]; then
   # issue 22: >= 11,000 output tok/s at 64 streams (SIMULATED acceptance)
   run 280 serve_64 python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 64 --modes auto
@@ -34,4 +35,8 @@ else
   run 280 long_prompt python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 128 --concurrency 32 --requests 128 \
     --long-prompt 4096 --max-model-len 4608 --max-num-batched-tokens 256 --modes auto
+else
+  # issue 22's lead: prompts' prefills were a fifth of the 64-stream level's device time
+  TAIL=40 DRAFTLINE_PDL=0 run 250 prefill_kernels python3 bench/prefill_kernels.py specs/qwen3-8b-random-dflash.yaml 1,8
+  TAIL=30 DRAFTLINE_PDL=0 run 300 round_kernels python3 bench/round_kernels.py specs/qwen3-8b-random-dflash.yaml 64 8 dflash-paper
 fi

@@ -1,0 +1,74 @@
+"""Where a prefill's device time goes (CUDA machine): N fresh prompts of L tokens prefilled
+together, one new token each (so nothing but the prefill runs), after a warm pass of the same
+shape; torch.profiler over the second pass, kernels summed by name. Prints, for each N: ms of
+wall and µs of kernels a prefill, µs of kernels a prompt token, and the kernels with the most
+device time. Beside it, a 64-row width-8 DFlash round on the 8B shape spends about 22 µs of
+products a verified token (bench/round_kernels.py, docs/RESULTS.md): a prompt token that costs
+much more in its own prefill is what running prompts inside the round's forward would save.
+
+`python bench/prefill_kernels.py [SPEC] [N,...] [--len=L]` (defaults:
+specs/qwen3-8b-random-dflash.yaml 1,8 --len=128). Run it with DRAFTLINE_PDL=0 (a kernel launched
+early waits for the one before it inside its own measured time). Without a GPU it runs the cuda
+backend in the Triton interpreter on a tiny spec, as a check that the script runs, and the
+profile shows host time only."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from draftline.core.engine import Engine
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import load_spec
+
+TOP = 16
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)  # fresh prompts each pass: no prefix cache hit
+    return torch.randint(10, vocab, (n, length), generator=gen).tolist()
+
+
+def prefill_pass(engine: Engine, n: int, length: int, seed: int, gpu: bool) -> None:
+    vocab = engine.target.config.vocab_size
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate(_prompts(n, length, vocab, seed), params)  # warm: this shape's graphs and buffers
+    prompts = _prompts(n, length, vocab, seed + 1)
+    activities = [ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        if gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if gpu else e.self_cpu_time_total) > 0]
+    cost = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+    total = sum(map(cost, events))
+    print(f"\n{n} prompts x {length} tokens: {1e3 * wall:.2f} ms wall, {total / 1e3:.2f} ms "
+          f"{'of kernels' if gpu else 'of host ops'}, {total / (n * length):.1f} us a prompt token")
+    for e in sorted(events, key=cost, reverse=True)[:TOP]:
+        print(f"  {cost(e):10.1f} us {e.count:6d} calls  {e.key[:100]}")
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    length = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--len=")), 128)
+    gpu = torch.cuda.is_available()
+    path = args[0] if args else ("specs/qwen3-8b-random-dflash.yaml" if gpu else "specs/tiny-dflash.yaml")
+    sizes = [int(x) for x in (args[1] if len(args) > 1 else "1,8").split(",")]
+    spec = load_spec(path)
+    data = spec.model_dump(mode="python")
+    data["backend"] = "cuda"
+    data["server"]["max_batch_size"] = max(data["server"]["max_batch_size"], max(sizes))
+    if not gpu:  # the interpreter: float32, a short cache
+        data["model"].update(device="cpu", dtype="float32", max_model_len=max(2 * length, 64))
+    engine = Engine(type(spec).model_validate(data))
+    for n in sizes:
+        prefill_pass(engine, n, length, seed=n, gpu=gpu)
+
+
+if __name__ == "__main__":
+    main()
