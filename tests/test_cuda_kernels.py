@@ -136,9 +136,10 @@ def test_window_kernels_match_their_pytorch_forms():
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     meta = torch.stack([last, start, torch.zeros_like(last)])  # rows: last token, start, (unused)
     drafts = torch.arange(12, device=DEV).view(3, 4) + 100  # [N, K]
-    ids, positions = verify_window(meta, drafts, 3, 4, 0, 1)  # W = 4 < K + 1: the last draft is not read
+    ids, positions, ends = verify_window(meta, drafts, 3, 4, 0, 1)  # W = 4 < K + 1: the last draft is not read
     assert torch.equal(ids, torch.cat([last[:, None], drafts[:, :3]], dim=1))
     assert torch.equal(positions, start[:, None] + torch.arange(4, device=DEV))
+    assert torch.equal(ends, start + 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -442,11 +442,14 @@ class CudaBackend(Prefilling):
 
     # ------------------------------------------------------------------ draft
 
-    def _rows(self, bucket: int, drafts: int = 0, positions: Tensor | None = None) -> DraftRows:
+    def _rows(self, bucket: int, drafts: int = 0, positions: Tensor | None = None, end: Tensor | None = None
+              ) -> DraftRows:
+        """The rows as a drafter sees them; ``end`` [bucket]: start + the width of the forward
+        their caches serve (the verify's, for its context update), where it is on the device."""
         b = self.bufs
         slots, start = b.row(SLOT, bucket), b.row(START, bucket)
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
-                         caches=Rows(b.row(DRAFT_SLOT, bucket), start),
+                         caches=Rows(b.row(DRAFT_SLOT, bucket), start, end),
                          target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
                          head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window,
@@ -466,7 +469,7 @@ class CudaBackend(Prefilling):
         """Target forward over each row's [last token, drafts]; with ``decide`` the round's
         acceptance too (packed, and the rows' new state), else only the logits."""
         b = self.bufs
-        ids, positions = verify_window(b.meta, b.drafts, bucket, width, LAST, START)  # [bucket, W] each
+        ids, positions, ends = verify_window(b.meta, b.drafts, bucket, width, LAST, START)  # [bucket, W] each, [bucket]
         started = False
 
         def extend(features: Tensor) -> None:  # [bucket, W, taps*H], once the last tapped layer is done
@@ -474,9 +477,10 @@ class CudaBackend(Prefilling):
             if self.drafter is not None and self.drafter.graph_safe and not started:
                 started = True  # beside the layers after the last tap and the LM head: only the next round
                 with self.branch.fork():  # reads the drafter's cache; ring row start - 1 is not written below
-                    self.drafter.extend_rows(self._rows(bucket, positions=positions), features, ids)
+                    self.drafter.extend_rows(self._rows(bucket, positions=positions, end=ends), features, ids)
 
-        attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket)), causal=True, tapped=extend)
+        attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket), ends), causal=True,
+                             tapped=extend)
         hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
         if features is not None:
             extend(features)  # a stack that did not call it (unfused) has no earlier point

@@ -409,7 +409,8 @@ class StaticStore:
         launches a layer, two more for fc and the norm (fused.py)."""
         a = layers[0].self_attn
         cache = self._make(len(layers), a.num_kv_heads, a.head_dim, x.dtype)
-        project_kv_stack(layers, x, positions, rotary, cache, rows.slots, rows.start + x.shape[1], fc, hidden_norm)
+        kv_len = rows.start + x.shape[1] if rows.end is None else rows.end  # [N]: Rows.end, the caller's promise
+        project_kv_stack(layers, x, positions, rotary, cache, rows.slots, kv_len, fc, hidden_norm)
 
     def prefill_attention(self, rows: Rows, num_layers: int, windows: dict[int, int] | None = None
                           ) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
