@@ -18,7 +18,7 @@ worst gap opened while it was, over its stream's median;
 the tiny pair's 16 slots, launch-bound).
 The device's round costs ROUND_MS + ROW_MS a row (the 8B DFlash spec at width 8 on an H200: 32
 rows 11.4 ms, 64 rows 19.2 ms), a prefill PREFILL_MS + PROMPT_MS a prompt token (--prefill-ms,
---prompt-ms: `--prefill-ms 2.6 --prompt-ms 0.031` are the H200's 8B prefills, 6.6 ms for one
+--prompt-ms: `--prefill-ms 2.8 --prompt-ms 0.0295` are the H200's 8B prefills, 6.6 ms for one
 128-token prompt and 33 for eight; `--prefill-ms 0 --prompt-ms 0.022` prices a prompt's tokens
 as a 64-row round's products take them, as if they rode inside the round's forward)."""
 

@@ -3,40 +3,44 @@ together, one new token each (so nothing but the prefill runs), after a warm pas
 shape; torch.profiler over the second pass, kernels summed by name. Prints, for each N: ms of
 wall and µs of kernels a prefill, µs of kernels a prompt token, and the kernels with the most
 device time. Beside it, a 64-row width-8 DFlash round on the 8B shape spends about 22 µs of
-products a verified token (bench/round_kernels.py, docs/RESULTS.md): a prompt token that costs
-much more in its own prefill is what running prompts inside the round's forward would save.
+matrix products a verified token (bench/round_kernels.py, docs/RESULTS.md). A prefill's µs a
+token counts all its kernels (attention, the drafter's prompt entries, the head, the prefix
+store's copies), so the gap between the two bounds from above what running prompts inside the
+round's forward could save; the kernels by name say where that gap is.
 
 `python bench/prefill_kernels.py [SPEC] [N,...] [--len=L]` (defaults:
 specs/qwen3-8b-random-dflash.yaml 1,8 --len=128). Run it with DRAFTLINE_PDL=0 (a kernel launched
 early waits for the one before it inside its own measured time). Without a GPU it runs the cuda
-backend in the Triton interpreter on a tiny spec, as a check that the script runs, and the
-profile shows host time only."""
+backend in the Triton interpreter (float32, the tiny spec by default), which checks only that the
+script runs: the profile there is host time."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from draftline.core.engine import Engine
-from draftline.core.sampling import SamplingParams
-from draftline.core.spec import load_spec
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from draftline.core.engine import Engine  # noqa: E402
+from draftline.core.sampling import SamplingParams  # noqa: E402
+from draftline.core.spec import load_spec  # noqa: E402
 
 TOP = 16
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)  # fresh prompts each pass: no prefix cache hit
-    return torch.randint(10, vocab, (n, length), generator=gen).tolist()
-
-
-def prefill_pass(engine: Engine, n: int, length: int, seed: int, gpu: bool) -> None:
+def prefill_pass(engine: Engine, n: int, length: int, gen: torch.Generator, gpu: bool) -> None:
+    """One warm pass and one profiled pass of ``n`` prompts, each pass's prompts drawn afresh
+    from ``gen`` (one generator a run: no pass meets another's blocks in the prefix cache)."""
     vocab = engine.target.config.vocab_size
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    engine.generate(_prompts(n, length, vocab, seed), params)  # warm: this shape's graphs and buffers
-    prompts = _prompts(n, length, vocab, seed + 1)
+    engine.generate(torch.randint(10, vocab, (n, length), generator=gen).tolist(), params)  # warm: this shape
+    prompts = torch.randint(10, vocab, (n, length), generator=gen).tolist()
     activities = [ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         start = time.perf_counter()
@@ -65,9 +69,9 @@ def main() -> None:
     data["server"]["max_batch_size"] = max(data["server"]["max_batch_size"], max(sizes))
     if not gpu:  # the interpreter: float32, a short cache
         data["model"].update(device="cpu", dtype="float32", max_model_len=max(2 * length, 64))
-    engine = Engine(type(spec).model_validate(data))
+    engine, gen = Engine(type(spec).model_validate(data)), torch.Generator().manual_seed(0)
     for n in sizes:
-        prefill_pass(engine, n, length, seed=n, gpu=gpu)
+        prefill_pass(engine, n, length, gen, gpu)
 
 
 if __name__ == "__main__":

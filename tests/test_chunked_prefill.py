@@ -38,6 +38,9 @@ def test_a_long_prompt_in_chunks_drafts_and_emits_as_prefilled_whole(path, tempe
         assert [c.output_ids for c in a] == [c.output_ids for c in b]
         assert [c.rounds for c in a] == [c.rounds for c in b]
     assert chunked.runs[1][2].meta_info["cached_tokens"] > 0
+    if temperature:  # the draws were sampled, not the greedy tokens
+        greedy = whole.generate(SHORT + [LONG], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert [c.output_ids for c in greedy] != [c.output_ids for c in whole.runs[0]]
 
 
 def test_a_request_cancelled_part_way_through_its_prefill_leaves_nothing_behind():
