@@ -246,6 +246,12 @@ class Rows:
     # the device already (a chain's next positions); else computed once a forward (a launch)
     end: Tensor | None = None
 
+    def keys_after(self, width: int) -> Tensor:
+        """Each row's key count [N] after a forward of ``width`` new keys: ``end`` where the caller
+        gave it (its promise that it is start + width: a device tensor cannot be checked without a
+        wait), else start + width (a launch)."""
+        return self.start + width if self.end is None else self.end
+
 
 class RowsAttention:
     """Attention for Rows: each row's W new tokens at positions start .. start + W - 1.
@@ -259,13 +265,9 @@ class RowsAttention:
         self._lengths: dict[int, Tensor] = {}  # W -> kv_len, computed once per forward
 
     def kv_len(self, width: int) -> Tensor:
-        """Each row's keys after a forward of ``width`` new ones: rows.end where the caller gave
-        it (its promise that it is start + width: a device tensor cannot be checked without a
-        wait), else start + width, one launch a forward."""
-        if self.rows.end is not None:
-            return self.rows.end
+        """Each row's keys after a forward of ``width`` new ones (Rows.keys_after), once a forward."""
         if width not in self._lengths:
-            self._lengths[width] = self.rows.start + width
+            self._lengths[width] = self.rows.keys_after(width)
         return self._lengths[width]
 
     def _long(self, width: int, heads: int) -> bool:
@@ -409,8 +411,7 @@ class StaticStore:
         launches a layer, two more for fc and the norm (fused.py)."""
         a = layers[0].self_attn
         cache = self._make(len(layers), a.num_kv_heads, a.head_dim, x.dtype)
-        kv_len = rows.start + x.shape[1] if rows.end is None else rows.end  # [N]: Rows.end, the caller's promise
-        project_kv_stack(layers, x, positions, rotary, cache, rows.slots, kv_len, fc, hidden_norm)
+        project_kv_stack(layers, x, positions, rotary, cache, rows.slots, rows.keys_after(x.shape[1]), fc, hidden_norm)
 
     def prefill_attention(self, rows: Rows, num_layers: int, windows: dict[int, int] | None = None
                           ) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
