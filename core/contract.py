@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from draftline.core.models.layers import AttentionFn
+from draftline.core.models.ops import Forward, Ops
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch
 
@@ -59,19 +59,6 @@ class Verification:
                             None if self.finite is None else self.finite[keep])
 
 
-def head_argmax(head: nn.Linear, hidden: Tensor) -> Tensor:
-    """hidden [..., H] -> [...] int64: the greedy token of head(hidden) in the model's dtype."""
-    return head(hidden).argmax(-1)
-
-
-def block_window(last_token: Tensor, start: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
-    """A block drafter's inputs (DFlash): ids [N, width], each row's last token then ``fill``
-    (the mask token), and positions start .. start + width - 1."""
-    offsets = torch.arange(width, device=start.device)
-    ids = torch.where(offsets == 0, last_token[:, None], fill)  # [N, width]
-    return ids, start[:, None] + offsets
-
-
 @dataclass(frozen=True)
 class DraftRows:
     """The rows a drafter drafts for, as device tensors: what a graph-captured draft step reads."""
@@ -82,15 +69,12 @@ class DraftRows:
     caches: Any  # the KVStore's handle on these rows' drafter caches
     target_kv: "TargetKV | None" = None  # the target's own cache, read-only (drafters that share it)
     features: Tensor | None = None  # [N, taps*H] target features at position start - 1 (Drafter.reads_last_features)
-    # the backend's greedy readout through an LM head (the cuda backend's never writes logits)
-    head_argmax: Callable[[nn.Linear, Tensor], Tensor] = head_argmax
-    # the backend's block_window (the cuda backend's is one launch)
-    block_window: Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]] = block_window
     drafts: int = 0  # drafts the round verifies (a narrower verify; 0: K): a drafter may propose only those
     # [N, W] int64: the positions start .. start + W - 1 of the window extend_rows (prefill_rows) is
     # given, where the backend has them on the device already (its verify's, its prefill's); else
     # a drafter that needs them makes them
     positions: Tensor | None = None
+    end: Tensor | None = None  # [N] int64: start + W, that window's key count, where the backend has it
 
     def verified(self, k: int) -> int:
         """The drafts the round verifies, at most K: the steps a chain runs, the block slots a
@@ -101,41 +85,42 @@ class DraftRows:
 class TargetKV(Protocol):
     """Read-only access to the target's KV cache for the rows of a draft step."""
 
-    def read(self, layer: int, q: Tensor) -> Tensor:
-        """q [N, Hq, T, D] (rotated) over each row's verified keys of target layer ``layer``
-        (positions 0 .. start - 1), with no mask among them; nothing is stored -> [N, Hq, T, D]."""
+    def forward(self, positions: Tensor, layer: int) -> Forward:
+        """A forward of queries at positions [N, W] that reads each row's verified keys of target
+        layer ``layer`` (positions 0 .. start - 1), with no mask among them, whatever layer of
+        its own reads them; nothing is stored."""
 
 
 class KVStore(Protocol):
-    """Per-request KV caches a backend lends to drafters that own one."""
+    """The caches a backend lends to drafters that own one, and the operations their forwards
+    run with. ``positional`` stores (the cuda backend's) keep a key at its absolute position
+    in a row's slot, written through rows (``forward`` of DraftRows.caches); the others (the
+    reference's) append to per-request handles (``forward`` of a list of ``new()`` handles)."""
+
+    ops: Ops
+    positional: bool
 
     def new(self, num_layers: int) -> Any: ...
 
-    def append(self, cache: Any, layer: int, k: Tensor, v: Tensor) -> None:
-        """k, v [Hkv, C, D] appended at the cache's end."""
+    def forward(self, caches: Any, positions: Tensor, causal: bool, persist: bool = True,
+                windows: dict[int, int] | None = None, anchor: Any = None, block_causal: bool = False,
+                per_query: bool = False, end: Tensor | None = None) -> Forward:
+        """A drafter forward whose new keys are each row's at ``positions`` [N, W] (a positional
+        store's; an append store's go at each handle's end, kept where ``persist``), attending over
+        the row's cache then the new keys: ``causal`` or not (a DFlash block). ``windows``
+        (layer -> sliding window) limits those layers' keys: causal, to the window ending at each
+        query or, past ``anchor`` (a position; a positional store: one per row [N]), at the
+        anchor; non-causal, to the last ``window`` positions before the block (``block_causal``:
+        the block causal too) or, ``per_query``, to the window ending at each query, causally
+        (backends/reference/kv.py: attend). ``end`` [N]: each row's key count after the forward
+        (positions[:, -1] + 1), where the caller has it on the device."""
 
-    def length(self, cache: Any) -> int: ...
+    def prefill(self, caches: Any, positions: Tensor, windows: dict[int, int] | None = None) -> Forward:
+        """A positional store's forward over the rows' first entries, at positions 0 .. T - 1:
+        causal among each row's own new keys (a batched prefill's)."""
 
-    def truncate(self, cache: Any, length: int) -> None: ...
-
-    def attention(self, caches: Any, causal: bool, persist: bool, windows: dict[int, int] | None = None,
-                  anchor: Any = None, block_causal: bool = False, per_query: bool = False) -> AttentionFn:
-        """Attention of each row's new q/k/v over its cache then its new k/v. ``caches`` is a
-        list of ``new()`` handles, or a backend's batched handle (DraftRows.caches).
-        ``windows`` (layer -> sliding window) limits those layers' keys: causal, to the window
-        ending at each query or, past ``anchor`` (a position; a positional store: one per row
-        [N]), at the anchor; non-causal (a DFlash block), to the last ``window`` positions before
-        the block (``block_causal``: the block causal too) or, ``per_query``, to the window
-        ending at each query, causally (backends/reference/kv.py: attend)."""
-
-    # Stores that index KV by absolute position (the cuda backend's static caches) also offer
-    # write_projected(caches, layers, x [N, W, *], positions [N, W], rotary, fc=None, hidden_norm=None):
-    # every DecoderLayer's k/v projection of x, or of hidden_norm(fc(x)) (k-norm, RoPE), at each
-    # row's positions start .. start+W-1; and at(caches, start [N], end=None) -> the same rows' handle
-    # with new keys going at ``start`` (``end`` [N]: start + the width of the one forward it serves,
-    # where the caller has it on the device; else the store adds it); and prefill_attention(caches,
-    # num_layers, windows=None) -> causal attention among the rows' first T entries, stored at
-    # positions 0 .. T - 1 (a batched prefill's).
+    def truncate(self, cache: Any, length: int) -> None:
+        """An append store's handle cut back to its first ``length`` entries."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from draftline.core import logprobs
 from draftline.core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification, narrowing_widths
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
+from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
 from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
@@ -124,8 +125,7 @@ class ReferenceBackend:
         start, end = req.prefilled, max(end, req.prefilled + 1)
         ids = torch.tensor([req.prefill_ids[start:end]], device=self.device)  # [1, end - start]
         positions = torch.arange(start, end, device=self.device)[None]
-        attn = self.kv.attention([req.kv], causal=True, persist=True)
-        hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)
+        hidden, features = self._target(req, ids, positions)
         req.prefilled = end
         if features is not None:
             self._chunks[req.rid].append(features[0])
@@ -203,12 +203,17 @@ class ReferenceBackend:
         for i, req in enumerate(reqs):
             ids = torch.cat([torch.tensor([req.last_token], device=self.device), proposal.tokens[i]])[None]
             positions = req.seq_len - 1 + torch.arange(ids.shape[1], device=self.device)[None]  # [1, K+1]
-            attn = self.kv.attention([req.kv], causal=True, persist=True)
-            hidden, feats = self.target(ids, positions, attn, self.plan.target_layer_ids)
+            hidden, feats = self._target(req, ids, positions)
             logits.append(self.target.logits(hidden[0]))
             features.append(None if feats is None else feats[0])
         stacked = None if features[0] is None else torch.stack(features)  # [N, K+1, n*H]
         return Verification(logits=torch.stack(logits), features=stacked)  # [N, K+1, V]
+
+    def _target(self, req: Request, ids: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over one request's new tokens [1, W], its keys appended to its cache."""
+        fwd = Forward(positions, self.kv.attention([req.kv], causal=True, persist=True), self.plan.target_layer_ids)
+        return self.target.run(self.kv.ops, fwd, ids)
 
     @torch.inference_mode()
     def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:

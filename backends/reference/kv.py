@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from draftline.core.models.eager import EAGER
+from draftline.core.models.ops import Forward
+
 
 @dataclass
 class KVCache:
@@ -83,14 +86,24 @@ class CachedAttention:
             out.append(attend(q[b], keys, values, self.causal, window, self.anchor, self.block_causal, self.per_query))
         return torch.stack(out)
 
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Keys and values [B, Hkv, T, D] stored with no query (a DFlash drafter's context)."""
+        for b, cache in enumerate(self.caches):
+            ReferenceKV.append(cache, layer, k[b], v[b])
+
 
 class ReferenceKV:
-    """The KVStore the reference backend lends to drafters (and uses for the target)."""
+    """The KVStore the reference backend lends to drafters (and uses for the target): per-request
+    handles that grow as keys are appended, and the eager operations."""
+
+    ops = EAGER
+    positional = False
 
     def new(self, num_layers: int) -> KVCache:
         return KVCache(k=[None] * num_layers, v=[None] * num_layers)
 
-    def append(self, cache: KVCache, layer: int, k: Tensor, v: Tensor) -> None:
+    @staticmethod
+    def append(cache: KVCache, layer: int, k: Tensor, v: Tensor) -> None:
         if cache.k[layer] is not None:
             k, v = torch.cat([cache.k[layer], k], dim=1), torch.cat([cache.v[layer], v], dim=1)
         cache.k[layer], cache.v[layer] = k, v
@@ -107,6 +120,12 @@ class ReferenceKV:
                   ) -> CachedAttention:
         return CachedAttention(caches, causal, persist, windows, anchor, block_causal, per_query)
 
+    def forward(self, caches: list[KVCache], positions: Tensor, causal: bool, persist: bool = True,
+                windows: dict[int, int] | None = None, anchor: int | None = None, block_causal: bool = False,
+                per_query: bool = False, end: Tensor | None = None) -> Forward:
+        """A forward whose new keys go at each handle's end (kept where ``persist``)."""
+        return Forward(positions, self.attention(caches, causal, persist, windows, anchor, block_causal, per_query))
+
 
 @dataclass(frozen=True)
 class FrozenTargetKV:
@@ -116,4 +135,8 @@ class FrozenTargetKV:
     caches: list[KVCache]
 
     def read(self, layer: int, q: Tensor) -> Tensor:
+        """q [N, Hq, T, D] over each row's cached keys of ``layer``, unmasked -> [N, Hq, T, D]."""
         return torch.stack([attend(q[b], c.k[layer], c.v[layer], causal=False) for b, c in enumerate(self.caches)])
+
+    def forward(self, positions: Tensor, layer: int) -> Forward:
+        return Forward(positions, lambda own, q, k, v: self.read(layer, q))

@@ -184,31 +184,29 @@ class DFlashDrafter(Drafter):
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
         if req.draft_state is None:
             self.admit(req)
-        n = features.shape[0]
-        positions = torch.arange(first_position, first_position + n, device=features.device)[None]
-        for layer, (k, v) in enumerate(self.model.context_kv(features[None], positions)):
-            self.kv.append(req.draft_state, layer, k[0], v[0])
+        positions = torch.arange(first_position, first_position + features.shape[0], device=features.device)[None]
+        fwd = self.kv.forward([req.draft_state], positions, causal=False)
+        self.model.store_context(self.kv.ops, fwd, features[None])
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         positions = rows.positions  # [N, W]
         if positions is None:
             positions = rows.start[:, None] + torch.arange(features.shape[1], device=features.device)
-        m = self.model
-        self.kv.write_projected(rows.caches, m.layers, features, positions, m.rotary, fc=m.fc,
-                                hidden_norm=m.hidden_norm)
+        fwd = self.kv.forward(rows.caches, positions, causal=False, end=rows.end)
+        self.model.store_context(self.kv.ops, fwd, features)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        n = rows.last_token.shape[0]
+        n, ops = rows.last_token.shape[0], self.kv.ops
         # [N, B] each: ids anchor, MASK, ...; positions start .. start + B - 1
-        ids, positions = rows.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
-        attn = self.kv.attention(rows.caches, causal=False, persist=False, **self.windowed)
-        hidden = self.model(self.target.embed(ids), positions, attn)
+        ids, positions = ops.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
+        fwd = self.kv.forward(rows.caches, positions, causal=False, persist=False, **self.windowed)
+        hidden = self.model.run(ops, fwd, ops.embed(self.target.model.embed_tokens.weight, ids))
         # the block attends as a whole, but only the slots the round verifies are read out
         read = 1 + rows.verified(self.plan.block_size - 1)
         if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
-            best = rows.head_argmax(self.model.head(self.target), hidden[:, 1:read])  # [N, K] drafter-vocabulary ids
+            best = ops.argmax(self.model.head(self.target), hidden[:, 1:read])  # [N, K] drafter-vocabulary ids
             return Proposal(tokens=self.model.to_target_ids(best))
-        logits = self.model.logits(hidden[:, 1:read], self.target)  # [N, K, V]
+        logits = self.model.logits(hidden[:, 1:read], self.target, ops)  # [N, K, V]
         q = probs_from_logits(logits, rows.batch)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)

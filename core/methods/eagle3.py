@@ -161,7 +161,7 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, model: Eagle3DraftModel, target: TargetModel, kv: KVStore, plan: Plan):
         self.model, self.target, self.kv, self.plan = model, target, kv, plan
-        self.positional = hasattr(kv, "at")
+        self.ops, self.table = kv.ops, model.table(target)
         cfg = model.config
         self.num_layers = cfg.layer.num_layers
         self.windows = cfg.windows() or None  # layer -> sliding window; a chain keeps the window it starts with
@@ -169,9 +169,9 @@ class Eagle3Drafter(Drafter):
         self.same_ids = not bool(model.d2t.any())  # draft id = target id: no map to apply in the chain
 
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
-        if self.positional:
-            self._prefill_entries(req, features, first_position)
-            return
+        if self.kv.positional:
+            raise RuntimeError("an EAGLE-3 head on a positional store takes its entries through prefill_rows and "
+                               "extend_rows")
         st = req.draft_state
         if st is None:
             st = req.draft_state = Eagle3State(cache=self.kv.new(self.num_layers), start=first_position)
@@ -180,27 +180,16 @@ class Eagle3Drafter(Drafter):
         else:
             st.pending = torch.cat([st.pending, features])
 
-    def _prefill_entries(self, req: Request, features: Tensor, first: int) -> None:
-        """Positional store, after prefill: every prompt position but the last (whose next token
-        is not drawn yet) goes through the head now."""
-        req.draft_state = req.draft_state or self.kv.new(self.num_layers)
-        n = features.shape[0] - 1
-        if n > 0:
-            ids = torch.tensor([req.token_ids[first + 1 : first + 1 + n]], device=features.device)  # [1, n]
-            positions = first + torch.arange(n, device=ids.device)[None]
-            attn = self.kv.attention([req.draft_state], causal=True, persist=True, windows=self.windows)
-            self.model.step(self.model.embed(self.target, ids), self.model.fuse(features[None, :n]), positions, attn)
-
     def admit(self, req: Request) -> None:
         req.draft_state = self.kv.new(self.num_layers)
 
     def prefill_rows(self, rows: DraftRows, features: Tensor, ids: Tensor) -> None:
         """Entries for prompt positions 0 .. P - 2 in one causal pass (position t reads token
-        t + 1 and the features at t), as ``_prefill_entries`` makes them one prompt at a time."""
+        t + 1 and the features at t)."""
         n, p = ids.shape
         positions = torch.arange(p - 1, device=ids.device)[None].expand(n, -1)  # [N, P - 1]
-        attn = self.kv.prefill_attention(rows.caches, self.num_layers, self.windows)
-        self.model.step(self.model.embed(self.target, ids[:, 1:]), self.model.fuse(features[:, :-1]), positions, attn)
+        fwd = self.kv.prefill(rows.caches, positions, self.windows)
+        self.model.run(self.ops, fwd, self.table, ids[:, 1:], self.model.fuse(features[:, :-1], self.ops, fwd))
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         """Entries for positions start - 1 .. start + W - 2: position t reads the window's token
@@ -209,13 +198,13 @@ class Eagle3Drafter(Drafter):
         first = (rows.start - 1).clamp(min=0)  # padding rows sit at 0
         feats = torch.cat([rows.features[:, None], features[:, :-1]], dim=1)  # [N, W, taps*H]
         positions = first[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        attn = self.kv.attention(self.kv.at(rows.caches, first), causal=True, persist=True, windows=self.windows)
-        self.model.step_tokens(self.target, tokens, self.model.fuse(feats), positions, attn)
+        fwd = self.kv.forward(rows.caches, positions, causal=True, windows=self.windows)
+        self.model.run(self.ops, fwd, self.table, tokens, self.model.fuse(feats, self.ops, fwd))
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        if self.positional and self.ascending and self.plan.draft_sample_method == "greedy":
+        if self.kv.positional and self.ascending and self.plan.draft_sample_method == "greedy":
             return Proposal(tokens=self._greedy_rows(rows))
-        if self.positional:
+        if self.kv.positional:
             logits = self._chain_rows(rows)  # [N, K, V]
         else:  # one request at a time (its pending context, then K-1 chained steps)
             logits = torch.stack([self._chain(req) for req in reqs])
@@ -227,54 +216,47 @@ class Eagle3Drafter(Drafter):
         """Positional store: the last verified position's entry (the round's last token and
         rows.features), then K-1 chained steps (fewer where the round verifies fewer drafts:
         rows.verified), one position on each -> logits [N, K, V]."""
-        first = (rows.start - 1).clamp(min=0)  # [N]
         steps, k = [], rows.verified(self.plan.num_speculative_tokens)
-        later = _later_positions(first, k)
-        attn = self._attention(rows, first, first, later[0])
-        out = self.model.step_tokens(self.target, rows.last_token[:, None], self.model.fuse(rows.features[:, None]),
-                                     first[:, None], attn)[0]  # [N, 1, H]
-        for j in range(k):
-            steps.append(self.model.logits(out[:, 0]))  # [N, V]
-            if j == k - 1:
-                break
-            token = self._pick_rows(steps[-1], rows, j)  # [N]
-            at = later[j]
-            attn = self._attention(rows, at, first, later[j + 1])
-            out = self.model.step_tokens(self.target, token[:, None], self.model.next_hidden(out), at[:, None],
-                                         attn)[0]
+        token, out, normed = None, None, None
+        for j, fwd in enumerate(self._chain_forwards(rows, k)):
+            if j == 0:
+                token, hidden = rows.last_token, self.model.fuse(rows.features[:, None], self.ops, fwd)
+            else:
+                token, hidden = self._pick_rows(steps[-1], rows, j - 1), self.model.next_hidden(out, normed)
+            out, normed = self.model.run(self.ops, fwd, self.table, token[:, None], hidden)  # [N, 1, H] each
+            steps.append(self.model.logits(out[:, 0], normed[:, 0], self.ops))  # [N, V]
         return torch.stack(steps, dim=1)
 
     def _greedy_rows(self, rows: DraftRows) -> Tensor:
         """_chain_rows for greedy drafts, reading out tokens (no logits) -> [N, K]."""
-        first = (rows.start - 1).clamp(min=0)  # [N]
         tokens, k = [], rows.verified(self.plan.num_speculative_tokens)
-        later = _later_positions(first, k)
-        attn = self._attention(rows, first, first, later[0])
-        out, normed = self.model.step_tokens(self.target, rows.last_token[:, None],
-                                             self.model.fuse(rows.features[:, None]), first[:, None], attn)
-        for j in range(k):
-            tokens.append(self._greedy(self.model.readout(out, normed)[:, 0], rows))  # [N]
-            if j == k - 1:
-                break
-            at = later[j]
-            attn = self._attention(rows, at, first, later[j + 1])
-            out, normed = self.model.step_tokens(self.target, tokens[-1][:, None],
-                                                 self.model.next_hidden(out, normed), at[:, None], attn)
+        out, normed = None, None
+        for j, fwd in enumerate(self._chain_forwards(rows, k)):
+            if j == 0:
+                token, hidden = rows.last_token, self.model.fuse(rows.features[:, None], self.ops, fwd)
+            else:
+                token, hidden = tokens[-1], self.model.next_hidden(out, normed)
+            out, normed = self.model.run(self.ops, fwd, self.table, token[:, None], hidden)
+            tokens.append(self._greedy(self.model.readout(out, normed)[:, 0]))  # [N]
         return torch.stack(tokens, dim=1)
 
-    def _greedy(self, readout: Tensor, rows: DraftRows) -> Tensor:
+    def _chain_forwards(self, rows: DraftRows, k: int):
+        """The k forwards of a chain over a positional store: the first at the last verified
+        position (start - 1), step j + 1 one position on, each writing its key there, every
+        sliding window anchored where the chain starts (as the reference's)."""
+        first = (rows.start - 1).clamp(min=0)  # [N]
+        later = _later_positions(first, k)  # [K, N]: step j + 1's position, step j's key count
+        for j in range(k):
+            at = first if j == 0 else later[j - 1]
+            yield self.kv.forward(rows.caches, at[:, None], causal=True, windows=self.windows, anchor=first,
+                                  end=later[j])
+
+    def _greedy(self, readout: Tensor) -> Tensor:
         """The greedy target id from what lm_head reads [N, H]; a draft vocabulary that is the
         target's skips the id map (two launches a chain step)."""
         if self.same_ids:
-            return rows.head_argmax(self.model.lm_head, readout)
-        return self.model.greedy(readout, rows.head_argmax)
-
-    def _attention(self, rows: DraftRows, at: Tensor, first: Tensor, end: Tensor):
-        """Positional store: attention for a new key at ``at`` [N] (``end`` = at + 1, already on
-        the device) of a chain started at ``first`` [N], whose sliding windows stay where they
-        were at the chain's start (as the reference's)."""
-        return self.kv.attention(self.kv.at(rows.caches, at, end), causal=True, persist=True, windows=self.windows,
-                                 anchor=first)
+            return self.ops.argmax(self.model.lm_head, readout)
+        return self.model.greedy(self.ops, readout)
 
     def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
         """Draft j + 1's token, as propose() will choose it: argmax, or the seeded draw."""
@@ -292,21 +274,19 @@ class Eagle3Drafter(Drafter):
         ids = torch.tensor([req.token_ids[st.start + 1 : st.start + 1 + m]], device=st.pending.device)  # [1, m]
         positions = st.start + torch.arange(m, device=ids.device)[None]  # [1, m]
         # a sliding window stays anchored at the chain's start for its later steps, as speculators trains it
-        attn = self.kv.attention([st.cache], causal=True, persist=True, windows=self.model.config.windows() or None,
-                                 anchor=st.start + m - 1)
-        out = self.model.step(self.model.embed(self.target, ids), self.model.fuse(st.pending[None]), positions,
-                              attn)[:, -1:]
+        fwd = self.kv.forward([st.cache], positions, causal=True, windows=self.windows, anchor=st.start + m - 1)
+        out, normed = self.model.run(self.ops, fwd, self.table, ids, self.model.fuse(st.pending[None], self.ops, fwd))
+        out, normed = out[:, -1:], normed[:, -1:]
         st.start, st.pending = st.start + m, None
         steps = []
         for j in range(k):
-            logits = self.model.logits(out[0, -1])  # [V]
+            logits = self.model.logits(out[0, -1], normed[0, -1], self.ops)  # [V]
             steps.append(logits)
             if j == k - 1:
                 break
             token = self._pick(logits, req, st.start + j)
-            pos = torch.tensor([[st.start + j]], device=ids.device)  # the drafted token's own position - 1
-            out = self.model.step(self.model.embed(self.target, token.view(1, 1)), self.model.next_hidden(out), pos,
-                                  attn)
+            at = fwd.with_positions(torch.tensor([[st.start + j]], device=ids.device))  # the token's own position - 1
+            out, normed = self.model.run(self.ops, at, self.table, token.view(1, 1), self.model.next_hidden(out, normed))
         return torch.stack(steps)
 
     def _pick(self, logits: Tensor, req: Request, position: int) -> Tensor:

@@ -93,7 +93,7 @@ class MTPMethod(Method):
     def build_drafter(self, plan: Plan, target: TargetModel, kv: KVStore, device, dtype) -> Drafter:
         d = self.cfg.draft
         model = load_mtp(d.path) if d.path else random_mtp(d.random_init.preset, d.random_init.seed, device, dtype)
-        return MTPDrafter(place(model, device, dtype), target, plan)
+        return MTPDrafter(place(model, device, dtype), target, kv, plan)
 
 
 class MTPDrafter(Drafter):
@@ -104,8 +104,8 @@ class MTPDrafter(Drafter):
     graph_safe = True
     reads_last_features = True
 
-    def __init__(self, model: Gemma4MTPModel, target: TargetModel, plan: Plan):
-        self.model, self.target, self.plan = model, target, plan
+    def __init__(self, model: Gemma4MTPModel, target: TargetModel, kv: KVStore, plan: Plan):
+        self.model, self.target, self.plan, self.ops = model, target, plan, kv.ops
         self.kv_layer = target.config.num_layers - 1
         embedding = target.model.embed_tokens.weight  # [V, H]: the tied readout, as an LM head
         self.readout = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
@@ -121,39 +121,21 @@ class MTPDrafter(Drafter):
         k = rows.verified(self.plan.num_speculative_tokens)  # fewer where the round verifies fewer
         token = rows.last_token[:, None]  # [N, 1]
         hidden = rows.features[:, None]  # [N, 1, H]
-        position = rows.start[:, None]  # [N, 1]: the chain's one query position (the last token's)
-        embedding = self.target.model.embed_tokens.weight
-
-        def read(q: Tensor) -> Tensor:
-            return rows.target_kv.read(self.kv_layer, q)
-
-        if self.plan.draft_sample_method == "greedy" and hasattr(rows.target_kv, "query_layer"):
-            return Proposal(tokens=self._greedy_fused(rows))
+        # the chain's one query position (the last token's), over the target's verified keys
+        fwd = rows.target_kv.forward(rows.start[:, None], self.kv_layer)
+        embedding = self.readout.weight
         tokens, qs = [], []
         for j in range(k):
-            hidden = self.model.step(self.target.embed(token), hidden, position, read)
-            logits = self.model.logits(hidden[:, 0], embedding)  # [N, V]
+            hidden = self.model.run(self.ops, fwd, embedding, token, hidden)
             if self.plan.draft_sample_method == "greedy":
-                token = logits.argmax(-1, keepdim=True)
+                token = self.ops.argmax(self.readout, hidden[:, 0])[:, None]  # [N, 1]
             else:
-                q = probs_from_logits(logits, rows.batch)
+                q = probs_from_logits(self.ops.logits(self.readout, hidden[:, 0]), rows.batch)
                 qs.append(q)
                 token = sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)[:, None]
             tokens.append(token)
         drafts = torch.cat(tokens, dim=1)  # [N, K]
         return Proposal(tokens=drafts, probs=torch.stack(qs, dim=1) if qs else None)
-
-
-    def _greedy_fused(self, rows: DraftRows) -> Tensor:
-        """The greedy chain through the target cache's fused forms, read out by the backend's
-        head (the tied embedding as an LM head; no logits written) -> [N, K]."""
-        token, hidden, position = rows.last_token[:, None], rows.features[:, None], rows.start[:, None]
-        tokens = []
-        for _ in range(rows.verified(self.plan.num_speculative_tokens)):
-            hidden = self.model.step_fused(token, self.readout.weight, hidden, position, rows.target_kv, self.kv_layer)
-            token = rows.head_argmax(self.readout, hidden[:, 0])[:, None]  # [N, 1]
-            tokens.append(token)
-        return torch.cat(tokens, dim=1)
 
 
 # ---------------------------------------------------------------- training objective

@@ -13,7 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from .config import DFlashConfig
-from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary, run_layers
+from .eager import EAGER
+from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary, stack
+from .ops import Forward, Ops
 
 
 class DFlashDraftModel(nn.Module):
@@ -40,30 +42,47 @@ class DFlashDraftModel(nn.Module):
         """Draft-vocabulary ids [...] (head()'s argmax) -> target ids."""
         return best if self.config.draft_vocab_size is None else best + self.d2t[best]
 
-    def logits(self, hidden: Tensor, target) -> Tensor:
+    def logits(self, hidden: Tensor, target, ops: Ops = EAGER) -> Tensor:
         """Final-normed hidden [..., H] -> float32 logits over the target vocabulary [..., V]
         (a reduced vocabulary's at their target ids, -inf elsewhere: never drafted)."""
+        small = ops.logits(self.head(target), hidden)
         if self.config.draft_vocab_size is None:
-            return target.logits(hidden)
-        small = self.lm_head(hidden).float()
+            return small
         full = small.new_full((*small.shape[:-1], self.config.layers.vocab_size), float("-inf"))
         ids = torch.arange(small.shape[-1], device=small.device) + self.d2t
         return full.index_copy_(-1, ids, small)
 
-    def fuse(self, features: Tensor) -> Tensor:
-        """Target features [B, C, n*H] -> the fused context [B, C, H] every layer projects."""
-        return self.hidden_norm(self.fc(features))
+    def store_context(self, ops: Ops, fwd: Forward, features: Tensor) -> None:
+        """Target features [N, C, n*H] at fwd.positions -> every layer's context keys and values
+        (its k/v projections of hidden_norm(fc(features)): k-norm, RoPE), stored as fwd.kv says."""
+        fused = ops.norm(fwd, ops.linear(fwd, features, self.fc), self.hidden_norm)  # [N, C, H]
+        for i, layer in enumerate(self.layers):
+            ops.store_kv(fwd, i, layer.self_attn, fused, self.rotary)
+
+    def run(self, ops: Ops, fwd: Forward, block_embeds: Tensor) -> Tensor:
+        """Block embeddings [N, B, H] at fwd.positions -> final-normed hidden [N, B, H]. fwd.kv
+        attends each block query over the cached context followed by the whole block (no causal
+        mask; a sliding layer as the checkpoint says), and keeps none of the block's keys for
+        later forwards."""
+        return stack(ops, fwd, self.layers, self.norm, self.rotary, block_embeds)[0]
 
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Target features [B, C, n*H] at positions [B, C] -> per layer (k, v) [B, Hkv, C, D]."""
-        fused = self.fuse(features)
-        cos, sin = self.rotary(positions, fused.dtype)
-        return [layer.self_attn.project_kv(fused, cos, sin) for layer in self.layers]
+        """Target features [B, C, n*H] at positions [B, C] -> per layer (k, v) [B, Hkv, C, D]
+        (store_context in eager PyTorch, for training and checks)."""
+        kept = _Kept()
+        self.store_context(EAGER, Forward(positions, kept), features)
+        return kept.kv
 
     def forward(self, block_embeds: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
-        """Block embeddings [B, T, H] at positions [B, T] -> final-normed hidden [B, T, H].
+        """run() in eager PyTorch, attending through ``attn`` (training)."""
+        return self.run(EAGER, Forward(positions, attn), block_embeds)
 
-        ``attn`` must attend each block query over the cached context K/V followed by the
-        block's own K/V, without a causal mask, and must not keep the block's K/V.
-        """
-        return run_layers(self.layers, self.norm, self.rotary, block_embeds, positions, attn)[0]
+
+class _Kept:
+    """An eager forward's kv that keeps what store_kv hands it, layer by layer."""
+
+    def __init__(self):
+        self.kv: list[tuple[Tensor, Tensor]] = []
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        self.kv.append((k, v))

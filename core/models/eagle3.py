@@ -30,7 +30,9 @@ from torch import Tensor, nn
 from .checkpoint import CheckpointError, load_weights, read_tensor, tensor_files, vocab_map
 from .config import ModelConfig, read_config_json
 from .eagle3_config import DIALECTS, Eagle3Config, default_aux_layer_ids, eagle3_config
-from .layers import MLP, Attention, AttentionFn, DecoderLayer, RMSNorm, Rotary
+from .eager import EAGER
+from .layers import MLP, Attention, AttentionFn, DecoderLayer, RMSNorm, Rotary, decoder_layer
+from .ops import Forward, Ops
 from .presets import lookup_preset
 
 __all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "eagle3_config", "load_eagle3"]
@@ -53,14 +55,6 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
-        """embeds, hidden [B, T, H] -> the layer's output [B, T, H] (pre-norm: fed back)."""
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
-        h = residual + self.self_attn(x, cos, sin, 0, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
 
 class Eagle3DraftModel(nn.Module):
     def __init__(self, cfg: Eagle3Config):
@@ -82,19 +76,24 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("t2d", torch.zeros(lc.vocab_size, dtype=torch.bool))  # [V] in the draft vocab
         self.rotary = Rotary(lc.rope, lc.head_dim)
 
-    def fuse(self, features: Tensor) -> Tensor:
+    def fuse(self, features: Tensor, ops: Ops = EAGER, fwd: Forward | None = None) -> Tensor:
         """Target features [..., taps*H] -> the first step's hidden [..., H]: fc, after the
-        checkpoint's feature norms (norm_before_fc: one over all; fc_norm: one per tap)."""
+        checkpoint's feature norms (norm_before_fc: one over all; fc_norm: one per tap), through
+        ``ops`` (``fwd``: the forward it feeds, where there is one)."""
         if self.config.norm_before_fc:
-            features = self.input_norm(features)
+            features = ops.norm(fwd, features, self.input_norm)
         if self.config.fc_norm:
             chunks = features.chunk(self.config.num_aux, dim=-1)
-            features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
-        return self.fc(features)
+            features = torch.cat([ops.norm(fwd, c, norm) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return ops.project(features, self.fc)
+
+    def table(self, target) -> Tensor:
+        """The embedding the head reads [V, H]: its own, else the target's."""
+        return (target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens).weight
 
     def embed(self, target, ids: Tensor) -> Tensor:
-        """ids [...] -> the head's input embeddings [..., H]: its own, else the target's."""
-        return target.embed(ids) if self.embed_tokens is None else self.embed_tokens.weight[ids]
+        """ids [...] -> the head's input embeddings [..., H]."""
+        return self.table(target)[ids]
 
     def own_embedding(self, weight: Tensor | None) -> None:
         """Keep ``weight`` [V, H] as the head's own embedding (None: read the target's)."""
@@ -117,71 +116,51 @@ class Eagle3DraftModel(nn.Module):
             return out
         return self.norm(out) if normed is None else normed
 
+    def run(self, ops: Ops, fwd: Forward, table: Tensor, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """One drafter forward: tokens [N, W] (rows of ``table``, the embedding the head reads),
+        hidden [N, W, H] (fc of the target features, or the previous step's output) at
+        fwd.positions -> (the output [N, W, H], its final norm): the chain's next hidden and
+        what its readout reads."""
+        m = self.midlayer
+        x = ops.normed_beside(table, tokens, m.input_layernorm, hidden, m.hidden_norm)  # [N, W, 2H]
+        return self._layers(ops, fwd, x, hidden)
+
     def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
-        """One drafter forward: embeds [B, T, H] of the next tokens, hidden [B, T, H] (fc of the
-        target features, or the previous step's output) at positions [B, T] -> output [B, T, H]."""
-        if getattr(attn, "decoder_layer", None) is not None:
-            return self.step_normed(embeds, hidden, positions, attn)[0]
-        cos, sin = self.rotary(positions, embeds.dtype)
-        out = self.midlayer(embeds, hidden, cos, sin, attn)
-        for i, layer in enumerate(self.extra_layers, start=1):
-            out = layer(out, cos, sin, i, attn)
-        return out
-
-    def step_normed(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn
-                    ) -> tuple[Tensor, Tensor]:
-        """step() and the final norm of its output, (out, norm(out)) [B, T, H] each: the chain's
-        next hidden and what its readout reads. Through the attention's fused forms where it
-        offers them (``norm``, ``decoder_layer``: a backend's kernels, the same math)."""
-        layer_fn = getattr(attn, "decoder_layer", None)
-        if layer_fn is None:
-            out = self.step(embeds, hidden, positions, attn)
-            return out, self.norm(out)
+        """run() in eager PyTorch from embeddings [B, T, H] (training), attending through ``attn``
+        -> the output [B, T, H]."""
         m = self.midlayer
-        x = torch.cat([attn.norm(embeds, m.input_layernorm), attn.norm(hidden, m.hidden_norm)], dim=-1)  # [B, T, 2H]
-        return self._fused_layers(x, hidden, positions, layer_fn)
+        x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        return self._layers(EAGER, Forward(positions, attn), x, hidden)[0]
 
-    def step_tokens(self, target, tokens: Tensor, hidden: Tensor, positions: Tensor, attn: AttentionFn
-                    ) -> tuple[Tensor, Tensor]:
-        """step_normed() for tokens [B, T], embedded here (what a graph-safe chain and its
-        extension run, over a backend's fused forms): where the attention offers
-        ``normed_beside(table, ids, norm_a, other, norm_b) -> [..., 2H]`` (a backend's kernel: the
-        embedding rows and both input norms in one launch), through it."""
-        layer_fn, beside = getattr(attn, "decoder_layer", None), getattr(attn, "normed_beside", None)
-        if layer_fn is None or beside is None:
-            return self.step_normed(self.embed(target, tokens), hidden, positions, attn)
-        table = (target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens).weight
-        m = self.midlayer
-        x = beside(table, tokens, m.input_layernorm, hidden, m.hidden_norm)  # [B, T, 2H]
-        return self._fused_layers(x, hidden, positions, layer_fn)
-
-    def _fused_layers(self, x: Tensor, hidden: Tensor, positions: Tensor, layer_fn) -> tuple[Tensor, Tensor]:
-        """The layers of step_normed from the first layer's input x = [norm(embeds), norm(hidden)]
-        [B, T, 2H] -> (out, norm(out))."""
-        m, h = self.midlayer, hidden.shape[-1]
-        # each layer's closing add+norm is the next one's input norm (the last's: the final norm)
+    def _layers(self, ops: Ops, fwd: Forward, x: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """The layers from the first one's input x = [norm(embeds), norm(hidden)] [N, W, 2H]
+        -> (out, norm(out)); each layer's closing add+norm is the next one's input norm (the
+        last's: the final norm)."""
+        m, width = self.midlayer, hidden.shape[-1]
         closing = [layer.input_layernorm for layer in self.extra_layers] + [self.norm]
-        out, x = layer_fn(m, x[..., h:] if m.norm_before_residual else hidden, x, positions, self.rotary, 0, closing[0])
+        h, pending = decoder_layer(ops, fwd, 0, m, self.rotary, x[..., width:] if m.norm_before_residual else hidden, x)
+        out, x = ops.add_norm(fwd, pending, h, closing[0])
         for i, layer in enumerate(self.extra_layers, start=1):  # plain decoder layers on the first's output
-            out, x = layer_fn(layer, out, x, positions, self.rotary, i, closing[i])
+            h, pending = decoder_layer(ops, fwd, i, layer, self.rotary, out, x)
+            out, x = ops.add_norm(fwd, pending, h, closing[i])
         return out, x
 
-    def greedy(self, normed: Tensor, head_argmax) -> Tensor:
-        """The greedy token over the target vocabulary from what lm_head reads [..., H] (readout()): the draft
-        vocabulary's argmax mapped to its target id (``head_argmax`` may be a backend's readout
-        that writes no logits). Equal to logits(out).argmax(-1) when draft ids are ascending
-        (ties: the first in either order): check ascending_ids() first."""
-        best = head_argmax(self.lm_head, normed)  # [...] draft-vocabulary index
+    def greedy(self, ops: Ops, normed: Tensor) -> Tensor:
+        """The greedy token over the target vocabulary from what lm_head reads [..., H] (readout()):
+        the draft vocabulary's argmax mapped to its target id. Equal to logits().argmax(-1) when
+        draft ids are ascending (ties: the first in either order): check ascending_ids() first."""
+        best = ops.argmax(self.lm_head, normed)  # [...] draft-vocabulary index
         return best + self.d2t[best]
 
     def ascending_ids(self) -> bool:
         ids = self.draft_ids()
         return bool((ids[1:] > ids[:-1]).all())
 
-    def logits(self, out: Tensor) -> Tensor:
-        """Layer output [..., H] -> float32 logits over the *target* vocabulary [..., V]: the
-        draft vocabulary's logits at their target ids, -inf elsewhere (never drafted)."""
-        small = self.lm_head(self.readout(out)).float()  # [..., Vd]
+    def logits(self, out: Tensor, normed: Tensor | None = None, ops: Ops = EAGER) -> Tensor:
+        """Layer output [..., H] (and its final norm, where made) -> float32 logits over the
+        *target* vocabulary [..., V]: the draft vocabulary's logits at their target ids, -inf
+        elsewhere (never drafted)."""
+        small = ops.logits(self.lm_head, self.readout(out, normed))  # [..., Vd]
         full = small.new_full((*small.shape[:-1], self.config.layer.vocab_size), float("-inf"))
         ids = torch.arange(small.shape[-1], device=small.device) + self.d2t
         return full.index_copy_(-1, ids, small)

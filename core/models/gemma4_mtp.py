@@ -23,7 +23,9 @@ from torch import Tensor, nn
 from .checkpoint import load_weights
 from .config import ConfigError, ModelConfig, model_config, read_config_json
 from .dialect import MTP_DIALECT, layer_values
-from .layers import MLP, RMSNorm, Rotary, rotate
+from .eager import EAGER
+from .layers import MLP, RMSNorm, Rotary, decoder_layer
+from .ops import Forward, Ops
 from .presets import lookup_preset
 
 ARCHITECTURE = "Gemma4MTPDrafter"
@@ -49,6 +51,8 @@ def mtp_config(raw: dict[str, Any]) -> MTPConfig:
 
 
 class QueryOnlyAttention(nn.Module):
+    """Query projections (and a per-head q norm) only: the keys are another model's."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
@@ -56,14 +60,6 @@ class QueryOnlyAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, read: KVReader) -> Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-        if hasattr(self, "q_norm"):
-            q = self.q_norm(q)
-        out = read(rotate(q, cos, sin))
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MTPLayer(nn.Module):
@@ -73,10 +69,6 @@ class MTPLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, read: KVReader) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, read)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Gemma4MTPModel(nn.Module):
@@ -90,27 +82,32 @@ class Gemma4MTPModel(nn.Module):
         self.post_projection = nn.Linear(lc.hidden_size, cfg.target_hidden_size, bias=False)
         self.rotary = Rotary(lc.rope, lc.head_dim)
 
-    def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, read: KVReader) -> Tensor:
-        """One chain step: embeds [B, T, H] of the tokens (unscaled), the previous hidden
-        [B, T, H], query positions [B, T] -> the next hidden [B, T, H] (post_projection)."""
-        scaled = embeds * math.sqrt(self.config.target_hidden_size)
-        h = self.pre_projection(torch.cat([scaled, hidden], dim=-1))
-        cos, sin = self.rotary(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, read)
-        return self.post_projection(self.norm(h))
+    @property
+    def scale(self) -> float:
+        """What the token's embedding row is multiplied by."""
+        return math.sqrt(self.config.target_hidden_size)
 
-    def step_fused(self, tokens: Tensor, embedding: Tensor, hidden: Tensor, positions: Tensor, kv, kv_layer: int
-                   ) -> Tensor:
-        """step() for tokens [B, T] (rows of ``embedding``) through a target cache's fused forms
-        (``embed_beside``, ``project_norm``, ``query_layer``: a backend's kernels, the same math)
-        reading target layer ``kv_layer``."""
-        inputs = kv.embed_beside(embedding, tokens, math.sqrt(self.config.target_hidden_size), hidden)
-        h, x = kv.project_norm(inputs, self.pre_projection, self.layers[0].input_layernorm)
+    def run(self, ops: Ops, fwd: Forward, embedding: Tensor, tokens: Tensor, hidden: Tensor) -> Tensor:
+        """One chain step: tokens [N, W] (rows of ``embedding``, the target's [V, H]), the previous
+        hidden [N, W, H], queries at fwd.positions over the target keys fwd.kv reads -> the next
+        hidden [N, W, H] (post_projection)."""
+        return self._layers(ops, fwd, ops.embed_beside(embedding, tokens, self.scale, hidden))
+
+    def step(self, embeds: Tensor, hidden: Tensor, positions: Tensor, read: KVReader) -> Tensor:
+        """run() in eager PyTorch from the tokens' embeddings [B, T, H] (unscaled; training),
+        reading the target's keys through ``read`` -> the next hidden [B, T, H]."""
+        inputs = torch.cat([embeds * self.scale, hidden], dim=-1)
+        return self._layers(EAGER, Forward(positions, lambda layer, q, k, v: read(q)), inputs)
+
+    def _layers(self, ops: Ops, fwd: Forward, inputs: Tensor) -> Tensor:
+        """pre_projection of the step's input [N, W, 2H], the query-only layers, the final norm and
+        post_projection; each layer's closing add+norm is the next one's input norm."""
+        closing = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        h, x = ops.add_norm(fwd, ops.linear(fwd, inputs, self.pre_projection), None, self.layers[0].input_layernorm)
         for i, layer in enumerate(self.layers):
-            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, x = kv.query_layer(layer, h, x, positions, self.rotary, kv_layer, after)
-        return self.post_projection(x)
+            h, pending = decoder_layer(ops, fwd, i, layer, self.rotary, h, x)
+            h, x = ops.add_norm(fwd, pending, h, closing[i])
+        return ops.project(x, self.post_projection)
 
     @staticmethod
     def logits(hidden: Tensor, embedding: Tensor) -> Tensor:

@@ -1,8 +1,6 @@
-"""Decoder building blocks shared by the target family and the drafters.
-
-Attention takes an explicit ``attn`` callable supplied by the backend: it receives the
-layer index and this step's rotated q, k, v and returns the attended values. The backend
-owns the KV layout, the mask and whatever is cached; the modules hold no state.
+"""Decoder building blocks shared by the target family and the drafters: the modules (weights),
+and the decoder stack written once over a backend's operations (ops.py). The modules hold no
+state; the backend owns the KV layout, the mask and whatever is cached.
 """
 
 from __future__ import annotations
@@ -15,18 +13,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig, RopeConfig
+from .ops import Forward, Ops, Partial, Taps
 
 
 class AttentionFn(Protocol):
-    """A backend's attention for one forward. It may also offer ``decoder_stack(layers,
-    final_norm, rotary, h, positions, taps) -> (normed hidden, taps or None)`` to run a whole
-    stack of DecoderLayers its own way (fused kernels); models built from DecoderLayers use it
-    when present (see run_layers). Likewise ``norm(x, rmsnorm_module)`` and ``decoder_layer(
-    layer, residual, x, positions, rotary, index, final_norm) -> (out, final_norm(out))`` for
-    one decoder-shaped layer from its normed input (an EAGLE-3 head: see Eagle3DraftModel)."""
+    """The eager operations' attention (eager.py): a layer's rotated q and new k, v -> its output."""
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> out [B, Hq, T, D]"""
+    def __call__(self, layer: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+        """q [B, Hq, T, D], k/v [B, Hkv, T, D] (None: a query-only layer) -> out [B, Hq, T, D]"""
         ...
 
 
@@ -95,6 +89,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """A layer's q/k/v/o projections and per-head q/k norms (Qwen3); Ops.attention runs them."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -107,26 +103,6 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def _heads(self, x: Tensor, n: int) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
-
-    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """x [B, T, H] -> rotated k, v [B, Hkv, T, D]."""
-        k = self._heads(self.k_proj(x), self.num_kv_heads)
-        if hasattr(self, "k_norm"):
-            k = self.k_norm(k)
-        return rotate(k, cos, sin), self._heads(self.v_proj(x), self.num_kv_heads)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: AttentionFn) -> Tensor:
-        q = self._heads(self.q_proj(x), self.num_heads)
-        if hasattr(self, "q_norm"):
-            q = self.q_norm(q)
-        k, v = self.project_kv(x, cos, sin)
-        out = attn(layer, rotate(q, cos, sin), k, v)  # [B, Hq, T, D]
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -134,9 +110,6 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -147,26 +120,33 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: AttentionFn) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+
+def decoder_layer(ops: Ops, fwd: Forward, index: int, layer: nn.Module, rotary: Rotary, h: Tensor, x: Tensor
+                  ) -> tuple[Tensor, Partial]:
+    """One decoder layer after its input norm: residual h [N, W, H] and normed input x [N, W, In]
+    (an EAGLE-3 layer reads 2H) -> (h after attention, the MLP's output): the layer's output is
+    their sum, which the next add_norm makes. Its keys are layer ``index`` of fwd.kv's."""
+    attended = ops.attention(fwd, index, layer.self_attn, x, rotary)  # [N, W, Hq * D]
+    h, x = ops.add_norm(fwd, ops.linear(fwd, attended, layer.self_attn.o_proj), h, layer.post_attention_layernorm)
+    return h, ops.linear(fwd, ops.gated(fwd, x, layer.mlp), layer.mlp.down_proj)
 
 
-def run_layers(layers: nn.ModuleList, final_norm: RMSNorm, rotary: Rotary, h: Tensor, positions: Tensor,
-               attn: AttentionFn, taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
-    """h [B, T, H] through the layers and the final norm -> (normed [B, T, H], the tapped
-    layers' outputs concatenated [B, T, len(taps)*H] or None; tap -1 is h itself)."""
-    stack = getattr(attn, "decoder_stack", None)
-    if stack is not None:
-        return stack(layers, final_norm, rotary, h, positions, taps)
-    cos, sin = rotary(positions, h.dtype)
-    tapped: dict[int, Tensor] = {-1: h} if -1 in taps else {}  # -1: the embedding output (layer 0's input)
+def stack(ops: Ops, fwd: Forward, layers: nn.ModuleList, final_norm: RMSNorm, rotary: Rotary, h: Tensor
+          ) -> tuple[Tensor, Tensor | None]:
+    """h [N, W, H] through decoder layers and the final norm -> (normed [N, W, H], the layers
+    fwd.taps names, their outputs side by side [N, W, len(taps) * H], or None)."""
+    taps, pending = Taps(fwd, h, ops.in_place_taps), None
     for i, layer in enumerate(layers):
-        h = layer(h, cos, sin, i, attn)
-        if i in taps:
-            tapped[i] = h
-    features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-    return final_norm(h), features
+        h, x = ops.add_norm(fwd, pending, h, layer.input_layernorm, out=taps.out(i - 1))
+        taps.keep(i - 1, h)
+        if i == taps.done:
+            taps.finish()
+        h, pending = decoder_layer(ops, fwd, i, layer, rotary, h, x)
+    h, x = ops.add_norm(fwd, pending, h, final_norm, out=taps.out(len(layers) - 1))
+    taps.keep(len(layers) - 1, h)
+    if taps.done == len(layers):
+        taps.finish()
+    return x, taps.result()
 
 
 def init_random(module: nn.Module, seed: int, std: float, device: torch.device | str = "cpu") -> None:

@@ -7,7 +7,9 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary, run_layers
+from .layers import AttentionFn, DecoderLayer, RMSNorm, Rotary, stack
+from .eager import EAGER
+from .ops import Forward, Ops
 
 
 class Backbone(nn.Module):
@@ -29,18 +31,19 @@ class TargetModel(nn.Module):
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
 
     def embed(self, ids: Tensor) -> Tensor:
-        if ids.numel() > 1:  # a gather by indexing: 16 rows on an H200 in 1.6 µs, against 7.8 for nn.Embedding
-            return self.model.embed_tokens.weight[ids]
-        return self.model.embed_tokens(ids)
+        return self.model.embed_tokens.weight[ids]
+
+    def run(self, ops: Ops, fwd: Forward, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """ids [N, W] at fwd.positions -> (final-normed hidden [N, W, H], the output hidden states
+        of the layers fwd.taps names, side by side [N, W, len(taps)*H], or None)."""
+        m = self.model
+        return stack(ops, fwd, m.layers, m.norm, self.rotary, ops.embed(m.embed_tokens.weight, ids))
 
     def forward(
         self, ids: Tensor, positions: Tensor, attn: AttentionFn, taps: tuple[int, ...] = ()
     ) -> tuple[Tensor, Tensor | None]:
-        """ids/positions [B, T] -> (final-normed hidden [B, T, H], taps [B, T, len(taps)*H] or None).
-
-        ``taps`` are layer indices whose *output* hidden states are returned, concatenated.
-        """
-        return run_layers(self.model.layers, self.model.norm, self.rotary, self.embed(ids), positions, attn, taps)
+        """run() in eager PyTorch (training, uncached scoring), attending through ``attn``."""
+        return self.run(EAGER, Forward(positions, attn, taps), ids)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
