@@ -78,11 +78,21 @@ def test_a_verify_window_equals_the_decode_steps_it_replaces_inside_any_batch():
     """The whole target step (fused stack and LM head) over a row's three tokens in one window,
     beside two other rows, against three one-token steps of that row alone: every position's
     hidden state and logits, and the keys and values it cached, are bit-equal."""
-    from draftline.backends.cuda.fused import lm_logits
-    from draftline.backends.cuda.kv import Rows, RowsAttention, StaticKV
+    from draftline.backends.cuda.head import lm_logits
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.backends.cuda.linear import fuse
+    from draftline.backends.cuda.ops import CudaOps
+    from draftline.backends.cuda.views import CAUSAL, KVView
+    from draftline.core.models.ops import Forward
     from draftline.core.models.loader import random_target
 
     target = random_target("tiny-qwen3", 0, DEV, DTYPE)
+    fuse(target)
+
+    def run(cache, ids, slots, start):  # the target's rows at positions start .. start + W - 1
+        w = ids.shape[1]
+        view = KVView(cache, slots, start + w, CAUSAL)
+        return target.run(CudaOps(), Forward(start[:, None] + torch.arange(w, device=DEV), view, invariant=True), ids)
     cfg = target.config
     gen = torch.Generator().manual_seed(2)
     caches = [StaticKV(cfg.num_layers, 3, cfg.num_kv_heads, 96, cfg.head_dim, DTYPE, torch.device(DEV),
@@ -94,9 +104,8 @@ def test_a_verify_window_equals_the_decode_steps_it_replaces_inside_any_batch():
     start = torch.tensor([40, 7, 61], device=DEV)  # row 0 is the one compared
     slots = torch.tensor([1, 0, 2], device=DEV)
     with torch.no_grad():
-        window, _ = target(ids, start[:, None] + torch.arange(3, device=DEV), RowsAttention(caches[0], Rows(slots, start), True))
-        steps = [target(ids[:1, t : t + 1], start[:1, None] + t, RowsAttention(caches[1], Rows(slots[:1], start[:1] + t), True))[0]
-                 for t in range(3)]
+        window, _ = run(caches[0], ids, slots, start)
+        steps = [run(caches[1], ids[:1, t : t + 1], slots[:1], start[:1] + t)[0] for t in range(3)]
         for t, hidden in enumerate(steps):
             assert torch.equal(window[0, t], hidden[0, 0]), t
             assert torch.equal(lm_logits(target.lm_head, window[:, t : t + 1], True)[0],
@@ -109,23 +118,31 @@ def test_a_prompt_prefills_alike_alone_and_beside_longer_prompts():
     """The invariant prefill: a 5-token prompt alone (width 5) and as the middle row of three
     prompts padded to 9 tokens: the keys and values it caches, its hidden states and its first
     token's logits are bit-equal."""
-    from draftline.backends.cuda.fused import lm_logits
+    from draftline.backends.cuda.head import lm_logits
     from draftline.backends.cuda.kv import StaticKV
+    from draftline.backends.cuda.linear import fuse
+    from draftline.backends.cuda.ops import CudaOps
+    from draftline.backends.cuda.views import prefill_view
+    from draftline.core.models.ops import Forward
     from draftline.core.models.loader import random_target
 
     target = random_target("tiny-qwen3", 0, DEV, DTYPE)
+    fuse(target)
     cfg = target.config
     gen = torch.Generator().manual_seed(3)
+
+    def prefill(cache, ids, slots):  # whole prompts from position 0, the invariant prefill
+        w, group = ids.shape[1], cfg.num_heads // cfg.num_kv_heads
+        positions = torch.arange(w, device=DEV)[None].repeat(ids.shape[0], 1)
+        return target.run(CudaOps(), Forward(positions, prefill_view(cache, slots, w, group), invariant=True), ids)
     caches = [StaticKV(cfg.num_layers, 4, cfg.num_kv_heads, 32, cfg.head_dim, DTYPE, torch.device(DEV),
                        invariant=True) for _ in range(2)]
     batch = torch.randint(0, cfg.vocab_size, (3, 9), generator=gen).to(DEV)
     prompt = batch[1, :5].clone()
     batch[1, 5:] = 0  # the padding after the prompt
     with torch.no_grad():
-        alone, _ = target(prompt[None], torch.arange(5, device=DEV)[None],
-                          caches[0].prefill_attention(torch.tensor([2], device=DEV)))
-        beside, _ = target(batch, torch.arange(9, device=DEV)[None].expand(3, -1),
-                           caches[1].prefill_attention(torch.tensor([0, 2, 3], device=DEV)))
+        alone, _ = prefill(caches[0], prompt[None], torch.tensor([2], device=DEV))
+        beside, _ = prefill(caches[1], batch, torch.tensor([0, 2, 3], device=DEV))
     assert torch.equal(alone[0], beside[1, :5])
     assert torch.equal(lm_logits(target.lm_head, alone[:, 4], True), lm_logits(target.lm_head, beside[1:2, 4], True))
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
@@ -219,8 +236,8 @@ def test_prefill_windows_batched_into_one_launch_equal_one_launch_each(monkeypat
     """The invariant prefill's attention takes a prompt's windows as rows of few launches; each
     window's output is bit-equal to that window attended in a launch of its own (three whole
     windows and a shorter one, two prompts, a launch holding two windows of both)."""
-    from draftline.backends.cuda import kv as kv_module
-    from draftline.backends.cuda.kv import InvariantPrefill, StaticKV
+    from draftline.backends.cuda import views
+    from draftline.backends.cuda.kv import StaticKV
 
     hq, hkv, d, chunk = 8, 2, 32, 16  # 4 query heads a kv head: 16 tokens fill a 64-row window
     cache = StaticKV(1, 4, hkv, 128, d, DTYPE, torch.device(DEV), invariant=True)
@@ -234,8 +251,9 @@ def test_prefill_windows_batched_into_one_launch_equal_one_launch_each(monkeypat
     kv_lens = ends.to(torch.int32)[:, None].expand(-1, 2).contiguous()
     splits = cache.splits(2)
     per_row = hkv * triton.next_power_of_2(splits.count) * (splits.rows or chunk) * d * 4
-    monkeypatch.setattr(kv_module, "PARTIALS_BYTES", per_row * 2 * 2)  # two windows of both prompts a launch
-    batched = InvariantPrefill(cache, slots)._attend(kv_lens, chunk, q, 0)
+    monkeypatch.setattr(views, "PARTIALS_BYTES", per_row * 2 * 2)  # two windows of both prompts a launch
+    view = views.KVView(cache, slots, kv_lens[-1], views.WINDOWS, window_lens=kv_lens, chunk=chunk)
+    batched = view.attend(q, 0)
     for i, start in enumerate(range(0, w, chunk)):
         one = attend(q[:, :, start : start + chunk].contiguous(), cache.k[0], cache.v[0], slots, kv_lens[i], True, splits)
         assert torch.equal(batched[:, :, start : start + chunk], one), f"window {i}"

@@ -13,6 +13,9 @@ pytest.importorskip("triton")
 from draftline.backends.cuda.attention import CacheAttention, Splits, attend, device_split_plan  # noqa: E402
 from draftline.backends.cuda.pages import Pages  # noqa: E402
 from draftline.backends.reference.kv import attend as reference_attend  # noqa: E402
+from draftline.backends.cuda.ops import CudaOps  # noqa: E402
+from draftline.core.models.eager import EAGER  # noqa: E402
+from draftline.core.models.ops import Forward  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,15 +108,25 @@ def _twin_caches(cfg, gen):
     return caches
 
 
+def _forward(cache, slots: torch.Tensor, start: torch.Tensor, positions: torch.Tensor, causal: bool,
+             taps: tuple[int, ...] = ()) -> Forward:
+    """A cuda forward over the rows ``slots`` of ``cache``, their new keys after ``start``."""
+    from draftline.backends.cuda.views import BLOCK, CAUSAL, KVView
+
+    view = KVView(cache, slots, start + positions.shape[1], CAUSAL if causal else BLOCK)
+    return Forward(positions, view, taps)
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
 def test_fused_stack_matches_module_forward(preset):
-    """The fused decoder stack (add+norm, one QKV matmul, q/k-norm + RoPE + store, SiLU·up),
-    reached through the cuda attention's decoder_stack, against the modules layer by layer
-    over the same static cache: hidden, taps and the stored K/V."""
-    from draftline.backends.cuda.kv import Rows, RowsAttention
+    """The target's one forward through the cuda operations (add+norm, one QKV matmul,
+    q/k-norm + RoPE + store, SiLU·up) against the eager operations over the same static cache:
+    hidden, taps and the stored K/V."""
+    from draftline.backends.cuda.linear import fuse
     from draftline.core.models.loader import random_target
 
     target = random_target(preset, 0, DEV)
+    fuse(target)
     gen = torch.Generator().manual_seed(1)
     caches = _twin_caches(target.config, gen)
     ids = torch.randint(0, target.config.vocab_size, (2, 5), generator=gen).to(DEV)
@@ -121,10 +134,10 @@ def test_fused_stack_matches_module_forward(preset):
     positions = start[:, None] + torch.arange(5, device=DEV)
     slots = torch.tensor([2, 0], device=DEV)
     splits = caches[0].splits(len(slots))
-    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 5, True, splits)  # no decoder_stack
+    plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 5, True, splits)  # eager: stores, then attends
     with torch.no_grad():
-        want, want_taps = target(ids, positions, plain, (0, 2))
-        got, got_taps = target(ids, positions, RowsAttention(caches[1], Rows(slots, start), True), (0, 2))
+        want, want_taps = target.run(EAGER, Forward(positions, plain, (0, 2)), ids)
+        got, got_taps = target.run(CudaOps(), _forward(caches[1], slots, start, positions, True, (0, 2)), ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_taps, want_taps, rtol=1e-4, atol=1e-4)
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
@@ -132,11 +145,13 @@ def test_fused_stack_matches_module_forward(preset):
 
 
 def test_fused_stack_runs_the_dflash_block():
-    """The DFlash drafter's non-causal block forward takes the same fused path."""
-    from draftline.backends.cuda.kv import Rows, RowsAttention
+    """The DFlash drafter's non-causal block forward through the cuda operations, against the
+    eager ones."""
+    from draftline.backends.cuda.linear import fuse
     from draftline.core.models.loader import random_dflash
 
     drafter = random_dflash("tiny-dflash", 1, DEV)
+    fuse(drafter)
     gen = torch.Generator().manual_seed(2)
     caches = _twin_caches(drafter.config.layers, gen)
     embeds = torch.randn(2, 6, drafter.config.layers.hidden_size, generator=gen).to(DEV)
@@ -145,37 +160,31 @@ def test_fused_stack_runs_the_dflash_block():
     slots = torch.tensor([1, 2], device=DEV)
     plain = CacheAttention(caches[0].k, caches[0].v, slots, start + 6, False, caches[0].splits(len(slots)))
     with torch.no_grad():
-        want = drafter(embeds, positions, plain)
-        got = drafter(embeds, positions, RowsAttention(caches[1], Rows(slots, start), False))
+        want = drafter.run(EAGER, Forward(positions, plain), embeds)
+        got = drafter.run(CudaOps(), _forward(caches[1], slots, start, positions, False), embeds)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fused_here", [True, False])
-def test_projected_context_matches_the_drafters_own(fused_here):
-    """The DFlash drafter's context K/V written through the fused projection (one matvec and
-    one k-norm/RoPE/store kernel a layer; fc and hidden norm either inside the store, as the
-    engine runs it, or by the model) equals its own context_kv stored row by row."""
+def test_projected_context_matches_the_drafters_own():
+    """The DFlash drafter's context K/V written through the cuda operations (fc, the hidden
+    norm, then one matvec and one k-norm/RoPE/store kernel a layer), as the engine runs it,
+    equals the eager operations' context_kv, stored row by row."""
     from draftline.backends.cuda.kv import Rows, StaticStore
+    from draftline.backends.cuda.linear import fuse
     from draftline.core.models.loader import random_dflash
 
     drafter = random_dflash("tiny-dflash", 1, DEV)
+    fuse(drafter)
     cfg = drafter.config
     gen = torch.Generator().manual_seed(3)
     features = torch.randn(2, 4, len(cfg.target_layer_ids) * cfg.layers.hidden_size, generator=gen).to(DEV)
     start = torch.tensor([5, 12], device=DEV)
     positions = start[:, None] + torch.arange(4, device=DEV)
-    store = StaticStore(3, 64, torch.device(DEV))
-    handle = store.new(cfg.layers.num_layers)
-    nothing = torch.zeros(cfg.layers.num_kv_heads, 1, cfg.layers.head_dim, device=DEV)
-    store.append(handle, 0, nothing, nothing)  # the first write makes the cache
+    store = StaticStore(3, 64, torch.device(DEV), CudaOps())
+    store.allocate(drafter)
     slots = torch.tensor([2, 0], device=DEV)
     with torch.no_grad():
-        rows = Rows(slots, start)
-        if fused_here:
-            store.write_projected(rows, drafter.layers, features, positions, drafter.rotary, drafter.fc,
-                                  drafter.hidden_norm)
-        else:
-            store.write_projected(rows, drafter.layers, drafter.fuse(features), positions, drafter.rotary)
+        drafter.store_context(store.ops, store.forward(Rows(slots), positions, causal=False), features)
         want = drafter.context_kv(features, positions)
     for layer, (k, v) in enumerate(want):
         for row, (slot, first) in enumerate(zip(slots.tolist(), start.tolist())):
@@ -183,34 +192,6 @@ def test_projected_context_matches_the_drafters_own(fused_here):
             got_v = store.cache.v[layer][slot, :, first : first + 4]
             torch.testing.assert_close(got_k, k[row], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(got_v, v[row], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("w", [3, 80])
-def test_eager_drafter_attention_appends_windows_of_any_length(w):
-    """A drafter's per-request handles on the static store: rows whose caches already hold
-    different lengths take W new tokens each (80 leaves the decode kernel for PyTorch's
-    attention); each row equals causal attention over its prefix then its new keys, and the
-    handles move past them."""
-    from draftline.backends.cuda.kv import StaticStore
-
-    gen = torch.Generator().manual_seed(1)
-    hq, hkv, d = 4, 2, 32
-    store = StaticStore(3, 256, torch.device(DEV))
-    handles = [store.new(1), store.new(1)]
-    prefix = []
-    for handle, n in zip(handles, (10, 0)):
-        k, v = torch.randn(2, hkv, n, d, generator=gen).to(DEV)
-        store._ensure(1, torch.empty(1, hkv, 1, d, device=DEV))
-        store.append(handle, 0, k, v)
-        prefix.append((k.cpu(), v.cpu()))
-    q = torch.randn(2, hq, w, d, generator=gen).to(DEV)
-    k_new, v_new = torch.randn(2, 2, hkv, w, d, generator=gen).to(DEV)
-    out = store.attention(handles, causal=True, persist=True)(0, q, k_new, v_new).cpu()
-    for i in range(2):
-        keys = torch.cat([prefix[i][0], k_new[i].cpu()], dim=1)
-        values = torch.cat([prefix[i][1], v_new[i].cpu()], dim=1)
-        torch.testing.assert_close(out[i], reference_attend(q[i].cpu(), keys, values, True), rtol=2e-4, atol=2e-4)
-    assert [h.filled for h in handles] == [[10 + w], [w]]
 
 
 @pytest.mark.gpu
@@ -277,10 +258,9 @@ def test_keys_read_and_stored_through_pages_as_in_a_static_cache(causal, splits)
 
 
 def test_a_fused_layer_stores_and_attends_through_pages():
-    """A fused decoder layer (fused.py: the q/k/v kernel's q/k-norm, RoPE and K/V store, then
+    """A decoder layer through the cuda operations (the q/k/v kernel's q/k-norm, RoPE and K/V store, then
     the decode kernel) over a cache held in scattered 16-position pages gives the static
     cache's output to the bit and stores its new keys and values at the same positions."""
-    from draftline.backends.cuda.fused import layer_body
     from draftline.backends.cuda.kv import StaticKV
     from draftline.core.models.layers import DecoderLayer, Rotary
     from draftline.core.models.presets import target_preset
@@ -299,9 +279,9 @@ def test_a_fused_layer_stores_and_attends_through_pages():
     slots = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEV)
     kv_len = torch.tensor([9, 40, 64], dtype=torch.int32, device=DEV)
     positions = (kv_len[:, None] - w + torch.arange(w, device=DEV)[None, :]).long()
-    h, x = torch.randn(n * w, cfg.hidden_size, device=DEV), torch.randn(n * w, cfg.hidden_size, device=DEV)
-    want = layer_body(layer, h, x, positions, rotary, static, 0, slots, kv_len, True)
-    got = layer_body(layer, h, x, positions, rotary, paged, 0, slots, kv_len, True)
+    h, x = torch.randn(n, w, cfg.hidden_size, device=DEV), torch.randn(n, w, cfg.hidden_size, device=DEV)
+    want = _layer(layer, h, x, positions, rotary, static, slots, kv_len)
+    got = _layer(layer, h, x, positions, rotary, paged, slots, kv_len)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     table = paged.pages.table.long()
     for cache, pool in ((static.k[0], k_pool), (static.v[0], v_pool)):
@@ -311,9 +291,9 @@ def test_a_fused_layer_stores_and_attends_through_pages():
 
 @pytest.mark.gpu
 def test_the_qkv_kernel_writes_the_same_bits_with_any_warps(monkeypatch):
-    """fused.QKV_WARPS only spreads a (token, head) row's tile over fewer threads: with 1, 2 or
+    """qkv.QKV_WARPS only spreads a (token, head) row's tile over fewer threads: with 1, 2 or
     4 warps a bf16 layer writes the same q, keys and values, so the output keeps its bits."""
-    from draftline.backends.cuda import fused
+    from draftline.backends.cuda import qkv
     from draftline.backends.cuda.kv import StaticKV
     from draftline.core.models.layers import DecoderLayer, Rotary
     from draftline.core.models.presets import target_preset
@@ -326,13 +306,13 @@ def test_the_qkv_kernel_writes_the_same_bits_with_any_warps(monkeypatch):
     slots = torch.arange(n, dtype=torch.int32, device=DEV)
     kv_len = torch.randint(w, 64, (n,), dtype=torch.int32, device=DEV)
     positions = (kv_len[:, None] - w + torch.arange(w, device=DEV)[None, :]).long()
-    h = torch.randn(n * w, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
-    x = torch.randn(n * w, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    h = torch.randn(n, w, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(n, w, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
     results = []
     for warps in (4, 2, 1):
-        monkeypatch.setattr(fused, "QKV_WARPS", warps)
+        monkeypatch.setattr(qkv, "QKV_WARPS", warps)
         cache = StaticKV(1, n, cfg.num_kv_heads, 64, cfg.head_dim, torch.bfloat16, torch.device(DEV))
-        out = fused.layer_body(layer, h, x, positions, rotary, cache, 0, slots, kv_len, True)
+        out = _layer(layer, h, x, positions, rotary, cache, slots, kv_len)
         results.append((out, cache.k[0].clone(), cache.v[0].clone()))
     for out, k, v in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out, results[0][0]))
@@ -346,17 +326,19 @@ def test_a_tokens_q_k_and_v_bits_do_not_depend_on_the_batch(head_dim):
     verify as in a 16-token one (interpreter: every tile holds whole tokens alike)."""
     from dataclasses import replace
 
-    from draftline.backends.cuda import fused
+    from draftline.backends.cuda import qkv as kernel
     from draftline.backends.cuda.kv import StaticKV
+    from draftline.backends.cuda.linear import fuse
     from draftline.core.models.layers import DecoderLayer, Rotary
     from draftline.core.models.presets import target_preset
 
     torch.manual_seed(0)
     cfg = replace(target_preset("tiny-qwen3"), head_dim=head_dim)
     layer = DecoderLayer(cfg).to(DEV, torch.bfloat16)
+    fuse(layer)
     rotary = Rotary(cfg.rope, cfg.head_dim).to(DEV)
     heads = cfg.num_heads + 2 * cfg.num_kv_heads
-    assert fused.heads_per_program(heads, head_dim) == {32: 4, 128: 2}[head_dim]
+    assert kernel.heads_per_program(heads, head_dim) == {32: 4, 128: 2}[head_dim]
     n, w = 32, 16
     kv_len = torch.randint(w, 64, (n,), dtype=torch.int32, device=DEV)
     positions = (kv_len[:, None] - w + torch.arange(w, device=DEV)[None, :]).long()
@@ -367,12 +349,23 @@ def test_a_tokens_q_k_and_v_bits_do_not_depend_on_the_batch(head_dim):
         cache.k[0].zero_(), cache.v[0].zero_()
         slots = torch.tensor(rows, dtype=torch.int32, device=DEV)
         picked = qkv.view(n, w, -1)[rows].reshape(len(rows) * w, -1)
-        q = fused._qkv(layer, picked, positions[rows], rotary, cache, 0, slots, kv_len[rows], len(rows), w)
+        q = kernel.project_heads(layer.self_attn, picked, positions[rows], rotary, cache, 0, slots, kv_len[rows])
         return q.transpose(1, 2), cache.k[0][rows], cache.v[0][rows]  # q [rows, W, Hq, D]
 
     whole = run(list(range(n)))
     alone = run([5])
     assert all(torch.equal(a[0].view(torch.int16), b[5].view(torch.int16)) for a, b in zip(alone, whole))
+
+
+def _layer(layer, h, x, positions, rotary, cache, slots, kv_len):
+    """One decoder layer through the cuda operations, its keys into layer 0 of ``cache``."""
+    from draftline.backends.cuda.linear import fuse
+    from draftline.backends.cuda.views import CAUSAL, KVView
+    from draftline.core.models.layers import decoder_layer
+
+    fuse(layer)
+    fwd = Forward(positions, KVView(cache, slots, kv_len, CAUSAL))
+    return decoder_layer(CudaOps(), fwd, 0, layer, rotary, h, x)
 
 
 def test_page_table_never_gives_a_page_twice():

@@ -716,10 +716,10 @@ def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method
     want = whole.generate([PROMPTS[0], long], params, trace=True)
     spec = whole.spec.model_dump(mode="python")
     spec["server"] |= {"max_num_batched_tokens": budget, "enable_prefix_caching": False}
-    from draftline.backends.cuda.kv import RowsAttention
+    from draftline.backends.cuda import views
     windowed = []  # the long-window path of a later chunk's EAGLE-3 entries, spied on (on a GPU it runs
-    spied = RowsAttention._in_windows  # when start-up captures the later chunks' graphs, whatever the budget)
-    monkeypatch.setattr(RowsAttention, "_in_windows", lambda *a: windowed.append(1) or spied(*a))
+    spied = views._in_windows  # when start-up captures the later chunks' graphs, whatever the budget)
+    monkeypatch.setattr(views, "_in_windows", lambda *a: windowed.append(1) or spied(*a))
     chunked = Engine(type(whole.spec).model_validate(spec), whole.target, whole.tokenizer)
     graphed = chunked.backend.prefill_graphs.enabled
     short = chunked.add_request(PROMPTS[0], params, trace=True)
@@ -876,12 +876,13 @@ def test_the_prefix_store_gives_each_cached_block_its_own_place_through_eviction
     from types import SimpleNamespace
 
     from draftline.backends.cuda.kv import StaticKV, StaticStore
+    from draftline.backends.cuda.ops import CudaOps
     from draftline.backends.cuda.prefix import DevicePrefix
     from draftline.backends.cuda.staging import Staging
 
     dev = torch.device(DEV)  # the save kernel runs where the caches are
     cache = StaticKV(1, 4, 1, 64, 8, torch.float32, dev)
-    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, dev), None, Staging(dev))
+    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, dev, CudaOps()), None, Staging(dev))
     rng, live = random.Random(0), []
     for _ in range(300):
         if live and rng.random() < 0.4:
@@ -978,7 +979,9 @@ def test_long_causal_windows_attend_in_pieces_as_whole():
     each query sees the keys cached before the chunk and the chunk's up to its own position."""
     import torch.nn.functional as F
 
-    from draftline.backends.cuda.kv import Rows, RowsAttention, StaticKV
+    from draftline.backends.cuda.attention import store_kv
+    from draftline.backends.cuda.kv import StaticKV
+    from draftline.backends.cuda.views import CAUSAL, KVView
 
     gen = torch.Generator().manual_seed(3)
     cache = StaticKV(1, 2, 2, 128, 16, torch.float32, torch.device(DEV))
@@ -986,8 +989,9 @@ def test_long_causal_windows_attend_in_pieces_as_whole():
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
     start, w = [7, 30], 40  # 4 query heads over 2 kv heads: 80 query rows a kv head, past LONG_WINDOW
     q, k, v = (torch.randn(2, h, w, 16, generator=gen).to(DEV) for h in (4, 2, 2))
-    rows = Rows(torch.tensor([0, 1], device=DEV), torch.tensor(start, device=DEV))
-    got = RowsAttention(cache, rows, causal=True)(0, q, k, v)
+    slots, ends = torch.tensor([0, 1], device=DEV), torch.tensor(start, device=DEV) + w
+    store_kv(k, v, cache.k[0], cache.v[0], slots, ends, cache.pages)  # as the q/k/v kernel stores them
+    got = KVView(cache, slots, ends, CAUSAL).attend(q, 0)
     for i, s in enumerate(start):
         keys = cache.k[0][i, :, : s + w].repeat_interleave(2, dim=0)  # the chunk's keys stored by the call
         values = cache.v[0][i, :, : s + w].repeat_interleave(2, dim=0)

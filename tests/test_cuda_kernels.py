@@ -127,12 +127,12 @@ def test_rejection_kernel_matches_the_oracle(temperature):
 def test_window_kernels_match_their_pytorch_forms():
     """The DFlash block and the verify window built in one launch each, against plain PyTorch:
     rows of different lengths, a width that is not a power of two."""
-    from draftline.core.contract import block_window as plain_block
+    from draftline.core.models.eager import EAGER
     from draftline.backends.cuda.windows import block_window, verify_window
 
     last, start = torch.tensor([5, 17, 2], device=DEV), torch.tensor([0, 40, 9], device=DEV)
     for width in (16, 5):
-        got, want = block_window(last, start, 99, width), plain_block(last, start, 99, width)
+        got, want = block_window(last, start, 99, width), EAGER.block_window(last, start, 99, width)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     meta = torch.stack([last, start, torch.zeros_like(last)])  # rows: last token, start, (unused)
     drafts = torch.arange(12, device=DEV).view(3, 4) + 100  # [N, K]

@@ -12,8 +12,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftline.backends.cuda.embedding import embed_beside  # noqa: E402
-from draftline.backends.cuda.fused import (add_norm, head_argmax, head_draw, linear, linear_norm,  # noqa: E402
-                                          lm_logits, norm, row_argmax)
+from draftline.backends.cuda import linear as fused  # noqa: E402
+from draftline.backends.cuda.head import head_argmax, head_draw, lm_logits, row_argmax  # noqa: E402
+from draftline.backends.cuda.linear import linear  # noqa: E402
+from draftline.backends.cuda.norm import add_norm, norm  # noqa: E402
 from draftline.backends.cuda.matvec import (EMPTY, ArgmaxScratch, Draw, Tiling, choose_tiling, device_tiling,  # noqa: E402
                                   matvec, matvec_argmax, matvec_draw)
 from draftline.backends.cuda.sampling import sample  # noqa: E402
@@ -87,7 +89,7 @@ def test_a_small_weight_past_the_matvec_rows_is_one_launch_whatever_the_rows(mon
     """A launch-bound weight past the decode matvec's 64 rows (a tiny drafter's 16-token blocks
     at 16 rows): the invariant matvec, the gated form's SiLU·up inside it (no second launch), and
     a row's values the same bits whatever the rows beside it; a large weight keeps the library."""
-    import draftline.backends.cuda.fused as fused
+    import draftline.backends.cuda.linear as fused
 
     def library(*args, **kwargs):
         raise AssertionError("a launch-bound product went to the matrix library")
@@ -128,7 +130,8 @@ def test_linear_norm_keeps_the_projection_it_normalizes(m, dtype):
     x = torch.randn(m, 512, device=DEV).to(dtype)
     w = (torch.randn(256, 512, device=DEV) / 16).to(dtype)
     norm_w = (torch.rand(256, device=DEV) + 0.5).to(dtype)
-    h, normed = linear_norm(x, w, norm_w, 1e-6)
+    h = torch.empty(m, 256, dtype=dtype, device=DEV)  # CudaOps.add_norm with no residual: the projection kept
+    normed = norm(linear(x, w), norm_w, 1e-6, m, keep=h)
     want = (x.double() @ w.double().T).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     assert h.dtype == normed.dtype == dtype and h.shape == normed.shape == (m, 256)

@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from draftline.backends.cuda.kv import Rows, StaticStore  # noqa: E402
+from draftline.backends.cuda.linear import fuse  # noqa: E402
+from draftline.backends.cuda.ops import CudaOps  # noqa: E402
 from draftline.backends.cuda.sliding import ANCHOR_BLOCK, ANCHOR_OWN, ANCHOR_ROW, Window, attend_window  # noqa: E402
 from draftline.backends.reference.kv import ReferenceKV  # noqa: E402
 from draftline.backends.reference.kv import attend as reference_attend  # noqa: E402
@@ -60,27 +62,18 @@ def test_window_kernel_matches_reference_masks(size):
             torch.testing.assert_close(got[i], want, rtol=0, atol=1e-5, msg=f"{window.anchor}, {how}, row {i}")
 
 
-@pytest.mark.parametrize("width", [3, 40])
-def test_eager_handles_attend_through_windows_as_the_reference(width):
-    """The store's per-request handles (an eager drafter's appends), a short window of new keys
-    (the kernel) and a long one (PyTorch's attention, masked): a sliding layer causal within
-    its window, a DFlash-style block over the last context positions, as the reference's."""
-    gen = torch.Generator().manual_seed(width)
-    store, ref = StaticStore(2, 128, torch.device(DEV)), ReferenceKV()
-    handles, caches = [store.new(2)], [ref.new(2)]
-    for causal, extra in ((True, {}), (False, {"block_causal": True}), (False, {})):
-        q = torch.randn(1, 4, width, 32, generator=gen).to(DEV)
-        k, v = (torch.randn(1, 2, width, 32, generator=gen).to(DEV) for _ in range(2))
-        for layer in (0, 1):  # layer 1 slides, layer 0 attends in full
-            got = store.attention(handles, causal, persist=True, windows={1: 5}, **extra)(layer, q, k, v)
-            want = ref.attention(caches, causal, persist=True, windows={1: 5}, **extra)(layer, q, k, v)
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{causal}, {extra}, layer {layer}")
-
-
 def _rows(store_rows: Rows, last: int, start: int, features: torch.Tensor | None = None, device: str = DEV
           ) -> DraftRows:
     return DraftRows(last_token=torch.tensor([last], device=device), start=torch.tensor([start], device=device),
                      batch=None, caches=store_rows, features=features)
+
+
+def _store(model) -> StaticStore:
+    """The cuda backend's drafter store over ``model``'s fused weights, its caches made."""
+    fuse(model)
+    store = StaticStore(2, 64, torch.device(DEV), CudaOps())
+    store.allocate(model)
+    return store
 
 
 def _eagle_rounds(name: str) -> tuple[list, list]:
@@ -89,7 +82,7 @@ def _eagle_rounds(name: str) -> tuple[list, list]:
     plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=k, target_layer_ids=taps)
     ref = Eagle3Drafter(load_eagle3(FIXTURES / name), None, ReferenceKV(), plan)  # its own embedding
     model = load_eagle3(FIXTURES / name).to(DEV)
-    store = StaticStore(2, 64, torch.device(DEV))
+    store = _store(model)
     cuda = Eagle3Drafter(model, None, store, plan)
     gen = torch.Generator().manual_seed(0)
     feats = torch.randn(40, 3 * 128, generator=gen)  # the target's features at each position
@@ -100,13 +93,13 @@ def _eagle_rounds(name: str) -> tuple[list, list]:
     slots = torch.tensor([creq.draft_state.index], device=DEV)
     with torch.no_grad():
         ref.extend(req, feats[: len(tokens) - 1], 0)
-        cuda.prefill_rows(_rows(Rows(slots, torch.zeros(1, dtype=torch.long, device=DEV)), 0, 0),
+        cuda.prefill_rows(_rows(Rows(slots), 0, 0),
                           feats[None, : len(tokens)].to(DEV), torch.tensor([tokens], device=DEV))
         got, want = [], []
         for accepted, nxt in SCRIPT:
             start = len(req.token_ids) - 1
             want.append(ref.propose([req], None).tokens[0].tolist())
-            rows = _rows(Rows(slots, torch.tensor([start], device=DEV)), req.token_ids[-1], start,
+            rows = _rows(Rows(slots), req.token_ids[-1], start,
                          feats[start - 1][None].to(DEV))
             got.append(cuda.propose([], rows).tokens[0].tolist())
             window = [req.token_ids[-1]] + got[-1]  # the verify step's ids, and its features
@@ -131,9 +124,10 @@ def _dflash_rounds(folder: Path) -> tuple[list, list]:
     plan = Plan(method="dflash", drafting="parallel", num_speculative_tokens=blk - 1, target_layer_ids=(-1, 2, 5),
                 block_size=blk)
     ref = DFlashDrafter(model, target, ReferenceKV(), plan, 257)
-    store = StaticStore(2, 64, torch.device(DEV))
     # its own target: Module.to moves in place, and the reference drafter keeps the CPU one
-    cuda = DFlashDrafter(load_dflash(folder).to(DEV), random_target("tiny-qwen3", 0).to(DEV), store, plan, 257)
+    cuda_model = load_dflash(folder).to(DEV)
+    store = _store(cuda_model)
+    cuda = DFlashDrafter(cuda_model, random_target("tiny-qwen3", 0).to(DEV), store, plan, 257)
     gen = torch.Generator().manual_seed(1)
     feats = torch.randn(40, 3 * 128, generator=gen)
     tokens = torch.randint(0, 256, (6,), generator=gen).tolist()
@@ -143,12 +137,12 @@ def _dflash_rounds(folder: Path) -> tuple[list, list]:
     got, want = [], []
     with torch.no_grad():
         ref.extend(req, feats[: len(tokens) - 1], 0)
-        cuda.prefill_rows(_rows(Rows(slots, torch.zeros(1, dtype=torch.long, device=DEV)), 0, 0),
+        cuda.prefill_rows(_rows(Rows(slots), 0, 0),
                           feats[None, : len(tokens) - 1].to(DEV), torch.tensor([tokens[:-1]], device=DEV))
         for accepted, nxt in SCRIPT:
             start = len(tokens) - 1
             want.append(ref.propose([req], _rows([req.draft_state], tokens[-1], start, device="cpu")).tokens[0].tolist())
-            rows = _rows(Rows(slots, torch.tensor([start], device=DEV)), tokens[-1], start)
+            rows = _rows(Rows(slots), tokens[-1], start)
             got.append(cuda.propose([], rows).tokens[0].tolist())
             # the verify step's context update: the window's features at start .. start + K
             cuda.extend_rows(rows, feats[None, start : start + blk].to(DEV), torch.zeros(1, blk, dtype=torch.long, device=DEV))

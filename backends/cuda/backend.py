@@ -35,6 +35,7 @@ from draftline.core.contract import Capacity, DraftRows, RoundResult, narrowing_
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.config import ConfigError
+from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
 from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
@@ -46,17 +47,20 @@ from . import sampling as kernels
 from .attention import INVARIANT_QUERY_ROWS
 from .beside import PrefillStream, beside_wanted
 from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, FeatureRing
-from .fused import fuse_layer, head_argmax, head_draw, lm_logits
+from .head import head_draw, lm_logits
+from .linear import fuse
 from .graphs import Graphs
-from .kv import LONG_WINDOW, FrozenTargetKV, cache_splits, Rows, RowsAttention, StaticKV, StaticStore
-from .matvec import Draw, take_draws
+from .kv import FrozenTargetKV, Rows, StaticKV, StaticStore, cache_splits
+from .matvec import MAX_ROWS, ArgmaxScratch, Draw, take_draws
+from .ops import CudaOps
 from .memory import GIB, KVBudget, size_pool
 from .penalties import SlotPenalties
 from .prefill import PREFILL_WIDTHS, PrefillBuffers, Prefilling, draw_scores
 from .prefix import DevicePrefix
 from .prices import PrefillPrices
 from .staging import Staging
-from .windows import block_window, verify_window
+from .views import CAUSAL, LONG_WINDOW, KVView
+from .windows import verify_window
 
 log = structlog.get_logger("draftline.cuda")
 
@@ -152,7 +156,9 @@ class CudaBackend(Prefilling):
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
         self.buckets = buckets_for(capacity.max_batch)
-        self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device)
+        # the operations every forward runs with, the drafter's too (its greedy readouts' scratch: Buffers.argmax)
+        self.ops = CudaOps(ArgmaxScratch(device, max(MAX_ROWS, capacity.max_batch * width)))
+        self.kv = StaticStore(capacity.max_batch, capacity.max_model_len + margin, device, self.ops)
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         self.narrow = {b: self._narrower(b) for b in self.buckets}  # bucket -> its narrower verify widths
         invariant = _invariant(capacity, cfg, width)
@@ -168,14 +174,17 @@ class CudaBackend(Prefilling):
         # a prompt may be prefilled in chunks: through the invariant prefill, which attends over
         # the cache (the library's whole-prompt attention sees only the tokens it is given)
         self.chunked_prefill = self.cache.invariant
-        for model in (target, getattr(self.drafter, "model", None)):  # before any capture: fusing frees the
-            for layer in [] if model is None else model.modules():  # old weights a graph would have baked in
-                fuse_layer(layer)
+        drafter_model = getattr(self.drafter, "model", None)
+        for model in (target, drafter_model):  # before any capture: fusing frees the old weights a graph would
+            if model is not None:  # have baked in
+                fuse(model)
+        if drafter_model is not None:
+            self.kv.allocate(drafter_model)
         if self.drafter is not None and not self.drafter.graph_safe:
             raise ConfigError(f"method {plan.method}: its drafter is not graph-safe (it reads the host's requests, "
                               "not the device's rows), and the cuda backend runs rounds ahead of the host; "
                               "use backend: reference for this method")
-        self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device)
+        self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device, self.ops.scratch)
         self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
         if self.drafter is not None and self.drafter.reads_last_features:
             self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)
@@ -449,11 +458,9 @@ class CudaBackend(Prefilling):
         b = self.bufs
         slots, start = b.row(SLOT, bucket), b.row(START, bucket)
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
-                         caches=Rows(b.row(DRAFT_SLOT, bucket), start, end),
-                         target_kv=FrozenTargetKV(self.cache, slots, start),
+                         caches=Rows(b.row(DRAFT_SLOT, bucket)), target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
-                         head_argmax=functools.partial(head_argmax, scratch=b.argmax), block_window=block_window,
-                         drafts=drafts, positions=positions)
+                         drafts=drafts, positions=positions, end=end)
 
     def _draft_step(self, bucket: int, width: int) -> None:
         """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps)."""
@@ -479,11 +486,9 @@ class CudaBackend(Prefilling):
                 with self.branch.fork():  # reads the drafter's cache; ring row start - 1 is not written below
                     self.drafter.extend_rows(self._rows(bucket, positions=positions, end=ends), features, ids)
 
-        attn = RowsAttention(self.cache, Rows(b.row(SLOT, bucket), b.row(START, bucket), ends), causal=True,
-                             tapped=extend)
-        hidden, features = self.target(ids, positions, attn, self.plan.target_layer_ids)  # fused: attn.decoder_stack
-        if features is not None:
-            extend(features)  # a stack that did not call it (unfused) has no earlier point
+        fwd = Forward(positions, KVView(self.cache, b.row(SLOT, bucket), ends, CAUSAL), self.plan.target_layer_ids,
+                      on_tapped=extend, invariant=self.cache.invariant)
+        hidden, features = self.target.run(self.ops, fwd, ids)
         if self.ring is not None:
             self.ring.write(b.row(SLOT, bucket), b.row(START, bucket), features)
         logits = None

@@ -47,7 +47,8 @@ def _gather_kernel(meta, fmeta, state, slot_ints, slot_floats, stride_meta, stri
 
 
 class Buffers:
-    def __init__(self, max_batch: int, num_drafts: int, scratch: int, device: torch.device):
+    def __init__(self, max_batch: int, num_drafts: int, scratch: int, device: torch.device,
+                 argmax: ArgmaxScratch | None = None):
         self.max_batch, self.scratch, self.device = max_batch, scratch, device
         self.state = torch.zeros(2, scratch + 1, dtype=torch.int64, device=device)  # [LAST/START, slots + 1]
         # each slot's sampling parameters, as its prefill wrote them; the scratch slot's stay greedy
@@ -61,7 +62,7 @@ class Buffers:
         self.drafts = torch.zeros(max_batch, max(1, num_drafts), dtype=torch.int64, device=device)  # [max_batch, K]
         # the head readouts' state between launches (one stream): with the invariant kernels a verify's
         # draws fold into it at any batch (the plain kernels' head folds up to MAX_ROWS rows)
-        self.argmax = ArgmaxScratch(device, max(MAX_ROWS, max_batch * (num_drafts + 1)))
+        self.argmax = argmax if argmax is not None else ArgmaxScratch(device, max(MAX_ROWS, max_batch * (num_drafts + 1)))
         pinned = device.type == "cuda"
         self._host = [torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(STAGING)]  # SLOT, DRAFT_SLOT
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING)]  # staging i reusable once set

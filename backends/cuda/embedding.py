@@ -12,7 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
-from .fused import norm_warps, rms_row
+from .norm import norm_warps, rms_row
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from draftline.core.contract import Capacity
 from draftline.core.models.config import ConfigError
 
 from .attention import Splits
-from .kv import PARTIALS_BYTES
+from .views import PARTIALS_BYTES
 from .prefill import PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS
 
 GIB = float(1 << 30)

@@ -26,6 +26,7 @@ import triton
 from torch import Tensor
 
 from draftline.core.contract import DraftRows
+from draftline.core.models.ops import Forward
 from draftline.core.request import Request
 from draftline.core.sampling import Filters, SamplingBatch, Stream, probs_from_logits
 
@@ -34,9 +35,9 @@ from .logprobs import Pending
 from . import sampling as kernels
 from .buffers import draft_slot, host_inverse_temperature, inverse_temperature
 from .prefix import SAVE_COLS, STAGE_COLS
-from .fused import head_argmax, lm_logits
+from .head import lm_logits
 from .kv import FrozenTargetKV, Rows
-from .windows import block_window
+from .views import prefill_view
 
 if TYPE_CHECKING:
     from .backend import Launch
@@ -378,8 +379,10 @@ class Prefilling:
                          ) -> tuple[Tensor, Tensor | None, Tensor]:
         p = self.pre.view(rows, width)
         positions = p.start[:, None] + torch.arange(width, device=self.device)[None]  # [rows, P]
-        attention = self.cache.prefill_attention(p.slots, start=p.start if later else None)
-        hidden, features = self.target(p.ids, positions, attention, self.plan.target_layer_ids)
+        cfg = self.target.config
+        view = prefill_view(self.cache, p.slots, width, cfg.num_heads // cfg.num_kv_heads, p.start if later else None)
+        fwd = Forward(positions, view, self.plan.target_layer_ids, invariant=self.cache.invariant)
+        hidden, features = self.target.run(self.ops, fwd, p.ids)
         if hidden_out is not None:
             hidden_out.append(hidden)
         if self.drafter is not None and later:
@@ -403,10 +406,8 @@ class Prefilling:
         (the last chunk's last)."""
         features = self.ring.read(p.slots, p.start, shift=-1) if later and self.ring is not None else None
         return DraftRows(last_token=p.ids[:, 0], start=p.start, batch=self.bufs.sampling(rows),
-                         caches=Rows(p.draft_slots, p.start),
-                         target_kv=FrozenTargetKV(self.cache, p.slots, p.start), features=features,
-                         block_window=block_window,
-                         head_argmax=functools.partial(head_argmax, scratch=self.bufs.argmax), positions=positions)
+                         caches=Rows(p.draft_slots), target_kv=FrozenTargetKV(self.cache, p.slots, p.start),
+                         features=features, positions=positions)
 
     def _prefill_shape(self, n: int, longest: int, room: int | None = None) -> tuple[int, int]:
         """(rows, width) to prefill n prompts at: a batch bucket, and a width in few sizes

@@ -187,7 +187,7 @@ class Eagle3Drafter(Drafter):
         """Entries for prompt positions 0 .. P - 2 in one causal pass (position t reads token
         t + 1 and the features at t)."""
         n, p = ids.shape
-        positions = torch.arange(p - 1, device=ids.device)[None].expand(n, -1)  # [N, P - 1]
+        positions = torch.arange(p - 1, device=ids.device).repeat(n, 1)  # [N, P - 1]
         fwd = self.kv.prefill(rows.caches, positions, self.windows)
         self.model.run(self.ops, fwd, self.table, ids[:, 1:], self.model.fuse(features[:, :-1], self.ops, fwd))
 
