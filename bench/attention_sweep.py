@@ -9,7 +9,7 @@ import torch
 
 from draftline.backends.cuda.attention import Splits, attend, split_plan
 from draftline.backends.cuda.pages import Pages
-from draftline.core.benchmark import _graphed, median_ms
+from draftline.core.benchmark import graphed, median_ms
 
 dev = torch.device("cuda")
 LAYERS, HKV, HQ, D, MAX_LEN = 36, 8, 32, 128, 4096
@@ -20,7 +20,7 @@ CASES = [(1, 1, 512, True), (1, 16, 512, True), (1, 16, 512, False), (1, 1, 4000
 def layer_us(q, ks, vs, slots, kv_len, causal, splits):
     tickets = torch.zeros(q.shape[0] * HKV, dtype=torch.int32, device=q.device)  # kept zero by the kernel
     pages = Pages.of(ks[0], None)  # each cache its own pages, made once (not inside the graph)
-    return 1e3 * median_ms(_graphed(lambda: [attend(q, k, v, slots, kv_len, causal, splits, tickets=tickets,
+    return 1e3 * median_ms(graphed(lambda: [attend(q, k, v, slots, kv_len, causal, splits, tickets=tickets,
                                                     pages=pages) for k, v in zip(ks, vs)]), 10) / len(ks)
 
 

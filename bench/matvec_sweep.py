@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from draftline.backends.cuda.matvec import matvec, Tiling
-from draftline.core.benchmark import _graphed, median_ms
+from draftline.core.benchmark import graphed, median_ms
 
 dev = torch.device("cuda")
 H, Q, KV, I, V = 4096, 4096, 1024, 12288, 151936
@@ -47,7 +47,7 @@ def profile_round(spec, batch, dump=None):
 
 
 def graph_ms(fn):
-    return median_ms(_graphed(fn), 10)  # replayed from one graph: no launch gaps
+    return median_ms(graphed(fn), 10)  # replayed from one graph: no launch gaps
 
 
 def shape_weights(name, n, k):

@@ -4,6 +4,11 @@
 #   OUT=... bash bench/open_targets.sh 1   # the GPU tests; tau = 1 at batch 1 on the 8B shape
 #   OUT=... bash bench/open_targets.sh 2   # the tiny pair at 16 slots; 8B serving at 64 streams
 #   OUT=... bash bench/open_targets.sh 3   # a 4,096-token prompt under 32 streams; a prefill's kernels
+#   OUT=... bash bench/open_targets.sh 4   # the GPU tests alone
+#   OUT=... bash bench/open_targets.sh 5   # tau = 1 on the 8B shape, the shipped pair at batch 1 (new prompts)
+#   OUT=... bash bench/open_targets.sh 6   # 8B serving at 32 streams (SIMULATED acceptance)
+# With OLD set to another checkout's root (its core/, backends/, api/, draftline/, bench/), parts 5
+# and 6 run each measure on it too, in the same call: a baseline from the same card.
 # Wheels in .whl/ (a machine without the server's dependencies) are installed first, as
 # bench/device_run.sh does. docs/RESULTS.md names each command's earlier figures and its target.
 set -u
@@ -29,7 +34,32 @@ run() {  # run LIMIT NAME CMD...: CMD under a time limit, its log in $OUT/NAME.l
   grep -v "warning\|^\s*$" "$OUT/$name.log" | tail -"${TAIL:-20}"
 }
 
-if [ "$part" = 1 ]; then
+both() {  # both LIMIT NAME CMD...: run (this tree), then the same on $OLD where set
+  local limit=$1 name=$2
+  shift 2
+  PYTHONPATH=${PYTHONPATH:-}:$PWD run "$limit" "$name" "$@"
+  if [ -n "${OLD:-}" ]; then
+    (cd "$OLD" && PYTHONPATH=/tmp/site:$OLD run "$limit" "old_$name" "$@")
+  fi
+}
+
+if [ "$part" = 4 ]; then
+  echo "=== gpu_tests"
+  # shellcheck disable=SC2086
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="-rfEs -n 8" $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+  echo "rc=$?"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  tail -1 "$OUT/gpu_tests.log"
+elif [ "$part" = 5 ]; then
+  # none step <= 1.21x its byte floor, dflash round <= 1.25x at batch 1 (tau = 1)
+  TAIL=12 both 110 tau1_b1 python3 -m draftline bench --spec specs/qwen3-8b-random-dflash.yaml --batch-sizes 1
+  # the shipped pair on new prompts at batch 1: dflash >= 1.85x, eagle3 >= 2.2x, gemma4_mtp >= 1.3x over none
+  TAIL=14 both 160 pair_b1 python3 bench/user_speedup.py --batches 1 --prompts 8
+elif [ "$part" = 6 ]; then
+  # 8B serving at 32 streams >= 8,900 output tok/s (SIMULATED acceptance)
+  TAIL=12 both 150 serve_32 python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
+    --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 32 --requests 128 --modes auto
+elif [ "$part" = 1 ]; then
   echo "=== gpu_tests"
   # shellcheck disable=SC2086
   timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="-rfEs -n 8" $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1

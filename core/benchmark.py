@@ -341,7 +341,8 @@ def format_rows(rows: list[Row], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def _graphed(fn):
+def graphed(fn):
+    """fn captured in a graph (after a warm-up on a side stream) -> its replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -351,32 +352,3 @@ def _graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
-
-
-def attention_bandwidth(engine: Engine, contexts: list[int], batch: int, width: int
-                        ) -> list[tuple[int, float, float, float]]:
-    """The verify attention kernel alone over the target's KV geometry: (context, µs, TB/s of
-    KV read, µs of PyTorch's scaled_dot_product_attention over the same keys as a contiguous
-    tensor with an explicit mask) per context length, for `batch` rows of `width` queries."""
-    from draftline.backends.cuda.attention import CacheAttention, split_plan
-
-    cfg, dev, out = engine.target.config, engine.device, []
-    for ctx in contexts:
-        shape = (batch + 1, cfg.num_kv_heads, ctx + width, cfg.head_dim)
-        k = torch.randn(shape, dtype=engine.dtype, device=dev)
-        v = torch.randn(shape, dtype=engine.dtype, device=dev)
-        q = torch.randn(batch, cfg.num_heads, width, cfg.head_dim, dtype=engine.dtype, device=dev)
-        new = torch.randn(batch, cfg.num_kv_heads, width, cfg.head_dim, dtype=engine.dtype, device=dev)
-        slots = torch.arange(batch, device=dev)
-        lengths = torch.full((batch,), ctx + width, device=dev)
-        attn = CacheAttention([k], [v], slots, lengths, True, split_plan(ctx + width, batch, cfg.num_kv_heads))
-        ms = median_ms(_graphed(lambda: attn(0, q, new, new)), repeats=50)  # replayed: no launch gaps
-        read = 2 * batch * (ctx + width) * cfg.num_kv_heads * cfg.head_dim * k.element_size()
-        keys, values = k[:batch], v[:batch]
-        own = torch.arange(ctx, ctx + width, device=dev)[:, None]
-        mask = torch.arange(ctx + width, device=dev)[None, :] <= own  # [W, S]
-        sdpa = median_ms(_graphed(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=True)), repeats=50)
-        out.append((ctx, 1e3 * ms, read / (ms / 1e3) / 1e12, 1e3 * sdpa))
-        del k, v
-    return out

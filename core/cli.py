@@ -302,7 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(benchmark.format_rows(rows, bandwidth))
     if args.attention:
         print("verify attention alone (batch 1, 16 queries):  context  kernel µs  KV-read TB/s  torch SDPA µs")
-        for ctx, us, tbs, sdpa in benchmark.attention_bandwidth(engine, [512, 4096, 32768, 131072], 1, 16):
+        for ctx, us, tbs, sdpa in engine.backend.attention_bandwidth([512, 4096, 32768, 131072], 1, 16):
             print(f"  {ctx:>8} {us:>10.1f} {tbs:>13.2f} {sdpa:>14.1f}")
     if args.peer == "hf":
         ms = benchmark.hf_peer(engine, args.prompt_len, args.new_tokens)

@@ -385,3 +385,32 @@ class CacheAttention:
         store_kv(k, v, self.k[layer], self.v[layer], self.slots, self.kv_len, self.pages)
         return attend(q, self.k[layer], self.v[layer], self.slots, self.kv_len, self.causal, self.splits,
                       tickets=self.tickets, pages=self.pages)
+
+
+def attention_bandwidth(cfg, dtype: torch.dtype, dev: torch.device, contexts: list[int], batch: int, width: int
+                        ) -> list[tuple[int, float, float, float]]:
+    """(draftline bench --attention) The verify attention kernel alone over the target's KV geometry: (context, µs, TB/s of
+    KV read, µs of PyTorch's scaled_dot_product_attention over the same keys as a contiguous
+    tensor with an explicit mask) per context length, for `batch` rows of `width` queries."""
+    from draftline.core.benchmark import graphed, median_ms
+
+    out = []
+    for ctx in contexts:
+        shape = (batch + 1, cfg.num_kv_heads, ctx + width, cfg.head_dim)
+        k = torch.randn(shape, dtype=dtype, device=dev)
+        v = torch.randn(shape, dtype=dtype, device=dev)
+        q = torch.randn(batch, cfg.num_heads, width, cfg.head_dim, dtype=dtype, device=dev)
+        new = torch.randn(batch, cfg.num_kv_heads, width, cfg.head_dim, dtype=dtype, device=dev)
+        slots = torch.arange(batch, device=dev)
+        lengths = torch.full((batch,), ctx + width, device=dev)
+        attn = CacheAttention([k], [v], slots, lengths, True, split_plan(ctx + width, batch, cfg.num_kv_heads))
+        ms = median_ms(graphed(lambda: attn(0, q, new, new)), repeats=50)  # replayed: no launch gaps
+        read = 2 * batch * (ctx + width) * cfg.num_kv_heads * cfg.head_dim * k.element_size()
+        keys, values = k[:batch], v[:batch]
+        own = torch.arange(ctx, ctx + width, device=dev)[:, None]
+        mask = torch.arange(ctx + width, device=dev)[None, :] <= own  # [W, S]
+        sdpa = median_ms(graphed(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=True)), repeats=50)
+        out.append((ctx, 1e3 * ms, read / (ms / 1e3) / 1e12, 1e3 * sdpa))
+        del k, v
+    return out

@@ -50,6 +50,7 @@ from .buffers import DRAFT_SLOT, INV_TEMP, LAST, SEED, SLOT, START, Buffers, Fea
 from .head import head_draw, lm_logits
 from .linear import fuse
 from .graphs import Graphs
+from .landing import Landing, Launch
 from .kv import FrozenTargetKV, Rows, StaticKV, StaticStore, cache_splits
 from .matvec import MAX_ROWS, ArgmaxScratch, Draw, take_draws
 from .ops import CudaOps
@@ -118,19 +119,6 @@ class DraftOverride(Protocol):
     def __call__(self, slots: Tensor, start: Tensor, drafts: Tensor) -> None: ...
 
 
-@dataclass(frozen=True)
-class Launch:
-    """A launched round: where its packed result lands on the host, and when it has."""
-
-    rows: int
-    width: int
-    host: Tensor  # [>= rows, 2W + 1] int64: finite, accepted, tokens (W), drafts (W - 1)
-    copied: torch.cuda.Event | None  # None: the copy was synchronous
-    logprobs: tuple[target_logprobs.Pending, ...] = ()  # on their way to the host with the result
-    started: torch.cuda.Event | None = None  # recorded before the round's first device work (timing)
-    kept: bool = False  # its events are in the backend's timeline (not reused once collected)
-
-
 def buckets_for(max_batch: int) -> list[int]:
     out, b = [], 1
     while b < max_batch:
@@ -151,7 +139,6 @@ class CudaBackend(Prefilling):
         cfg, width = target.config, plan.num_speculative_tokens + 1
         self.target, self.plan, self.device, self.width = target, plan, device, width
         self.capacity = capacity
-        self.device_index = events.device_index(device) if device.type == "cuda" else -1  # events.record's
         self.staging = Staging(device)  # host values onto the device (_put), before anything that puts
         # rounds in flight past a row's stop write up to MAX_DEPTH + 1 windows beyond its length
         margin = (MAX_DEPTH + 1) * max(width, plan.block_size or 0)
@@ -197,10 +184,7 @@ class CudaBackend(Prefilling):
                                      pool=self._prefill_pool())
         self.prefill_prices = PrefillPrices()  # measured once the prefill graphs are captured (prepare)
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
-        self._landing: dict[int, list[Tensor]] = {}  # width -> pinned result buffers not in use
-        self._events: list[torch.cuda.Event] = []  # timing events collected rounds are done with (a new one costs the host)
-        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set: launches' GPU spans
-        self._origin: torch.cuda.Event | None = None  # the device clock's zero for RoundResult.device_at: start-up's end
+        self.landing = Landing(device, capacity.max_batch)  # where rounds' results come back to the host
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
         # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
@@ -287,14 +271,13 @@ class CudaBackend(Prefilling):
                         self.prefill_graphs.run((bucket, width, later),
                                                 lambda: self._prefill_step(bucket, width, None, later))
         priced = time.perf_counter()
-        self.prefill_prices = PrefillPrices.measure(self.prefill_graphs, self.device_index,
+        self.prefill_prices = PrefillPrices.measure(self.prefill_graphs, self.landing.device_index,
                                                     lambda key: self._pad_prefill(key[0], key[1]))
         priced = time.perf_counter() - priced
         self.graphs.seal()
         self.prefill_graphs.seal()
         self.beside.active = self.prefill_beside  # requests' prefills from now on
-        self._origin = torch.cuda.Event(enable_timing=True)
-        events.record(self._origin, self.device_index)
+        self.landing.mark_origin()
         torch.cuda.synchronize()
         # what start-up reserved, beside what the pool's sizing set aside (kv_budget.workspace)
         memory = {"warm_up_gib": round(warmed / GIB, 2), "round_graphs_gib": round(self.graphs.grown / GIB, 2),
@@ -360,7 +343,7 @@ class CudaBackend(Prefilling):
         n, bucket = len(reqs), self.bucket(len(reqs))
         width = min(width, self.width) if self.drafter is not None else 1
         self.beside.join(reqs)  # rows whose prefill runs beside: their first round waits for it
-        started = self._started()
+        started = self.landing.started()
         if self.cache.pager is not None:  # paged KV: pages for the positions this round and those in flight write
             for r in reqs:
                 self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
@@ -383,7 +366,22 @@ class CudaBackend(Prefilling):
             packed = self._accept(reqs, width, logits[:n], probs)
             first = self.bufs.row(START, n) + 1  # this round's (the next launch gathers anew)
             reported = self._window_logprobs(reqs, logits[:n], packed[:, 2 : 2 + width], first)
-        return self._land(packed[:n], width, reported, started)
+        return self.landing.land(packed[:n], width, reported, started)
+
+    def attention_bandwidth(self, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float, float]]:
+        """The verify attention kernel alone over the target's KV geometry (attention.attention_bandwidth)."""
+        from .attention import attention_bandwidth
+
+        return attention_bandwidth(self.target.config, self.cache.data.dtype, self.device, contexts, batch, width)
+
+    @property
+    def timeline(self) -> list | None:
+        """The launches' device spans, kept while set to a list (draftline bench)."""
+        return self.landing.timeline
+
+    @timeline.setter
+    def timeline(self, spans: list | None) -> None:
+        self.landing.timeline = spans
 
     def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
         return self.graphs.run(("round", bucket, width, decide, inside),
@@ -399,55 +397,7 @@ class CudaBackend(Prefilling):
         return logits, packed
 
     def collect(self, handle: Launch) -> RoundResult:
-        if handle.copied is not None:
-            handle.copied.synchronize()
-        rows, w = handle.host[: handle.rows].tolist(), handle.width
-        if handle.copied is not None:
-            self._landing[w].append(handle.host)
-        for pending in handle.logprobs:
-            pending.record([r[1] for r in rows])
-        timed = handle.started is not None
-        device_s = handle.started.elapsed_time(handle.copied) / 1e3 if timed else None
-        device_at = self._origin.elapsed_time(handle.started) / 1e3 if timed and self._origin is not None else None
-        if timed and not handle.kept:
-            self._events += (handle.started, handle.copied)
-        return RoundResult(finite=[r[0] == 1 for r in rows], accepted=[r[1] for r in rows],
-                           tokens=[r[2 : 3 + r[1]] for r in rows], drafted=[r[2 + w : 1 + 2 * w] for r in rows],
-                           device_s=device_s, device_at=device_at)
-
-    def _started(self) -> torch.cuda.Event | None:
-        """An event at the start of a round's device work: with the one after its copy back, the
-        round's own device time, which the draft policy prices widths by (the wall clock between
-        collects also reads the host's hiccups, and a rarely run width has few rounds to
-        outvote them) and ``timeline`` keeps for draftline bench."""
-        if self.device.type != "cuda":
-            return None
-        started = self._timing_event()
-        events.record(started, self.device_index)
-        return started
-
-    def _timing_event(self) -> torch.cuda.Event:
-        """A timing event a collected round is done with, or a new one."""
-        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
-
-    def _land(self, packed: Tensor, width: int, logprobs: list | None = None,
-              started: torch.cuda.Event | None = None, span: bool = True) -> Launch:
-        """The round's one copy back: into a free pinned buffer, asynchronously (and the
-        logprobs of rows that report them, beside it). ``started``: the launch's first event,
-        timing its device work; ``span``: a round's, which ``timeline`` keeps (not a prefill's)."""
-        moved = tuple(p.to_host() for p in logprobs or ())
-        if self.device.type != "cuda":
-            return Launch(packed.shape[0], width, packed.cpu(), None, moved)
-        free = self._landing.setdefault(width, [])
-        host = free.pop() if free else torch.empty(self.capacity.max_batch, 2 * width + 1, dtype=torch.int64,
-                                                   pin_memory=True)
-        host[: packed.shape[0]].copy_(packed, non_blocking=True)
-        copied = self._timing_event() if started is not None else torch.cuda.Event()
-        events.record(copied, self.device_index)
-        kept = self.timeline is not None and started is not None and span
-        if kept:
-            self.timeline.append((started, copied))
-        return Launch(packed.shape[0], width, host, copied, moved, started, kept)
+        return self.landing.collect(handle)
 
     # ------------------------------------------------------------------ draft
 

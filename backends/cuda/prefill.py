@@ -37,10 +37,9 @@ from .buffers import draft_slot, host_inverse_temperature, inverse_temperature
 from .prefix import SAVE_COLS, STAGE_COLS
 from .head import lm_logits
 from .kv import FrozenTargetKV, Rows
+from .landing import Launch
 from .views import prefill_view
 
-if TYPE_CHECKING:
-    from .backend import Launch
 
 PREFILL_WIDTHS = (16, 32, 64, 128, 256)  # prompt widths whose prefill is captured, for every batch bucket
 PREFILL_GRAPH_TOKENS = 8192  # at most this many (padded) prompt tokens per captured prefill
@@ -166,14 +165,14 @@ class Prefilling:
             return self._prefill_launch(reqs, ends)
 
     def _prefill_launch(self, reqs: list[Request], ends: list[int] | None) -> Launch:
-        started = self._started()  # the prefill's own device time (the round trace reads it)
+        started = self.landing.started()  # the prefill's own device time (the round trace reads it)
         ends = [e if r.kv is not None else self._admit(r, e)
                 for r, e in zip(reqs, ends or [r.prefill_len for r in reqs])]
         self.cache.flush()  # the admitted prompts' pages, before anything reads the table
         groups = self._prefill_groups(reqs, ends)
         if len(groups) == 1:
             packed, reported = self._prefill_group(reqs, ends)
-            return self._land(packed, 1, reported, started, span=False)
+            return self.landing.land(packed, 1, reported, started, span=False)
         # each group's result copied before the next group runs: a graph's output is rewritten by its next replay
         done = [(packed.clone(), reported) for packed, reported in
                 (self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups)]
@@ -181,7 +180,7 @@ class Prefilling:
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
         reported = [r for g, (_, group_reported) in zip(groups, done) for r in _as_rows_of(group_reported, g)]
-        return self._land(packed, 1, reported, started, span=False)
+        return self.landing.land(packed, 1, reported, started, span=False)
 
     def _admit(self, req: Request, end: int) -> int:
         """A new request's slots, and the prefix cache's blocks its prompt starts with, copied
