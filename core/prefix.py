@@ -67,7 +67,7 @@ class PrefixCache:
         """Cache a full block after ``parent`` (None: the prompt's first), pinned for the caller;
         None when every cached block is pinned (nothing to evict) or the key is taken."""
         key = self.key(parent, tokens)
-        if key in self.blocks or (len(self.blocks) >= self.capacity and not self._evict()):
+        if key in self.blocks or (len(self.blocks) >= self.capacity and not self.evict()):
             return None
         block = Block(key, tokens, parent, payload, refs=1)
         self.blocks[key] = block
@@ -87,7 +87,7 @@ class PrefixCache:
                 raise RuntimeError("prefix cache: a block released more often than it was pinned")
             block.refs -= 1
 
-    def _evict(self) -> bool:
+    def evict(self) -> bool:
         """Drop the least recently used unpinned block whose children are gone (a chain is
         evicted from its end, so every cached block's parent stays cached). A lookup moves a
         chain's blocks to the end parent first, so the scan usually passes only the parents of

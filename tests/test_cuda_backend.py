@@ -213,8 +213,8 @@ def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_to
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS]
     cuda = with_depth(respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32",
                              max_model_len=128), 2)
-    if paged:
-        cuda = cuda.model_copy(update={"server": cuda.server.model_copy(update={"block_size": 4, "num_kv_blocks": 160})})
+    server = {"block_size": 4, "num_kv_blocks": 160} if paged else {"enable_prefix_caching": False}  # else static
+    cuda = cuda.model_copy(update={"server": cuda.server.model_copy(update=server)})
     engines = [Engine(spec), Engine(cuda)]
     outs, chains = [], []
     propose = engines[1].backend.drafter.propose
@@ -816,7 +816,7 @@ def test_paged_kv_serves_what_static_slots_serve(method, temperature):
         assert drafter.pager is cache.pager and drafter.data.shape[2] == 61
         assert drafter.data.numel() < free.backend.kv.cache.data.numel() // 2
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
-    assert cache.pager.in_use == 0 and sorted(cache.pager.free) == list(range(60))
+    _pages_free_or_cached(cache.pager, paged.backend.prefix)
     assert bool((cache.pages.table == cache.pager.scratch).all())  # every line back to the scratch page
 
 
@@ -869,61 +869,33 @@ def test_a_full_page_pool_takes_a_cancelled_requests_pages():
     assert pager.in_use == 0 and len(pager.free) == data["server"]["num_kv_blocks"]
 
 
-def test_the_prefix_store_gives_each_cached_block_its_own_place_through_evictions():
-    """The cuda prefix store's places: every cached block holds one no other block holds, and
-    the places not held are exactly the spare ones, through saves that evict and releases."""
-    import random
-    from types import SimpleNamespace
-
-    from draftline.backends.cuda.kv import StaticKV, StaticStore
-    from draftline.backends.cuda.ops import CudaOps
-    from draftline.backends.cuda.prefix import DevicePrefix
-    from draftline.backends.cuda.staging import Staging
-
-    dev = torch.device(DEV)  # the save kernel runs where the caches are
-    cache = StaticKV(1, 4, 1, 64, 8, torch.float32, dev)
-    store = DevicePrefix(4, 6, cache, StaticStore(4, 64, dev, CudaOps()), None, Staging(dev))
-    rng, live = random.Random(0), []
-    for _ in range(300):
-        if live and rng.random() < 0.4:
-            store.release(live.pop(rng.randrange(len(live))))
-            continue
-        ids = [rng.randrange(3) for _ in range(rng.randrange(2, 30))]
-        req = SimpleNamespace(prompt_ids=ids, prefill_ids=ids, prefill_len=len(ids), kv=0, prefix_blocks=[])
-        store.restore(req, 0)
-        table = np.concatenate([store.saves([(req, 0)]), np.zeros((1, 7), dtype=np.int64)])  # never empty on the device
-        counts = torch.tensor([table.shape[0] - 1, 0], device=dev)
-        store.copy(torch.from_numpy(table).to(dev), torch.zeros(1, 3, dtype=torch.int64, device=dev), counts, None)
-        live.append(req)
-        held = [b.payload for b in store.index.blocks.values()]
-        assert len(set(held)) == len(held) and not set(held) & set(store.spare)
-        assert sorted(held + store.spare) == list(range(7))
-
-
-@pytest.mark.parametrize("copy_bytes", [64 << 20, 1])
-def test_the_block_pool_moves_every_layers_keys_and_values_of_a_block_at_once(copy_bytes, monkeypatch):
-    """A slot's blocks saved to the store and loaded into another slot land at the same
-    positions of every layer, keys and values, and nothing past them is touched (in one copy,
-    or a block a copy where the copies' temporaries are bounded), several slots' blocks in one save."""
-    from draftline.backends.cuda import prefix
-    from draftline.backends.cuda.kv import StaticKV
-    from draftline.backends.cuda.prefix import BlockPool
-
-    monkeypatch.setattr(prefix, "COPY_BYTES", copy_bytes)
-
-    cache = StaticKV(3, 2, 2, 32, 4, torch.float32, torch.device(DEV))
-    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)).to(DEV))
-    pool = BlockPool.like(cache, 5, 4)
-    where = pool.places(cache, 0, 1, 2) + pool.places(cache, 1, 5, 1)  # slot 0's 4 .. 11, slot 1's 20 .. 23
-    pool.save(cache, *_save_table([3, 1, 4], where), 1)  # in one save
-    before = cache.data[:, :, 1].clone()
-    pool.load(cache, 1, torch.tensor([3, 1, 4], device=DEV))
-    for layer in range(3):
-        for kv in (0, 1):  # keys, then values
-            got = cache.data[kv, layer, 1]  # [Hkv, max_len, D]
-            torch.testing.assert_close(got[:, :8], cache.data[kv, layer, 0, :, 4:12], rtol=0, atol=0)
-            torch.testing.assert_close(got[:, 8:12], before[kv, layer, :, 20:24], rtol=0, atol=0)
-    torch.testing.assert_close(cache.data[:, :, 1, :, 12:], before[:, :, :, 12:], rtol=0, atol=0)
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_prompts_that_start_alike_hold_the_same_pages_for_what_they_share(method):
+    """A cached prompt's blocks are mapped, not copied: two later prompts that start with its
+    first blocks hold its pages at the front of their table lines while they run (an EAGLE-3
+    head's last cached block excepted: it is copied into a page of the request's own, whose
+    next chunk rewrites the entry there), and every output equals the reference backend's."""
+    base = _engine(method, "cuda", depth=2, batch_invariant=True)
+    data = base.spec.model_dump(mode="python")
+    data["server"] |= {"block_size": 4, "num_kv_blocks": 60}
+    engine = Engine(type(base.spec).model_validate(data), base.target, base.tokenizer)
+    shared = PROMPTS[1] * 2  # several 4-token blocks
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first = engine.generate([shared], params)[0]
+    cached = [b.payload for b in engine.backend.prefix.blocks.values()]
+    assert len(cached) >= 3
+    reqs = [engine.add_request(shared + tail, params) for tail in ("x = 1", "y = 2")]
+    engine.step()  # both prefilled: the hits mapped
+    pager = engine.backend.cache.pager
+    mapped = cached[:-1] if method == "eagle3" else cached
+    for r in reqs:
+        assert r.cached_tokens == 4 * len(cached)
+        assert pager.owned[r.kv][: len(mapped)] == mapped  # the same physical pages
+    assert all(pager.refs[p] == 1 + len(reqs) for p in mapped)  # the cache's hold and each line's
+    while engine.scheduler.has_work():
+        engine.step()
+    want = _engine(method, "reference").generate([shared] + [shared + t for t in ("x = 1", "y = 2")], params)
+    assert [first.output_ids] + [engine.completion(r).output_ids for r in reqs] == [c.output_ids for c in want]
 
 
 def test_a_captured_prefill_shape_is_padded_over_whatever_the_shared_buffer_held():
@@ -942,36 +914,6 @@ def test_a_captured_prefill_shape_is_padded_over_whatever_the_shared_buffer_held
     assert v.cols.tolist() == [[1] * 4, [scratch] * 4, [scratch] * 4, [0] * 4, [0] * 4, [-1] * 4, [0] * 4]
     assert v.fcols.tolist() == [[0.0] * 4, [1.0] * 4, [0.0] * 4]
     assert v.counts.tolist() == [0, 0] and not v.ids.any()
-
-
-def _save_table(blocks: list[int], where: list[tuple[int, int]], extra: list[tuple[int, int, int]] = ()):
-    """A prefill's table of saved blocks as BlockPool.save reads it on the device: (table
-    [rows, SAVE_COLS], count [1]), the place in columns 1 and 2; rows ``extra`` past the count."""
-    rows = [(b, p, f, 0, 0, 0, 0) for b, (p, f) in zip(blocks, where)] + [(b, p, f, 0, 0, 0, 0) for b, p, f in extra]
-    return torch.tensor(rows, device=DEV), torch.tensor([len(blocks)], device=DEV)
-
-
-@pytest.mark.parametrize("paged", [False, True])
-def test_a_save_copies_each_block_from_its_place_in_one_launch(paged):
-    """BlockPool.save's kernel: each block of the store holds, for every layer's keys and
-    values, exactly the positions of the place it was saved from (a static slot's positions or
-    a paged cache's page), and the blocks not named keep what they held."""
-    from draftline.backends.cuda.kv import StaticKV
-    from draftline.backends.cuda.prefix import BlockPool
-
-    cache = StaticKV(3, 2, 2, 32, 4, torch.bfloat16, torch.device(DEV), paged=(20, 4) if paged else None)
-    if paged:
-        cache.reserve(0, 16), cache.reserve(1, 24)
-        cache.flush()
-    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(2)).to(DEV))
-    pool = BlockPool.like(cache, 6, 4)
-    pool.blocks.fill_(7.0)
-    where = pool.places(cache, 0, 1, 2) + pool.places(cache, 1, 5, 1)  # slot 0's blocks 1, 2 and slot 1's 5
-    pool.save(cache, *_save_table([3, 0, 4], where, extra=[(5, 1, 0)]), 1)  # the row past the count: not copied
-    for block, (place, first) in zip([3, 0, 4], where):
-        expected = cache.data[:, :, place, :, first : first + 4]  # [2, layers, Hkv, 4, D]
-        assert torch.equal(pool.blocks[block], expected)
-    assert (pool.blocks[[1, 2, 5]] == 7.0).all()
 
 
 def test_long_causal_windows_attend_in_pieces_as_whole():
@@ -1072,11 +1014,13 @@ def test_a_chunked_prompt_keeps_no_flight_past_the_pipeline_depth():
 
 @pytest.mark.parametrize("method, pages", [("none", 7), ("dflash", 11)])  # a request takes up to 6 and 9
 def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method, pages):
-    """A property test of the paged pool on the cuda backend: requests arrive, are cancelled
-    and are preempted at random through four slots and too few 4-token pages, two rounds in
-    flight. After every step each page is free or held by one slot's table line, in that line's
-    order, and only a running request's slot holds any; at the end every page is free, and each
-    request not cancelled emitted what the reference backend emits for its prompt."""
+    """A property test of the paged pool on the cuda backend, the prefix cache on: requests
+    arrive (some sharing a prompt's first blocks), are cancelled and are preempted at random
+    through four slots and too few 4-token pages, two rounds in flight. After every step each
+    page is free, or held by the slots' table lines (several, a shared prefix's page) and the
+    prefix cache, as many times as its count says; a page some line holds is never free; only
+    a running request's slot holds any; at the end every page is free or the cache's alone, and
+    each request not cancelled emitted what the reference backend emits for its prompt."""
     import random
 
     from draftline.core.machine import Phase
@@ -1090,17 +1034,21 @@ def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method
     for step in range(16):
         if rng.random() < 0.7 and len(reqs) < 8:
             prompt = [rng.randrange(2, 200) for _ in range(rng.randrange(2, 6))]
+            if reqs and rng.random() < 0.5:  # another's first block, then its own tokens: a prefix hit
+                prompt = reqs[-1].prompt_ids[:4] + prompt
             params = SamplingParams(max_new_tokens=rng.randrange(6, 14), ignore_eos=True)
             reqs.append(engine.add_request(prompt, params))
         running = [r for r in engine.scheduler.running if r.phase is not Phase.FINISHED]
         if step % 5 == 4 and running:  # a client gone, its rounds in flight
             rng.choice(running).cancelled = True
         engine.step()
-        _pages_owned_once(pager, {r.kv for r in engine.scheduler.running if r.phase is not Phase.FINISHED})
+        _pages_owned_once(pager, {r.kv for r in engine.scheduler.running if r.phase is not Phase.FINISHED},
+                          engine.backend.prefix)
     while engine.scheduler.has_work():
         engine.step()
-        _pages_owned_once(pager, {r.kv for r in engine.scheduler.running if r.phase is not Phase.FINISHED})
-    assert pager.in_use == 0 and sorted(pager.free) == list(range(pages))
+        _pages_owned_once(pager, {r.kv for r in engine.scheduler.running if r.phase is not Phase.FINISHED},
+                          engine.backend.prefix)
+    _pages_free_or_cached(pager, engine.backend.prefix)
     assert sum(r.preemptions for r in reqs) > 0 and any(r.cancelled for r in reqs)
     kept = [r for r in reqs if not r.cancelled]
     want = _engine(method, "reference").generate([r.prompt_ids for r in kept],
@@ -1108,14 +1056,28 @@ def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method
     assert [r.output_ids for r in kept] == [c.output_ids for c in want]
 
 
-def _pages_owned_once(pager, live_slots: set[int]) -> None:
-    """Every page free or in one table line (host and device alike), lines only for live slots."""
+def _pages_owned_once(pager, live_slots: set[int], prefix=None) -> None:
+    """Every page free or held (host and device tables alike) by table lines and the prefix
+    cache as many times as its count, lines only for live slots, none in a line twice."""
     pager.flush()
-    owned = [p for line in pager.owned for p in line]
-    assert len(owned) == len(set(owned)) and not set(owned) & set(pager.free)  # none held twice
-    assert sorted(owned + pager.free) == list(range(pager.scratch))  # none lost
+    holders = [0] * pager.num_pages
+    for line in pager.owned:
+        assert len(line) == len(set(line))
+        for p in line:
+            holders[p] += 1
+    for block in ([] if prefix is None else prefix.blocks.values()):
+        holders[block.payload] += 1
+    assert holders == pager.refs
+    assert sorted(p for p in range(pager.num_pages) if holders[p] == 0) == sorted(pager.free)  # none lost or held free
     table = pager.pages.table.cpu()
     for slot, line in enumerate(pager.owned):
         assert not line or slot in live_slots
         assert table[slot, : len(line)].tolist() == line
         assert bool((table[slot, len(line):] == pager.scratch).all())
+
+
+def _pages_free_or_cached(pager, prefix) -> None:
+    """No line holds a page: each is free, or the prefix cache's alone."""
+    cached = [b.payload for b in prefix.blocks.values()]
+    assert all(not line for line in pager.owned) and all(pager.refs[p] == 1 for p in cached)
+    assert sorted(cached + pager.free) == list(range(pager.num_pages))

@@ -104,6 +104,8 @@ def test_bf16_verify_logits_close_to_reference(invariant):
         req = cuda.make_request(ids[:2], SamplingParams(max_new_tokens=n, ignore_eos=True))
         backend = cuda.backend
         backend.prefill([req])
+        backend.cache.reserve(req.kv, n + k + 1)  # the windows' pages (a round's launch reserves its own)
+        backend.cache.flush()
         backend.bufs.load([req], 1)
         slot = torch.tensor([req.kv], device="cuda")
         got, expect, start = [], [], 1

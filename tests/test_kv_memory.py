@@ -34,7 +34,9 @@ def dflash():
     return Engine(load_spec("specs/tiny-dflash.yaml"))
 
 
-def test_a_page_holds_the_targets_and_the_drafters_keys_and_the_prefix_share(dflash):
+def test_a_page_holds_the_targets_and_the_drafters_keys_and_the_cache_takes_none(dflash):
+    """A page costs the target's and the drafter's keys alone: cached prefixes live in the pool's
+    pages, so prefix caching on leaves the pool as many pages as it off."""
     cfg, drafter = dflash.target.config, dflash.backend.drafter.model
     layers = sum(1 for m in drafter.modules() if hasattr(m, "k_proj"))
     assert layers == len(drafter.layers)
@@ -43,12 +45,15 @@ def test_a_page_holds_the_targets_and_the_drafters_keys_and_the_prefix_share(dfl
     free, total = 30 * GIB, 40 * GIB  # 10 GiB held: the limit of 20 leaves 10 less the workspace
     budget = size_pool(cap, cfg, drafter, 16, [1, 2, 4, 8], torch.bfloat16, (free, total), plan())
     target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-    assert budget.page_bytes == int((target + kv_bytes_per_token(drafter, 2)) * 16 * 1.25)
+    assert budget.page_bytes == (target + kv_bytes_per_token(drafter, 2)) * 16
     assert budget.workspace == workspace_bytes(cfg, 16, [1, 2, 4, 8], 2, plan())  # no taps passed
     assert budget.pages == (20 * GIB - 10 * GIB - budget.workspace) // budget.page_bytes
-    unprefixed = size_pool(Capacity(8, 256, kv_page=16, kv_memory=0.5), cfg, None, 16, [1, 2, 4, 8], torch.bfloat16,
+    unprefixed = size_pool(Capacity(8, 256, kv_page=16, kv_memory=0.5), cfg, drafter, 16, [1, 2, 4, 8], torch.bfloat16,
                            (free, total), plan())
-    assert unprefixed.pages > budget.pages  # no drafter keys, no prefix share: more pages in the same bytes
+    assert unprefixed.pages == budget.pages  # prefix caching off: not one page more
+    undrafted = size_pool(Capacity(8, 256, kv_page=16, kv_memory=0.5), cfg, None, 16, [1, 2, 4, 8], torch.bfloat16,
+                          (free, total), plan())
+    assert undrafted.pages > budget.pages  # no drafter keys: more pages in the same bytes
 
 
 def test_a_share_that_leaves_no_context_is_refused_with_the_fix(dflash):

@@ -153,6 +153,8 @@ class CudaBackend(Prefilling):
         self.kv_budget = self._kv_budget(capacity, width, dtype, capacity.max_model_len + margin, invariant,
                                          taps if self.drafter is not None else 0)
         self.kv_pages = capacity.kv_pages or (self.kv_budget.pages if self.kv_budget else 0)  # 0: static slots
+        if not self.kv_pages and capacity.prefix_block and invariant:  # cached prefixes are shared pages: a
+            self.kv_pages = capacity.max_batch * -(-(capacity.max_model_len + margin) // capacity.kv_page)  # static slot's memory
         paged = (self.kv_pages, capacity.kv_page) if self.kv_pages else None
         self.cache = StaticKV(cfg.num_layers, capacity.max_batch, cfg.num_kv_heads, capacity.max_model_len + margin,
                               cfg.head_dim, dtype, device, invariant=invariant, paged=paged,
@@ -189,8 +191,8 @@ class CudaBackend(Prefilling):
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
         # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
         seeded = self.ring if getattr(self.drafter, "extends_from_features", False) else None  # a hit's chunk reads it
-        self.prefix_store = DevicePrefix(capacity.prefix_block, _prefix_blocks(capacity, self.kv_pages), self.cache, self.kv,
-                                         seeded, self.staging) if capacity.prefix_block and self.chunked_prefill else None
+        self.prefix_store = DevicePrefix(capacity.prefix_block, self.cache, self.kv, seeded, self.staging) \
+            if capacity.prefix_block and self.chunked_prefill else None
         self.prefix = None if self.prefix_store is None else self.prefix_store.index
         self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len,
                                        capacity.prefix_block if self.prefix_store is not None else 0, device)
@@ -257,8 +259,6 @@ class CudaBackend(Prefilling):
             self._warm_prefill(2 * width, chunk=width)
         for bucket in self.buckets[1:] if self.chunked_prefill else ():  # and at every batch size
             self._warm_prefill(2 * PREFILL_WIDTHS[0], bucket, chunk=PREFILL_WIDTHS[0])
-        if self.prefix_store is not None:
-            self.prefix_store.ready()  # the drafter's block store, now that its caches exist: not mid-serving
         self.bufs.load([], self.capacity.max_batch)
         warmed = torch.cuda.memory_reserved(self.device) - reserved  # the prefix store, and eager temporaries kept cached
         for bucket in self.buckets:
@@ -512,15 +512,6 @@ class CudaBackend(Prefilling):
             if req.draft_state is not None and hasattr(req.draft_state, "index"):
                 self.kv.release(req.draft_state)
             self.drafter.release(req)
-
-
-def _prefix_blocks(capacity: Capacity, pages: int) -> int:
-    """Blocks the prefix store keeps: a quarter of the KV cache's positions (the static slots', or
-    the paged pool's ``pages``), at least one longest prompt's (its keys cost a quarter of the KV
-    cache's memory again: memory.PREFIX_SHARE)."""
-    size = capacity.prefix_block
-    positions = pages * capacity.kv_page if pages else capacity.max_batch * capacity.max_model_len
-    return max(capacity.max_model_len // size, positions // (4 * size))
 
 
 def _invariant(capacity: Capacity, cfg, width: int) -> bool:

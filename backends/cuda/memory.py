@@ -4,9 +4,9 @@
 The pool is sized once the target's and the drafter's weights are on the device: what the
 device holds then (this process's and any other's) is spent, a workspace for the largest
 forward and the logits the captured graphs keep is set aside, and every page left that fits
-takes a page of the target's keys and values at every layer, the drafter's (DFlash's
-context, EAGLE-3's layer: they share the target's page table) and its share of the prefix
-store. The workspace is an estimate; start-up measures the peak beside it (``report``).
+takes a page of the target's keys and values at every layer and the drafter's (DFlash's
+context, EAGLE-3's layer: they share the target's page table); cached prefixes live in those
+pages (prefix.py), so they take none of their own. The workspace is an estimate; start-up measures the peak beside it (``report``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from .prefill import PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS
 
 GIB = float(1 << 30)
 SEGMENTS = 512 << 20  # the allocator's rounding: each stream's and pool's segments, whatever the model
-PREFIX_SHARE = 0.25  # the prefix store keeps a quarter of the pool's positions (backend._prefix_blocks)
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class KVBudget:
     """A pool sized from gpu_memory_utilization: its pages and what the sizing assumed (bytes)."""
 
     pages: int
-    page_bytes: int  # a page's target and drafter keys and values, its prefix-store share included
+    page_bytes: int  # a page's target and drafter keys and values
     limit: int  # utilization x the device's memory
     held: int  # in use on the device when the pool was sized (weights, other processes)
     workspace: int  # set aside for activations and the graphs' outputs
@@ -114,7 +113,7 @@ def size_pool(capacity: Capacity, cfg, drafter: nn.Module | None, width: int, bu
     limit, held = int(capacity.kv_memory * total), total - free
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     per_token += 0 if drafter is None else kv_bytes_per_token(drafter, itemsize)
-    page = int(per_token * capacity.kv_page * (1 + (PREFIX_SHARE if capacity.prefix_block else 0)))
+    page = per_token * capacity.kv_page
     workspace = workspace_bytes(cfg, width, buckets, itemsize, splits, taps, narrow)
     pages = (limit - held - workspace) // page
     row = -(-capacity.max_model_len // capacity.kv_page)

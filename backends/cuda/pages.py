@@ -12,6 +12,7 @@ from a shared pool (paged KV).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -65,16 +66,22 @@ class PageTable:
     (paged KV): a slot's table line holds its pages in position order and, past them, the
     scratch page (index ``num_pages``), where whatever a kernel writes beyond a row's pages
     lands (a padded prefill's tail, the padding rows of a graph bucket) and nothing that is
-    read as a key. ``put`` moves a host tensor to the device in stream order (the backend's),
-    so a table line changes after every launch already queued has read it."""
+    read as a key. A page may be held by several slots' lines and by the prefix cache (a
+    cached block's page, shared by the requests whose prompts start with it: ``share``,
+    ``hold``): it returns to the free pages when its last holder lets it go. When a reserve
+    finds too few free pages, ``evict`` (the prefix cache's) lets go of cached pages no slot
+    holds. ``put`` moves a host tensor to the device in stream order (the backend's), so a
+    table line changes after every launch already queued has read it."""
 
     def __init__(self, num_slots: int, per_row: int, num_pages: int, size: int, device: torch.device, put=None):
-        self.scratch, self.size, self.per_row = num_pages, size, per_row
+        self.scratch, self.size, self.per_row, self.num_pages = num_pages, size, per_row, num_pages
         table = torch.full((num_slots + 1, per_row), num_pages, dtype=torch.int32, device=device)
         self.pages = Pages(table, size)
         self.owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
+        self.refs = [0] * num_pages  # each page's holders: slots' lines and the prefix cache
         self.free = list(range(num_pages - 1, -1, -1))  # lowest first
         self.put = put or (lambda host: host.to(device))
+        self.evict: Callable[[int], int] | None = None  # frees up to n cached pages no slot holds -> how many
         self.pending: list[tuple[int, int]] = []  # (place in the flattened table, page) not yet on the device
 
     def reserve(self, slot: int, positions: int) -> None:
@@ -82,14 +89,37 @@ class PageTable:
         the device's table by the next ``flush``."""
         have = self.owned[slot]
         need = min(-(-positions // self.size), self.per_row)
-        if need <= len(have):
-            return
+        if need - len(have) > len(self.free) and self.evict is not None:
+            self.evict(need - len(have) - len(self.free))
         if need - len(have) > len(self.free):
             raise PagesExhausted(f"{need - len(have)} more KV pages wanted, {len(self.free)} free; "
                                  "raise server.num_kv_blocks or lower server.max_batch_size")
-        for i in range(len(have), need):
-            have.append(self.free.pop())
-            self.pending.append((slot * self.per_row + i, have[-1]))
+        for _ in range(len(have), need):
+            self._append(slot, self.free.pop())
+
+    def share(self, slot: int, pages: list[int]) -> None:
+        """The slot's line starts with ``pages`` (a cached prefix's), held with their other holders."""
+        if self.owned[slot]:
+            raise ValueError(f"slot {slot} holds pages already: a shared prefix comes first")
+        for page in pages:
+            self._append(slot, page)
+
+    def _append(self, slot: int, page: int) -> None:
+        self.refs[page] += 1
+        self.pending.append((slot * self.per_row + len(self.owned[slot]), page))
+        self.owned[slot].append(page)
+
+    def hold(self, page: int) -> None:
+        """One more holder for ``page`` (the prefix cache, caching the block it holds)."""
+        self.refs[page] += 1
+
+    def drop(self, page: int) -> None:
+        """One holder fewer; a page no one holds is free."""
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+        elif self.refs[page] < 0:
+            raise RuntimeError(f"KV page {page} let go more often than it was held")
 
     def flush(self) -> None:
         """The pages reserved since the last flush into the device's table, in one copy."""
@@ -103,7 +133,8 @@ class PageTable:
         have = self.owned[slot]
         if have:
             self.pages.table[slot, : len(have)] = self.scratch
-            self.free.extend(reversed(have))
+            for page in reversed(have):
+                self.drop(page)
             self.owned[slot] = []
 
     def of(self, slot: int, first: int, count: int) -> list[int]:
@@ -114,7 +145,8 @@ class PageTable:
 
     @property
     def in_use(self) -> int:
-        return sum(map(len, self.owned))
+        """Pages some holder has (a slot's line or the prefix cache)."""
+        return self.num_pages - len(self.free)
 
 
 class PagesExhausted(RuntimeError):

@@ -183,9 +183,12 @@ class Prefilling:
         return self.landing.land(packed, 1, reported, started, span=False)
 
     def _admit(self, req: Request, end: int) -> int:
-        """A new request's slots, and the prefix cache's blocks its prompt starts with, copied
-        in -> where its first prefill ends (past what the cache gave: at least one token)."""
+        """A new request's slots, the prefix cache's pages its prompt starts with mapped into its
+        table line -> where its first prefill ends (past what the cache gave: at least one token)."""
         req.kv = self.cache.allocate()
+        if self._caches(req):
+            req.prefilled = self.prefix_store.restore(req)
+            req.cached_tokens = req.cached_tokens if req.recomputed else req.prefilled  # the first admission's
         if req.rid >= 0:  # paged KV: the prompt's pages (start-up's warm-up prompts write the scratch page)
             self.cache.reserve(req.kv, req.prefill_len + self.capacity.kv_lookahead)
         if self.drafter is not None:
@@ -193,9 +196,6 @@ class Prefilling:
                 self.drafter.admit(req)
         if self.draft_override is not None and req.rid >= 0:
             self.draft_override.admit(req.kv, req.prompt_ids)
-        if self._caches(req):
-            req.prefilled = self.prefix_store.restore(req, draft_slot(req.draft_state, self.cache.scratch))
-            req.cached_tokens = req.cached_tokens if req.recomputed else req.prefilled  # the first admission's
         return max(end, req.prefilled + 1)
 
     def _caches(self, req: Request) -> bool:
@@ -288,8 +288,7 @@ class Prefilling:
         stages = saves = None
         if self.prefix_store is not None:
             stages = self.prefix_store.stages([r.kv for r in reqs], starts, [s + len(c) for s, c in zip(starts, chunks)])
-            saves = self.prefix_store.saves([(r, draft_slot(r.draft_state, scratch)) for r, last in zip(reqs, ending)
-                                             if last and self._caches(r)])
+            saves = self.prefix_store.saves([r for r, last in zip(reqs, ending) if last and self._caches(r)])
             if saves.shape[0] > v.saves.shape[0] or stages.shape[0] > v.stages.shape[0]:
                 raise RuntimeError(f"prefill: {saves.shape[0]} blocks saved, {stages.shape[0]} staged, past the tables")
         fcols, counts, ids, staged, saved = v.offsets
