@@ -1,18 +1,19 @@
-"""The `draftline` commands (their flags are in ``draftline.core.arguments``)."""
+"""The `draftline` commands (their flags are in ``draftline.core.arguments``); the server's two,
+serve and bench-serve, are ``draftline.api.commands`` (core never imports the API)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from .arguments import TRAIN_KNOBS
-from .models.config import ConfigError
+from .failures import failure_line
 from .models.checkpoint import CheckpointError
-
+from .models.config import ConfigError
 
 
 def _spec_files(paths: list[str]) -> list[Path]:
@@ -375,56 +376,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 1 if lossy else 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from draftline.api.server import serve
-
-    from .spec import load_spec
-
-    spec = load_spec(args.spec)
-    serve(spec, args.host or spec.server.host, args.port or spec.server.port)
-    return 0
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from draftline.api.bench import Options, run_bench
-
-    from .spec import load_spec
-
-    opts = Options(args.concurrency, args.requests, args.max_new_tokens, args.prompt_len, args.shared_prefix,
-                   args.long_prompt, args.acceptance or "", tuple(args.modes), args.max_model_len,
-                   not args.no_prefix_caching, args.max_num_batched_tokens, args.num_kv_blocks,
-                   args.gpu_memory_utilization, args.admission_wait, args.trace_rounds)
-    with _quiet(not args.verbose):  # the table, not every request's log line
-        table = run_bench(load_spec(args.spec), opts, args.json)
-    print(table)
-    return 0
-
-
-@contextlib.contextmanager
-def _quiet(on: bool):
-    """Info log lines off while the block runs (warnings still show); the old config after."""
-    import logging
-
-    import structlog
-
-    old = structlog.get_config()
-    if on:
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    try:
-        yield
-    finally:
-        structlog.configure(**old)
-
-
 COMMANDS = {"validate": cmd_validate, "explain": cmd_explain, "generate": cmd_generate, "eval": cmd_eval,
-            "bench": cmd_bench, "serve": cmd_serve, "bench-serve": cmd_bench_serve, "corpus": cmd_corpus,
-            "train": cmd_train}
+            "bench": cmd_bench, "corpus": cmd_corpus, "train": cmd_train}
 
 
-def build_parser():
+def build_parser(serving=None):
+    """The `draftline` parser; ``serving`` adds the server's commands (draftline.cli passes them)."""
     from . import arguments
 
-    return arguments.build_parser(COMMANDS)
+    return arguments.build_parser(COMMANDS, serving)
 
 
 def _logs_to_stderr() -> None:
@@ -434,16 +394,17 @@ def _logs_to_stderr() -> None:
     structlog.configure(logger_factory=lambda *args: structlog.PrintLogger(sys.stderr))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .engine import RequestError
-    from .spec import SpecError
-
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, serving=None) -> int:
+    """Run one command. A failure is one line on stderr naming what is wrong and the fix, and
+    exit code 1; ``--debug`` adds the traceback."""
+    args = build_parser(serving).parse_args(argv)
     _logs_to_stderr()
     try:
         return args.func(args)
-    except (SpecError, ConfigError, CheckpointError, RequestError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 (every failure is one line; --debug shows where it came from)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"error: {failure_line(exc)}", file=sys.stderr)
         return 1
 
 

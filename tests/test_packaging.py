@@ -45,6 +45,22 @@ def test_public_names_are_the_core_objects():
         draftline.Engin
 
 
+def test_core_never_imports_the_api():
+    """Layering: the API is built on core, so no module under core/ imports draftline.api (the
+    server's commands live in api/commands.py; draftline/cli.py puts the two together)."""
+    import ast
+
+    offenders = []
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[:2] == ["draftline", "api"]]
+            if isinstance(node, ast.ImportFrom) and node.level >= 2 and (node.module or "").startswith("api"):
+                offenders.append(f"{path.relative_to(ROOT)}: relative import of api")
+    assert offenders == []
+
+
 def test_import_draftline_is_light():
     # the package's own import loads no engine code: `draftline --help` and
     # `import draftline.core` stay as light as they were

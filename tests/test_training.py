@@ -170,7 +170,7 @@ def _user_data(folder):
 
 
 def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
-    from draftline.core.cli import main
+    from draftline.cli import main
     from draftline.core.models.tokenizer import load_tokenizer
 
     _user_data(tmp_path)
@@ -199,7 +199,7 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     import shutil
     import time
 
-    from draftline.core.cli import main
+    from draftline.cli import main
     from draftline.core.models.loader import load_dflash
 
     torch.manual_seed(0)
@@ -360,7 +360,7 @@ def test_cli_target_training_keeps_its_budget(tmp_path, capsys):
     the budget (plus one step and saving), and the checkpoint loads."""
     import time
 
-    from draftline.core.cli import main
+    from draftline.cli import main
 
     _user_data(tmp_path)
     assert main(["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
@@ -379,7 +379,7 @@ def test_trained_target_has_a_tokenizer_hf_reads_as_draftline_does(tmp_path, cap
     """`corpus` (its own BPE) then `train target`: the target folder carries tokenizer_config.json
     and a chat template, so AutoTokenizer splits text as draftline does and both render a chat alike."""
     transformers = pytest.importorskip("transformers")
-    from draftline.core.cli import main
+    from draftline.cli import main
     from draftline.core.models.chat_template import load_chat_template
     from draftline.core.models.tokenizer import load_tokenizer
 
