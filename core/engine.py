@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from .blocks import BlockPool
 from .contract import Capacity
 from .detokenizer import TextStream
+from .errors import RequestError
 from .logprobs import TokenLogprob
 from .machine import Machine, Plan
 from .policy import DraftPolicy
@@ -33,10 +34,6 @@ from .spec import Spec, SpeculativeSpec, device_problems, load_spec
 
 log = structlog.get_logger("draftline.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run; the message names the problem and the fix."""
 
 
 @dataclass(frozen=True)
