@@ -26,14 +26,14 @@ from .stream import sse
 class ChatRoute:
     def __init__(self, loop: EngineLoop, body: ChatRequest, model: str, limits: Limits):
         refuse_unimplemented(body)
-        self.template = loop.engine.chat_template
-        if self.template is None:
-            raise RequestError("this checkpoint has no chat template (tokenizer_config.json `chat_template`); "
-                               "use /v1/completions, or add a template to the checkpoint folder")
         self.messages = [m.for_template() for m in body.messages]
         limits.chat([m["content"] for m in self.messages if isinstance(m.get("content"), str)])
         check_sampling(body, limits)
         limits.choices(body.n, None, 1)
+        self.template = loop.engine.chat_template
+        if self.template is None:
+            raise RequestError("this checkpoint has no chat template (tokenizer_config.json `chat_template`); "
+                               "use /v1/completions, or add a template to the checkpoint folder", "messages")
         self.loop, self.body, self.limits = loop, body, limits
         self.tokenizer = loop.engine.tokenizer
         self.options = body.options(loop.engine.spec.sampling)

@@ -40,6 +40,13 @@ def test_public_names_are_the_core_objects():
 
     assert draftline.Engine is Engine and draftline.SamplingParams is SamplingParams
     assert draftline.load_spec is load_spec
+    from draftline.core.engine import RequestError
+    from draftline.core.models.checkpoint import CheckpointError
+    from draftline.core.models.config import ConfigError
+    from draftline.core.spec import SpecError
+
+    assert (draftline.RequestError, draftline.ConfigError, draftline.CheckpointError, draftline.SpecError) == (
+        RequestError, ConfigError, CheckpointError, SpecError)
     assert dir(draftline) == sorted(draftline.__all__)
     with pytest.raises(AttributeError, match="no attribute 'Engin'"):
         draftline.Engin
