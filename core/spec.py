@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from .models.config import ConfigError, ModelConfig, model_config, read_config_json
+from .models.config import ConfigError, ModelConfig, read_model_config
 from .models.presets import TARGET_PRESETS, target_preset
 from .registry import METHODS, RegistryError
 from .options import SamplingOptions
@@ -77,7 +77,7 @@ class ModelSpec(Strict):
         """The target's config: from the preset, or from config.json when ``read_files``."""
         if self.random_init is not None:
             return target_preset(self.random_init.preset)
-        return model_config(read_config_json(self.path)) if read_files else None
+        return read_model_config(self.path) if read_files else None
 
 
 class DraftModelSpec(Strict):
@@ -262,7 +262,9 @@ def load_spec(path: str | Path) -> Spec:
     if not path.is_file():
         raise SpecError(str(path), ["file not found; pass the path of a YAML spec (see specs/)"])
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise SpecError(str(path), ["not a text file (not UTF-8); pass the path of a YAML spec (see specs/)"]) from None
     except yaml.YAMLError as exc:
         raise SpecError(str(path), [f"not valid YAML: {exc}"]) from None
     spec = parse_spec(data, str(path))
