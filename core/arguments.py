@@ -29,9 +29,10 @@ TRAIN_KNOBS = {
     "gen_batch": (POSITIVE, "sequences generated per target batch"),
     "anchors": (POSITIVE, "block anchors per training row"),
     "eval_every": (POSITIVE, "steps between held-out evaluations"),
-    "max_seconds": (flags.real(0.0, strict=True), "the whole run's wall-time budget (generation takes up to 40%%): "
-                    "then evaluate and save; a checkpoint (drafters: with training_state.pt, for --resume) "
-                    "is also written at every evaluation"),
+    "max_seconds": (flags.real(0.0, strict=True), "the whole run's wall-time budget, from the start of "
+                    "generation (which takes up to 40%%; its first batch of each split always runs): then evaluate "
+                    "and save (a budget spent before the first step trains none); a checkpoint (drafters: with "
+                    "training_state.pt, for --resume) is also written at every evaluation"),
     "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, sampled, warm)"),
     "warm_tokens": (NON_NEGATIVE, "`warm` rows: sampled tokens after a bare prompt before the greedy part"),
     "weight_decay": (flags.real(0.0), "AdamW weight decay"),

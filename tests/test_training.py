@@ -405,3 +405,23 @@ def test_trained_target_has_a_tokenizer_hf_reads_as_draftline_does(tmp_path, cap
     assert load_chat_template(with_template).source == CHAT_TEMPLATE
     assert transformers.AutoTokenizer.from_pretrained(with_template).encode("fox  jumps") == \
         load_tokenizer(tmp_path / "tok").encode("fox  jumps", add_special_tokens=False).ids
+
+
+def test_a_budget_spent_before_the_first_step_trains_none_and_still_saves():
+    """--max-seconds counts generation: a run whose generation spent the budget takes no
+    step (a step alone can outlast a small budget), evaluates and saves what it has, and its
+    reported wall time includes the generation."""
+    import time
+
+    from draftline.core.training.loop import Budget, Schedule, train_loop
+    from draftline.core.training.state import Position
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    budget = Budget(0.05, started=time.perf_counter() - 1.0)  # a second of "generation" already spent
+    saved = []
+    summary = train_loop("t", model, opt, lambda: model(torch.ones(1, 4)).sum(), lambda: {"heldout_loss": 1.5},
+                         Schedule(steps=10, eval_every=5, max_seconds=0.05), torch.device("cpu"), save=saved.append,
+                         budget=budget)
+    assert summary.steps == 0 and summary.heldout == {"heldout_loss": 1.5} and saved == [Position(0)]
+    assert float(re.search(r"wall ([0-9.]+) s", summary.report()).group(1)) >= 1.0
