@@ -97,8 +97,9 @@ class CompletionsRoute:
     def decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def prompt_text(self, c: Completion) -> str:
-        return self.tokenizer.decode(c.prompt_ids, skip_special_tokens=False)
+    def prompt_text(self, ids: list[int]) -> str:
+        # the batch call lets go of the GIL while it decodes (a long prompt held the event loop)
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=False)[0]
 
     async def start(self) -> list[fanout.Choice]:
         return await fanout.submit(self.loop, self.prompts, self.options, self.body.choices)
@@ -130,7 +131,7 @@ class CompletionsRoute:
         if self.body.logprobs is not None:
             for k, tok in enumerate(req.prompt_ids):
                 log.add(tok, req.logprobs.get(k) if k else None)
-        return self.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
+        return self.prompt_text(req.prompt_ids)
 
     def _choice(self, index: int, c: Completion) -> dict[str, Any]:
         text, lp = c.text, None
@@ -143,7 +144,7 @@ class CompletionsRoute:
                 built.add(tok, entry)
             lp = built.take()
         if self.body.echo:
-            text = self.prompt_text(c) + text
+            text = self.prompt_text(c.prompt_ids) + text
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(c),
                 "seed": c.meta_info["seed"]}
 

@@ -21,7 +21,7 @@ def _real(**bounds: float) -> Any:
 
 Temperature = _real(ge=0.0, le=100.0)
 TopP = _real(gt=0.0, le=1.0)
-TopK = Annotated[int, Field(ge=-1)]
+TopK = Annotated[int, Field(ge=-1, le=2**31 - 1)]  # -1 or 0: off; a tensor of int64 carries it
 NewTokens = Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 Penalty = _real(ge=-2.0, le=2.0)  # presence / frequency, OpenAI's range
