@@ -157,7 +157,7 @@ class ServerSpec(Strict):
     served_model_name: str | list[str] | None = None
     # A request's limits, checked before any work is done for it (a 400 names the field; a
     # body over max_request_bytes is a 413, refused unread). A body is parsed on the event
-    # loop: 8 MiB of token ids hold it about 0.4 s on a 2-core CPU.
+    # loop: 8 MiB of token ids held /health about 0.3 s on a 2-core CPU.
     max_request_bytes: int = Field(8 * 2**20, ge=1024)
     max_prompt_chars: int | None = Field(None, ge=1)  # each prompt's; null: 32 per token of model.max_model_len
     max_stop_strings: int = Field(64, ge=0)  # stop strings per request

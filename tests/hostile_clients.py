@@ -6,9 +6,11 @@ spec, tiny DFlash) and the real CLI, and prints each number:
 1. fuzz: schemathesis over every route (valid and invalid bodies) plus a hand list of bad
    values (NaN, Infinity, wrong types, oversized): responses >= 500, tracebacks in the
    server's log, /health after each, a greedy baseline before and after;
-2. stall: a third client's 32-token greedy request alone, then while one client sends 50 MB
-   bodies and another a 200,000-character stop string (refused by server.max_stop_chars, and
-   again with the limits raised so that the stop string runs), as a ratio to alone; and
+2. stall: a third client's 32-token greedy request alone, then while one client sends a 50 MB
+   body and another a 200,000-character stop string (each from a process of its own, anew for
+   every timed request): with the default limits (both refused before any work) and with the
+   limits raised so that the stop string runs a 400-token request, there also against the same
+   request with a short stop string (what any second running request costs the third); and
    /health's worst latency while a 5 MB prompt is tokenized and while 8 MiB of token ids parse;
 3. slots: 8 non-streaming clients that time out after 1 s: seconds from their disconnects
    until every slot is free;
