@@ -1,80 +1,44 @@
-"""The FastAPI app: a thin layer from request models to the engine loop."""
+"""The FastAPI app: a thin layer from request models to the engine loop. Behind one gate
+(api/gate.py: the bearer token, the body's size), every error in OpenAI's shape (api/errors.py),
+each request's sizes checked before any work (api/limits.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from draftline.core.engine import RequestError
-from draftline.core.loop import EngineDead, EngineLoop, QueueFull
+from draftline.core.loop import EngineLoop
 from draftline.core.machine import describe_transitions
 
+from . import errors
+from .catalog import Catalog
 from .chat import ChatRoute
 from .completions import CompletionsRoute
+from .gate import Gate, api_token
+from .limits import Limits
 from .metrics import Metrics
 from .native import GenerateRoute
 from .schemas import ChatRequest, CompletionRequest, GenerateRequest
 
 
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
-
-
-def model_name(loop: EngineLoop) -> str:
-    m = loop.engine.spec.model
-    return m.path.name if m.path is not None else f"random-{m.random_init.preset}"
-
-
 def create_app(loop: EngineLoop) -> FastAPI:
+    """The app; ConfigError if the spec asks for a token whose variable is unset or empty."""
+    spec = loop.engine.spec
+    token = api_token(spec)
     app = FastAPI(title="draftline", version="0.1.0")
     metrics = Metrics()
     loop.finish_listeners.append(metrics.finished)
-    spec = loop.engine.spec
-    token = os.environ.get(spec.server.api_key_env) if spec.server.api_key_env else None
-
-    def authorize(request: Request) -> None:
-        if token is not None and request.headers.get("authorization") != f"Bearer {token}":
-            raise PermissionError("missing or wrong bearer token (Authorization: Bearer <token>)")
-
-    _error_handlers(app, metrics)
-    _status_routes(app, loop, metrics, Depends(authorize))
-    _generation_routes(app, loop, Depends(authorize))
+    catalog, limits = Catalog(spec), Limits.of(spec)
+    errors.install(app, metrics)
+    _status_routes(app, loop, metrics, catalog)
+    _generation_routes(app, loop, catalog, limits)
+    app.add_middleware(Gate, token=token, max_bytes=spec.server.max_request_bytes)
     return app
 
 
-def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected.labels(reason="invalid").inc()
-        parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-        return JSONResponse({"error": {"message": "; ".join(parts), "type": "invalid_request_error", "code": 422},
-                             "detail": json.loads(json.dumps(exc.errors(), default=str))}, 422)
-
-    @app.exception_handler(RequestError)
-    async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
-        metrics.rejected.labels(reason="invalid").inc()
-        return _error(400, str(exc), "invalid_request_error")
-
-    @app.exception_handler(QueueFull)
-    async def full(_: Request, exc: QueueFull) -> JSONResponse:
-        metrics.rejected.labels(reason="queue_full").inc()
-        return _error(503, str(exc), "overloaded", {"Retry-After": "1"})
-
-    @app.exception_handler(EngineDead)
-    async def dead(_: Request, exc: EngineDead) -> JSONResponse:
-        return _error(503, str(exc), "unavailable")
-
-    @app.exception_handler(PermissionError)
-    async def denied(_: Request, exc: PermissionError) -> JSONResponse:
-        return _error(401, str(exc), "unauthorized", {"WWW-Authenticate": "Bearer"})
-
-
-def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, auth: Any) -> None:
+def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, catalog: Catalog) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         status = loop.status()
@@ -84,11 +48,15 @@ def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, auth: Any) 
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name(loop), "object": "model", "owned_by": "draftline"}]}
+        return {"object": "list", "data": catalog.entries()}
 
-    @app.get("/spec", dependencies=[auth])
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return catalog.entry(model_id)
+
+    @app.get("/spec")
     async def active_spec() -> dict[str, Any]:
         plan, prefix = loop.engine.plan, getattr(loop.engine.backend, "prefix", None)
         return {"spec": loop.engine.spec.model_dump(mode="json"), "plan": plan.__dict__ | {"target_layer_ids": list(plan.target_layer_ids)},
@@ -97,18 +65,20 @@ def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, auth: Any) 
                 "kv_blocks": loop.engine.blocks.__dict__ | {"preemptions": loop.engine.machine.clock.preemptions}}
 
 
-def _generation_routes(app: FastAPI, loop: EngineLoop, auth: Any) -> None:
-    @app.post("/generate", dependencies=[auth])
-    async def generate(body: GenerateRequest):
-        route = GenerateRoute(loop, body)
-        return route.stream() if body.stream else await route.respond()
+def _generation_routes(app: FastAPI, loop: EngineLoop, catalog: Catalog, limits: Limits) -> None:
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        route = GenerateRoute(loop, body, limits)
+        return await route.stream() if body.stream else await route.respond(request)
 
-    @app.post("/v1/completions", dependencies=[auth])
-    async def completions(body: CompletionRequest):
-        route = CompletionsRoute(loop, body, model_name(loop))
-        return route.stream() if body.stream else await route.respond()
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        catalog.check(body.model)
+        route = CompletionsRoute(loop, body, catalog.name, limits)
+        return await route.stream() if body.stream else await route.respond(request)
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
-    async def chat(body: ChatRequest):
-        route = ChatRoute(loop, body, model_name(loop))
-        return route.stream() if body.stream else await route.respond()
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        catalog.check(body.model)
+        route = ChatRoute(loop, body, catalog.name, limits)
+        return await route.stream() if body.stream else await route.respond(request)

@@ -4,9 +4,12 @@ choice carries the ``seed`` it was sampled with (as completions' choices do)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
+
+from fastapi import Request as HTTPRequest
 
 from draftline.core.engine import Completion, RequestError
 from draftline.core.logprobs import TokenLogprob
@@ -14,29 +17,38 @@ from draftline.core.loop import EngineLoop
 from draftline.core.models.chat_template import ChatTemplateError
 
 from . import fanout
-from .completions import finish_reason, refuse_unimplemented, usage
+from .completions import check_sampling, finish_reason, refuse_unimplemented, usage
+from .limits import Limits
 from .schemas import ChatRequest
 from .stream import sse
 
 
 class ChatRoute:
-    def __init__(self, loop: EngineLoop, body: ChatRequest, model: str):
+    def __init__(self, loop: EngineLoop, body: ChatRequest, model: str, limits: Limits):
         refuse_unimplemented(body)
-        template = loop.engine.chat_template
-        if template is None:
+        self.messages = [m.for_template() for m in body.messages]
+        limits.chat([m["content"] for m in self.messages if isinstance(m.get("content"), str)])
+        check_sampling(body, limits)
+        limits.choices(body.n, None, 1)
+        self.template = loop.engine.chat_template
+        if self.template is None:
             raise RequestError("this checkpoint has no chat template (tokenizer_config.json `chat_template`); "
-                               "use /v1/completions, or add a template to the checkpoint folder")
-        try:
-            self.prompt = template.render([m.for_template() for m in body.messages], **body.template_kwargs())
-        except ChatTemplateError as exc:
-            raise RequestError(str(exc)) from None
-        self.loop, self.body = loop, body
+                               "use /v1/completions, or add a template to the checkpoint folder", "messages")
+        self.loop, self.body, self.limits = loop, body, limits
         self.tokenizer = loop.engine.tokenizer
         self.options = body.options(loop.engine.spec.sampling)
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": body.model or model}
 
-    def start(self) -> list[fanout.Choice]:
-        return fanout.submit(self.loop, [self.prompt], self.options, self.body.n)
+    def _render(self) -> str:
+        try:
+            return self.template.render(self.messages, **self.body.template_kwargs())
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc), "messages") from None
+
+    async def start(self) -> list[fanout.Choice]:
+        prompt = await asyncio.to_thread(self._render)  # a template over long messages takes a while
+        self.limits.prompts([prompt], "messages")
+        return await fanout.submit(self.loop, [prompt], self.options, self.body.n)
 
     def _entry(self, token: int, e: TokenLogprob | None) -> dict[str, Any]:
         def one(t: int, lp: float | None) -> dict[str, Any]:
@@ -51,18 +63,18 @@ class ChatRoute:
             return None
         return {"content": [self._entry(t, e) for t, e in zip(ids, entries)]}
 
-    async def respond(self) -> dict[str, Any]:
-        choices = self.start()
-        done = await fanout.results(choices)
-        out = [{"index": ch.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.output_ids, c.logprobs or []), "finish_reason": finish_reason(c),
-                "seed": c.meta_info["seed"]}
-               for ch, c in zip(choices, done)]
+    async def respond(self, client: HTTPRequest) -> dict[str, Any]:
+        choices = await self.start()
+        done = await fanout.results(choices, client)
+        logprobs = await asyncio.to_thread(lambda: [self._logprobs(c.output_ids, c.logprobs or []) for c in done])
+        out = [{"index": ch.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                "finish_reason": finish_reason(c), "seed": c.meta_info["seed"]}
+               for ch, c, lp in zip(choices, done, logprobs)]
         return self.head | {"object": "chat.completion", "choices": out,
                             "usage": usage(done[0].meta_info["prompt_tokens"], done, done[0].meta_info["cached_tokens"])}
 
-    def stream(self):
-        choices = self.start()
+    async def stream(self):
+        choices = await self.start()
         return sse(self._chunks(choices), choices)
 
     def _chunk(self, choice: fanout.Choice, delta: dict[str, Any], lp: Any = None, finish: str | None = None,

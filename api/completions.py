@@ -7,15 +7,19 @@ read it as an extra attribute (the openai client's ``choice.seed``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
+
+from fastapi import Request as HTTPRequest
 
 from draftline.core.engine import Completion, RequestError
 from draftline.core.logprobs import TokenLogprob
 from draftline.core.loop import EngineLoop
 
 from . import fanout
+from .limits import Limits
 from .schemas import CompletionRequest, OpenAIBase, prompt_list
 from .stream import sse
 
@@ -37,7 +41,14 @@ def usage(prompt_tokens: int, completions: list[Completion], cached_tokens: int 
 def refuse_unimplemented(body: OpenAIBase) -> None:
     names = body.unimplemented()
     if names:
-        raise RequestError(f"{', '.join(names)}: not implemented by draftline; drop {'them' if len(names) > 1 else 'it'}")
+        raise RequestError(f"{', '.join(names)}: not implemented by draftline; drop {'them' if len(names) > 1 else 'it'}",
+                           names[0])
+
+
+def check_sampling(body: OpenAIBase, limits: Limits) -> None:
+    """The sizes an OpenAI request shares between completions and chat."""
+    limits.stop(body.stop, "stop")
+    limits.logit_bias(body.logit_bias, "logit_bias")
 
 
 class Logprobs:
@@ -71,11 +82,14 @@ class Logprobs:
 
 
 class CompletionsRoute:
-    def __init__(self, loop: EngineLoop, body: CompletionRequest, model: str):
+    def __init__(self, loop: EngineLoop, body: CompletionRequest, model: str, limits: Limits):
         refuse_unimplemented(body)
+        self.prompts = prompt_list(body.prompt)
+        limits.prompts(self.prompts, "prompt")
+        check_sampling(body, limits)
+        limits.choices(body.n, body.best_of, len(self.prompts))
         self.loop, self.body = loop, body
         self.tokenizer = loop.engine.tokenizer
-        self.prompts = prompt_list(body.prompt)
         self.options = body.options(loop.engine.spec.sampling)
         self.head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
                      "model": body.model or model}
@@ -83,19 +97,21 @@ class CompletionsRoute:
     def decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def prompt_text(self, c: Completion) -> str:
-        return self.tokenizer.decode(c.prompt_ids, skip_special_tokens=False)
+    def prompt_text(self, ids: list[int]) -> str:
+        # the batch call lets go of the GIL while it decodes (a long prompt held the event loop)
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=False)[0]
 
-    def start(self) -> list[fanout.Choice]:
-        return fanout.submit(self.loop, self.prompts, self.options, self.body.choices)
+    async def start(self) -> list[fanout.Choice]:
+        return await fanout.submit(self.loop, self.prompts, self.options, self.body.choices)
 
-    async def respond(self) -> dict[str, Any]:
-        choices = self.start()
-        done = await fanout.results(choices)
+    async def respond(self, client: HTTPRequest) -> dict[str, Any]:
+        choices = await self.start()
+        done = await fanout.results(choices, client)
         kept = self._best(done)
         firsts = done[:: self.body.choices]  # each prompt once
         prompt_tokens = sum(c.meta_info["prompt_tokens"] for c in firsts)
-        out = [self._choice(n, c) for n, c in enumerate(kept)]
+        # echo and logprobs decode text token by token: off the event loop
+        out = await asyncio.to_thread(lambda: [self._choice(n, c) for n, c in enumerate(kept)])
         return self.head | {"choices": out,
                             "usage": usage(prompt_tokens, done, sum(c.meta_info["cached_tokens"] for c in firsts))}
 
@@ -110,6 +126,13 @@ class CompletionsRoute:
             out += sorted(group, key=lambda c: -sum(e.logprob for e in c.logprobs if e is not None))[:n]
         return out
 
+    def _echo(self, req, log: Logprobs) -> str:
+        """A streamed choice's prompt text, and its logprobs into ``log`` (a worker thread's job)."""
+        if self.body.logprobs is not None:
+            for k, tok in enumerate(req.prompt_ids):
+                log.add(tok, req.logprobs.get(k) if k else None)
+        return self.prompt_text(req.prompt_ids)
+
     def _choice(self, index: int, c: Completion) -> dict[str, Any]:
         text, lp = c.text, None
         if self.body.logprobs is not None:
@@ -121,12 +144,12 @@ class CompletionsRoute:
                 built.add(tok, entry)
             lp = built.take()
         if self.body.echo:
-            text = self.prompt_text(c) + text
+            text = self.prompt_text(c.prompt_ids) + text
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(c),
                 "seed": c.meta_info["seed"]}
 
-    def stream(self):
-        choices = self.start()
+    async def stream(self):
+        choices = await self.start()
         return sse(self._chunks(choices), choices)
 
     async def _chunks(self, choices: list[fanout.Choice]) -> AsyncIterator[dict[str, Any]]:
@@ -143,10 +166,7 @@ class CompletionsRoute:
             first = i not in prompts
             prompts[i] = len(req.prompt_ids)
             if body.echo and first:
-                delta = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=False) + delta
-                if body.logprobs is not None:
-                    for k, tok in enumerate(req.prompt_ids):
-                        logs[i].add(tok, req.logprobs.get(k) if k else None)
+                delta = await asyncio.to_thread(self._echo, req, logs[i]) + delta
             lp = None
             if body.logprobs is not None:
                 for k, tok in enumerate(u.output_ids[sent_ids[i]:], len(req.prompt_ids) + sent_ids[i]):

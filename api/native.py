@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from fastapi import Request as HTTPRequest
+
 from draftline.core.engine import Completion
 from draftline.core.logprobs import TokenLogprob
 from draftline.core.loop import EngineLoop
 
 from . import fanout
+from .limits import Limits
 from .schemas import GenerateRequest
 from .stream import sse
 
@@ -23,13 +26,18 @@ def _tops(entry: TokenLogprob | None) -> list[list[Any]] | None:
 
 
 class GenerateRoute:
-    def __init__(self, loop: EngineLoop, body: GenerateRequest):
+    def __init__(self, loop: EngineLoop, body: GenerateRequest, limits: Limits):
+        sp = body.sampling_params
+        limits.prompts(body.prompts, "text" if body.text is not None else "input_ids")
+        limits.stop(sp.stop, "sampling_params.stop")
+        limits.logit_bias(sp.logit_bias, "sampling_params.logit_bias")
+        limits.choices(sp.n, None, len(body.prompts), "sampling_params.n")
         self.loop, self.body = loop, body
         self.options = body.options(loop.engine.spec.sampling)
 
-    def start(self) -> list[fanout.Choice]:
-        return fanout.submit(self.loop, self.body.prompts, self.options, self.body.sampling_params.n,
-                             self.body.speculative)
+    async def start(self) -> list[fanout.Choice]:
+        return await fanout.submit(self.loop, self.body.prompts, self.options, self.body.sampling_params.n,
+                                   self.body.speculative)
 
     def _many(self) -> bool:
         return self.body.batched or self.body.sampling_params.n > 1
@@ -56,14 +64,14 @@ class GenerateRoute:
                 meta["input_top_logprobs"] = [_tops(e) for e in lps]
         return meta
 
-    async def respond(self) -> dict[str, Any] | list[dict[str, Any]]:
-        choices = self.start()
-        done = await fanout.results(choices)
+    async def respond(self, client: HTTPRequest) -> dict[str, Any] | list[dict[str, Any]]:
+        choices = await self.start()
+        done = await fanout.results(choices, client)
         out = [self.result(c, ch.index) for ch, c in zip(choices, done)]
         return out if self._many() else out[0]
 
-    def stream(self):
-        choices = self.start()
+    async def stream(self):
+        choices = await self.start()
         return sse(self._chunks(choices), choices)
 
     async def _chunks(self, choices: list[fanout.Choice]) -> AsyncIterator[dict[str, Any]]:

@@ -2,8 +2,11 @@
 
 Each maps its own field names onto draftline.core.options.SamplingOptions (same bounds, the shared
 ``Annotated`` types) and gives only the fields the request set, so the spec's ``sampling:``
-section supplies every default. Fields OpenAI defines that draftline does not implement are
-declared here so that a request using one gets a 400 naming it (``unimplemented``)."""
+section supplies every default. Types are strict, as OpenAI's and vLLM's are: ``"stream": "yes"``
+or ``"max_tokens": "5"`` is refused, not read as true or 5. Sizes (n, best_of, stop strings,
+prompts) are bounded by the spec (api/limits.py), not here. Fields OpenAI defines that
+draftline does not implement are declared here so that a request using one gets a 400 naming
+it (``unimplemented``)."""
 
 from __future__ import annotations
 
@@ -15,11 +18,9 @@ from draftline.core.engine import RequestError
 from draftline.core.options import (LogitBias, NewTokens, Penalty, RepetitionPenalty, SamplingOptions, Seed, Temperature,
                           TokenId, TopK, TopLogprobs, TopP)
 
-MAX_CHOICES = 16  # n / best_of
-
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     def given(self, names: dict[str, str]) -> dict[str, Any]:
         """{options field: value} for the request fields in ``names`` (wire name -> option name) it set."""
@@ -56,7 +57,7 @@ class NativeSampling(Strict):
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: LogitBias | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int = Field(1, ge=1)
 
     NAMES: ClassVar[dict[str, str]] = {k: k for k in (
         "temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
@@ -107,7 +108,7 @@ class OpenAIBase(Strict):
     """Fields shared by OpenAI's completions and chat completions (and vLLM's common extensions)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -143,7 +144,7 @@ class CompletionRequest(OpenAIBase):
     max_tokens: NewTokens | None = None  # omitted: the spec's max_new_tokens; null: the rest of the context
     echo: bool = False
     logprobs: TopLogprobs | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1)
     suffix: str | None = None  # not implemented (insertion)
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ("suffix",)
@@ -174,7 +175,7 @@ class ContentPart(BaseModel):
     """One part of a message's content: {"type": "text", "text": ...}; other types (image_url,
     input_audio, file, ...) are named in a 400, since the targets draftline serves read text."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -182,7 +183,7 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     """A chat message; fields beyond role and content (name, tool_call_id, ...) reach the template as given."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
 

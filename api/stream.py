@@ -21,6 +21,6 @@ def sse(chunks: AsyncIterator[dict[str, Any]], choices: Sequence[fanout.Choice])
             yield b"data: [DONE]\n\n"
         finally:
             if not done:
-                fanout.cancel(choices)
+                fanout.cancel(choices, "cancelled: the client disconnected")
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,5 +1,6 @@
 """The command line's arguments: every command's flags, their value types, help and defaults.
-Commands themselves live in ``draftline.core.cli``; ``build_parser`` takes them by name."""
+Commands themselves live in ``draftline.core.cli`` (the server's in ``draftline.api.commands``);
+``build_parser`` takes them by name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import flags
-from .flags import NEW_TOKENS, NON_NEGATIVE, PORT, POSITIVE, SEED, TEMPERATURE
+from .flags import NEW_TOKENS, NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SPEC = PROJECT_ROOT / "specs" / "tiny-dflash.yaml"
@@ -28,9 +29,10 @@ TRAIN_KNOBS = {
     "gen_batch": (POSITIVE, "sequences generated per target batch"),
     "anchors": (POSITIVE, "block anchors per training row"),
     "eval_every": (POSITIVE, "steps between held-out evaluations"),
-    "max_seconds": (flags.real(0.0, strict=True), "the whole run's wall-time budget (generation takes up to 40%%): "
-                    "then evaluate and save; a checkpoint (drafters: with training_state.pt, for --resume) "
-                    "is also written at every evaluation"),
+    "max_seconds": (flags.real(0.0, strict=True), "the whole run's wall-time budget, from the start of "
+                    "generation (which takes up to 40%%; its first batch of each split always runs): then evaluate "
+                    "and save (a budget spent before the first step trains none); a checkpoint (drafters: with "
+                    "training_state.pt, for --resume) is also written at every evaluation"),
     "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, sampled, warm)"),
     "warm_tokens": (NON_NEGATIVE, "`warm` rows: sampled tokens after a bare prompt before the greedy part"),
     "weight_decay": (flags.real(0.0), "AdamW weight decay"),
@@ -62,13 +64,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: error: {message}\n")
 
 
-def build_parser(handlers: dict[str, Handler]) -> argparse.ArgumentParser:
+def build_parser(handlers: dict[str, Handler],
+                 serving: Callable[[Any], None] | None = None) -> argparse.ArgumentParser:
+    """``serving`` adds the server's commands (serve, bench-serve): they live with the server,
+    in ``draftline.api.commands``, since core never imports the API."""
     p = Parser(prog="draftline", description="Speculative-decoding inference engine.")
     sub = p.add_subparsers(dest="command", required=True)
     _spec_commands(sub, handlers)
     _generation_commands(sub, handlers)
-    _serving_commands(sub, handlers)
+    if serving is not None:
+        serving(sub)
     _training_commands(sub, handlers)
+    for command in sub.choices.values():  # each command's own flag, so it goes anywhere after the command
+        command.add_argument("--debug", action="store_true", help="on an error, print its traceback too")
     return p
 
 
@@ -127,48 +135,6 @@ def _bench_command(sub, handlers: dict[str, Handler]) -> None:
                     help="with --acceptance: the verify widths to time each method at (e.g. 16,8,4: the full K + 1 "
                          "and the narrower ones the draft policy may take; a batch runs those its backend offers)")
     bn.set_defaults(func=handlers["bench"])
-
-
-def _serving_commands(sub, handlers: dict[str, Handler]) -> None:
-    sv = sub.add_parser("serve", help="start the HTTP server (/generate, /v1/completions, /v1/chat/completions, /metrics, ...)")
-    sv.add_argument("--spec", default=str(DEFAULT_SPEC), help="the spec file")
-    sv.add_argument("--host", help="address to bind (default: the spec's server.host, 127.0.0.1)")
-    sv.add_argument("--port", type=PORT, help="port to bind (default: the spec's server.port, 8000)")
-    sv.set_defaults(func=handlers["serve"])
-    bs = sub.add_parser("bench-serve", help="requests/s, tokens/s, TTFT, TPOT at several concurrencies, drafting on and off")
-    bs.add_argument("--spec", default=str(DEFAULT_SPEC), help="the spec file")
-    bs.add_argument("--concurrency", type=flags.listed(POSITIVE), default="1,4,16", help="comma-separated concurrency levels")
-    bs.add_argument("--requests", type=NON_NEGATIVE, default=0, help="requests per level (0: max(8, 8 x concurrency))")
-    bs.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="tokens generated per request")
-    bs.add_argument("--prompt-len", type=NON_NEGATIVE, default=0,
-                    help="random input-id prompts of this many tokens (0: the shipped eval prompts' text)")
-    bs.add_argument("--shared-prefix", type=NON_NEGATIVE, default=0,
-                    help="tokens of one random prefix shared by every prompt (with --prompt-len)")
-    bs.add_argument("--long-prompt", type=NON_NEGATIVE, default=0,
-                    help="send one prompt of this many tokens halfway through each level (0: none)")
-    bs.add_argument("--acceptance", metavar="PROFILE",
-                    help="SIMULATED acceptance on the cuda backend, as `draftline bench --acceptance` (with --prompt-len)")
-    bs.add_argument("--modes", type=flags.listed(flags.choice("always", "auto", "off")), default="always,auto,off",
-                    help="drafting modes to run: always, auto (the spec's policy), off")
-    bs.add_argument("--max-model-len", type=NON_NEGATIVE, default=0,
-                    help="override the spec's model.max_model_len (0: the spec's): static slots are sized by it")
-    bs.add_argument("--no-prefix-caching", action="store_true", help="serve with server.enable_prefix_caching off")
-    bs.add_argument("--num-kv-blocks", type=NON_NEGATIVE, default=0,
-                    help="override server.num_kv_blocks, the KV blocks the running requests share (0: the spec's)")
-    bs.add_argument("--gpu-memory-utilization", type=float, default=0.0,
-                    help="override server.gpu_memory_utilization: page the KV in a pool of what fits in this share "
-                         "of the GPU's memory (0: the spec's)")
-    bs.add_argument("--max-num-batched-tokens", type=NON_NEGATIVE, default=0,
-                    help="override server.max_num_batched_tokens, the prompt tokens a step prefills (0: the spec's)")
-    bs.add_argument("--admission-wait", type=NON_NEGATIVE, default=0,
-                    help="override server.admission_wait, the steps arrivals may wait to be prefilled together "
-                         "(0: the spec's)")
-    bs.add_argument("--trace-rounds", default="",
-                    help="write every collected round (rows, verify width, wall, device and host time) and prefill "
-                         "to PATH.MODE.jsonl, with a record where each concurrency level starts")
-    bs.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    bs.add_argument("--verbose", action="store_true", help="also log every request")
-    bs.set_defaults(func=handlers["bench-serve"])
 
 
 def _training_commands(sub, handlers: dict[str, Handler]) -> None:

@@ -1,18 +1,20 @@
-"""The `draftline` commands (their flags are in ``draftline.core.arguments``)."""
+"""The `draftline` commands (their flags are in ``draftline.core.arguments``); the server's two,
+serve and bench-serve, are ``draftline.api.commands`` (core never imports the API)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
+from . import train_inputs
 from .arguments import TRAIN_KNOBS
-from .models.config import ConfigError
+from .failures import failure_line
 from .models.checkpoint import CheckpointError
-
+from .models.config import ConfigError
 
 
 def _spec_files(paths: list[str]) -> list[Path]:
@@ -137,20 +139,15 @@ def _user_corpus(args: argparse.Namespace) -> int:
     folder = Path(args.tokenizer) if args.tokenizer else None
     if folder is not None and not (folder / "tokenizer.json").is_file():
         raise ConfigError(f"--tokenizer {folder}: no tokenizer.json there; give the target's HF-format folder")
+    if folder is not None:  # a damaged one is named before the text is read
+        from .models.tokenizer import load_tokenizer
+
+        load_tokenizer(folder)
     info = build_user_corpus(Path(args.out), args.data, folder, args.vocab_size, args.prompts)
     print(json.dumps(info, indent=2))
     print(f"wrote {args.out}/corpus.pt ({info['bytes'] / 2**20:.1f} MiB: {info['train_tokens']:,} train and "
           f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, tokenizer_config.json, eval_prompts.jsonl")
     return 0
-
-
-def _corpus(path: str):
-    import torch
-
-    file = Path(path) / "corpus.pt"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: not found; build it first with `draftline corpus --out {path}`")
-    return torch.load(file)
 
 
 def _train_config(kind: type, args: argparse.Namespace, preset: str, resume: dict | None = None):
@@ -166,28 +163,30 @@ def _train_config(kind: type, args: argparse.Namespace, preset: str, resume: dic
     if stray:
         flags = ", ".join("--" + k.replace("_", "-") for k in stray)
         raise ConfigError(f"train {args.what}: {flags} does not apply to this command; drop it")
-    if resume is not None:
-        return kind(**resumed_config(resume, args.what, given, args.resume))
-    return kind(**{"preset": preset, **given})
+    cfg = kind(**resumed_config(resume, args.what, given, args.resume)) if resume is not None else \
+        kind(**{"preset": preset, **given})
+    train_inputs.preset(args.what, cfg.preset)
+    return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import shutil
 
     from .models.tokenizer_files import copy_tokenizer_files
-    from .training.loop import pick_device
 
     if not (args.out or args.resume):
         raise ConfigError(f"train {args.what} needs --out FOLDER: where to write the checkpoint")
-    out, device = Path(args.out or args.resume), pick_device(args.device)
+    out = Path(args.out or args.resume)
+    train_inputs.out_folder(out)
+    device = train_inputs.device(args.device)
     if args.what == "target":
         from .training.pretrain import PretrainConfig, pretrain
 
         if args.resume or args.init:
             raise ConfigError("--resume and --init apply to drafters (train dflash|eagle3|gemma4_mtp); "
                               "train target starts afresh: drop the flag")
-        data = _corpus(args.data)
         cfg = _train_config(PretrainConfig, args, "tiny-code")
+        data = train_inputs.corpus(args.data, cfg.seq_len)
         out.mkdir(parents=True, exist_ok=True)  # the tokenizer first: every checkpoint written is whole
         shutil.copy(Path(args.data) / "tokenizer.json", out / "tokenizer.json")
         # its tokenizer_config.json and chat template (a corpus written before it had them: generated)
@@ -230,12 +229,14 @@ def _train_drafter(args: argparse.Namespace, out: Path, device):
         raise ConfigError(f"--resume {args.resume}: the run is at step {resume['step']} of --steps {cfg.steps}, "
                           "nothing is left; give a larger --steps to train on")
     _check_target(args)
-    data = None if resume else _corpus(args.data)
+    data = None if resume else train_inputs.corpus(args.data)
     target = load_target(args.target)
     if resume is not None:
         check_target(resume, target, args.resume, args.target)
     init = Path(args.resume or args.init) if (args.resume or args.init) else None
     return train(target, data, out, cfg, device, init, resume)
+
+
 def _token_name(folder: Path, token_id: int) -> str:
     from .models.tokenizer import load_tokenizer
 
@@ -244,7 +245,7 @@ def _token_name(folder: Path, token_id: int) -> str:
 
 def _check_target(args: argparse.Namespace) -> None:
     from .models.checkpoint import tensor_files
-    from .models.config import model_config, read_config_json
+    from .models.config import read_model_config
 
     if not args.target:
         raise ConfigError(f"train {args.what} needs --target FOLDER: the target's checkpoint folder "
@@ -254,7 +255,7 @@ def _check_target(args: argparse.Namespace) -> None:
         raise ConfigError(f"--target {folder}: no config.json there; give the target's checkpoint folder "
                           "(written by `draftline train target`, or an HF-format folder)")
     try:
-        model_config(read_config_json(folder)), tensor_files(folder)
+        read_model_config(folder), tensor_files(folder)
     except (ConfigError, CheckpointError) as exc:
         raise ConfigError(f"--target {folder}: {exc}") from None
     if args.init and not (Path(args.init) / "config.json").is_file():
@@ -346,7 +347,7 @@ def _same_target(spec, base, path: str):
 def cmd_eval(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .evaluation import evaluate, format_table, plot
-    from .training.corpus import read_prompts
+    from .prompt_file import read_prompt_file
 
     if args.plot:  # before the eval runs, not after it
         try:
@@ -354,7 +355,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         except ImportError:
             raise ConfigError("--plot needs matplotlib, which is not installed: pip install matplotlib "
                               "(or the `plot` extra), or drop --plot") from None
-    prompts = read_prompts(args.prompts)[: args.num_prompts]
+    prompts = read_prompt_file(args.prompts)[: args.num_prompts]
     temps = args.temperatures
     results, lossy = [], []
     for path in args.spec:  # every method over the same prompts, each against its own interleaved `none`
@@ -375,56 +376,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 1 if lossy else 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from draftline.api.server import serve
-
-    from .spec import load_spec
-
-    spec = load_spec(args.spec)
-    serve(spec, args.host or spec.server.host, args.port or spec.server.port)
-    return 0
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from draftline.api.bench import Options, run_bench
-
-    from .spec import load_spec
-
-    opts = Options(args.concurrency, args.requests, args.max_new_tokens, args.prompt_len, args.shared_prefix,
-                   args.long_prompt, args.acceptance or "", tuple(args.modes), args.max_model_len,
-                   not args.no_prefix_caching, args.max_num_batched_tokens, args.num_kv_blocks,
-                   args.gpu_memory_utilization, args.admission_wait, args.trace_rounds)
-    with _quiet(not args.verbose):  # the table, not every request's log line
-        table = run_bench(load_spec(args.spec), opts, args.json)
-    print(table)
-    return 0
-
-
-@contextlib.contextmanager
-def _quiet(on: bool):
-    """Info log lines off while the block runs (warnings still show); the old config after."""
-    import logging
-
-    import structlog
-
-    old = structlog.get_config()
-    if on:
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    try:
-        yield
-    finally:
-        structlog.configure(**old)
-
-
 COMMANDS = {"validate": cmd_validate, "explain": cmd_explain, "generate": cmd_generate, "eval": cmd_eval,
-            "bench": cmd_bench, "serve": cmd_serve, "bench-serve": cmd_bench_serve, "corpus": cmd_corpus,
-            "train": cmd_train}
+            "bench": cmd_bench, "corpus": cmd_corpus, "train": cmd_train}
 
 
-def build_parser():
+def build_parser(serving=None):
+    """The `draftline` parser; ``serving`` adds the server's commands (draftline.cli passes them)."""
     from . import arguments
 
-    return arguments.build_parser(COMMANDS)
+    return arguments.build_parser(COMMANDS, serving)
 
 
 def _logs_to_stderr() -> None:
@@ -434,16 +394,17 @@ def _logs_to_stderr() -> None:
     structlog.configure(logger_factory=lambda *args: structlog.PrintLogger(sys.stderr))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .engine import RequestError
-    from .spec import SpecError
-
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, serving=None) -> int:
+    """Run one command. A failure is one line on stderr naming what is wrong and the fix, and
+    exit code 1; ``--debug`` adds the traceback."""
+    args = build_parser(serving).parse_args(argv)
     _logs_to_stderr()
     try:
         return args.func(args)
-    except (SpecError, ConfigError, CheckpointError, RequestError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 (every failure is one line; --debug shows where it came from)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"error: {failure_line(exc)}", file=sys.stderr)
         return 1
 
 

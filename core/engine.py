@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from .blocks import BlockPool
 from .contract import Capacity
 from .detokenizer import TextStream
+from .errors import RequestError
 from .logprobs import TokenLogprob
 from .machine import Machine, Plan
 from .policy import DraftPolicy
@@ -33,10 +34,6 @@ from .spec import Spec, SpeculativeSpec, device_problems, load_spec
 
 log = structlog.get_logger("draftline.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run; the message names the problem and the fix."""
 
 
 @dataclass(frozen=True)
@@ -167,18 +164,22 @@ class Engine:
         return Engine(self.spec.with_method(speculative), self.target, self.tokenizer, self.policy.limit)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
+        # encode_batch, not encode: only the batch call lets go of the GIL while it tokenizes, so
+        # a long prompt tokenized in a worker thread does not stop the event loop (5 MB: 5 s)
+        ids = self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids if isinstance(prompt, str) \
+            else prompt
         vocab = self.target.config.vocab_size
         if not ids:
             raise RequestError("prompt is empty; give at least one token of text")
-        if any(not 0 <= int(i) < vocab for i in ids):
-            raise RequestError(f"input_ids must lie in [0, {vocab}); the target's vocabulary has {vocab} tokens")
         if len(ids) >= self.spec.model.max_model_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens, max_model_len is {self.spec.model.max_model_len}; "
                 "shorten the prompt or raise model.max_model_len"
             )
-        return [int(i) for i in ids]
+        ids = [int(i) for i in ids]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError(f"input_ids must lie in [0, {vocab}); the target's vocabulary has {vocab} tokens")
+        return ids
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, trace: bool = False,
                     speculate: bool = True, stop: Sequence[str] = ()) -> Request:

@@ -70,6 +70,22 @@ def real(low: float, strict: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def share() -> Callable[[str], float]:
+    """0 (keep the spec's value) or a finite share in (0, 1]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (value == 0 or 0 < value <= 1):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"{text}: must be a share in (0, 1], or 0 for the spec's")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
 def listed(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     """A comma-separated list, each entry checked by ``item``."""
 

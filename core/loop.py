@@ -1,5 +1,9 @@
 """The engine loop: one thread steps the engine; asyncio callers submit requests and read
-their progress. A failing step ends the requests it was running, never the loop."""
+their progress. A failing step ends the requests it was running, never the loop.
+
+A request is prepared (tokenized and checked) by its caller, off the event loop and outside
+the loop's lock, and only then queued under the lock: a long prompt holds up neither the
+other clients nor the engine. ``close`` winds the loop down for a shutdown."""
 
 from __future__ import annotations
 
@@ -14,20 +18,14 @@ import structlog
 import torch
 
 from .collector import Collector
-from .engine import Completion, Engine
 from .detokenizer import TextStream
+from .engine import Completion, Engine
+from .holdback import Holdback
 from .request import Request
 from .sampling import SamplingParams
 
 log = structlog.get_logger("draftline.server")
-
-
-def stable_text(text: str, stops: tuple[str, ...]) -> str:
-    """What can be streamed now: hold back a trailing incomplete UTF-8 character and any
-    suffix that may still grow into a stop string (which the final text excludes)."""
-    text = text.rstrip("\ufffd")
-    hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-    return text[: len(text) - hold]
+QUEUED_AT_SHUTDOWN = "server shutting down: the request had not started; send it to a running server"
 
 
 class QueueFull(RuntimeError):
@@ -36,6 +34,10 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The loop thread has stopped; the server reports unhealthy."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is shutting down and takes no new request."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,11 @@ class Handle:
     req: Request | None = None
     sent_ids: int = 0
     stream: TextStream | None = None  # the output's text, decoded as it grows
+    holdback: Holdback | None = None  # what of that text its stop strings hold back
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
         if self.req is not None:
-            self.req.cancelled = True  # the loop frees the slot at its next step
+            self.req.cancel(reason)  # the loop frees the slot at its next step
 
     async def updates(self):
         """Each update as it comes; a reader that fell behind gets the newest of those waiting
@@ -93,6 +96,9 @@ class EngineLoop:
         self.finish_listeners: list[Callable[[Request, Completion], None]] = []
         self.thread = threading.Thread(target=self._run, name="draftline-engine", daemon=True)
         self.ready = self.dead = self.stopping = False
+        self.closing: float | None = None  # set by close(): when running requests are aborted
+        self.closing_after = 0.0  # close()'s timeout, for the abort message
+        self.queued = 0  # requests waiting in the scheduler, as of the engine thread's last look
         self.consecutive_failures = 0
         self.collector = Collector()
 
@@ -109,19 +115,47 @@ class EngineLoop:
         self.thread.join(timeout=10)
         self.collector.stop()
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams, speculate: bool = True,
-               stop: Sequence[str] = ()) -> Handle:
-        """Validate and queue a request; RequestError, QueueFull or EngineDead are raised here."""
-        handle = Handle(aio=asyncio.get_running_loop(), stream=self.engine.text_stream())
+    def close(self, timeout_s: float) -> None:
+        """Wind down for a shutdown: no new requests, the waiting ones aborted, the running
+        ones given ``timeout_s`` to finish, then aborted. Safe from a signal handler (plain
+        assignments; a thread wakes the loop)."""
+        self.closing_after = timeout_s
+        self.closing = time.monotonic() + timeout_s
+        threading.Thread(target=self._wake, name="draftline-close", daemon=True).start()
+
+    def _wake(self) -> None:
+        with self.cond:
+            self.cond.notify()
+
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams, speculate: bool = True,
+                stop: Sequence[str] = ()) -> Request:
+        """Tokenize and check a request (RequestError names what is wrong). Callers run it in a
+        worker thread: it takes neither the event loop nor the loop's lock."""
+        return self.engine.make_request(prompt, params, speculate=speculate, stop=stop)
+
+    def enqueue(self, reqs: Sequence[Request]) -> list[Handle]:
+        """Queue prepared requests, all or none: QueueFull, EngineDead or ShuttingDown otherwise."""
+        aio = asyncio.get_running_loop()
+        handles = [Handle(aio=aio, req=r, stream=self.engine.text_stream(), holdback=Holdback(r.stop_strings))
+                   for r in reqs]
         with self.cond:
             if self.dead:
                 raise EngineDead("the engine loop has stopped; see the server log")
-            if len(self.inbox) + self.engine.scheduler.queued() >= self.max_queue:
-                raise QueueFull(f"{self.max_queue} requests already waiting (server.max_queue); retry shortly")
-            handle.req = self.engine.make_request(prompt, params, speculate=speculate, stop=stop)
-            self.inbox.append(handle)
+            if self.closing is not None:
+                raise ShuttingDown("the server is shutting down and takes no new requests; send it to a running server")
+            waiting = len(self.inbox) + self.queued
+            if waiting + len(handles) > self.max_queue:
+                raise QueueFull(f"{waiting} requests already waiting and server.max_queue is {self.max_queue}; "
+                                "retry shortly")
+            self.inbox += handles
             self.cond.notify()
-        return handle
+        return handles
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams, speculate: bool = True,
+               stop: Sequence[str] = ()) -> Handle:
+        """prepare() and enqueue() one request, in the caller's thread (for callers without an
+        event loop of their own to keep free)."""
+        return self.enqueue([self.prepare(prompt, params, speculate, stop)])[0]
 
     def _run(self) -> None:
         if self.engine.device.type == "cpu":
@@ -134,8 +168,11 @@ class EngineLoop:
         try:
             while not self.stopping:
                 self._admit()
+                if self.closing is not None:
+                    self._wind_down()
                 if self.engine.scheduler.has_work():
                     self._step()
+                self.queued = self.engine.scheduler.queued()
         except BaseException as exc:  # the loop itself broke: report dead, answer everyone left
             with self.cond:
                 self.dead = True
@@ -151,9 +188,21 @@ class EngineLoop:
             while not self.inbox and not self.engine.scheduler.has_work() and not self.stopping:
                 self.cond.wait(timeout=0.5)
             pending, self.inbox = self.inbox, []
+            self.queued += len(pending)  # counted as waiting from here (enqueue reads it under the lock)
         for handle in pending:
             self.engine.scheduler.add(handle.req)
             self.active.append(handle)
+
+    def _wind_down(self) -> None:
+        """Closing: each waiting request is aborted, and each running one once the time is up."""
+        for req in self.engine.scheduler.waiting:
+            if not req.cancelled:
+                req.cancel(QUEUED_AT_SHUTDOWN)
+        if time.monotonic() >= self.closing:
+            for req in self.engine.scheduler.running:
+                if not req.cancelled:
+                    req.cancel(f"server shutting down: not finished within server.shutdown_timeout_s "
+                               f"({self.closing_after:g} s)")
 
     def _step(self) -> None:
         try:
@@ -185,7 +234,7 @@ class EngineLoop:
             return
         handle.sent_ids = len(req.output_ids)
         finished = self.engine.completion(req) if done else None
-        text = finished.text if done else stable_text(handle.stream.update(req.output_ids), req.stop_strings)
+        text = finished.text if done else handle.holdback.stable(handle.stream.update(req.output_ids))
         outbox.setdefault(handle.aio, []).append((handle, Update(text, list(req.output_ids), finished)))
         if done:  # metrics and logs before the client's event loop runs: it then sees its answer counted
             self.active.remove(handle)
@@ -201,6 +250,7 @@ class EngineLoop:
             listener(req, c)
 
     def status(self) -> dict[str, Any]:
-        return {"ready": self.ready and not self.dead, "running": len(self.engine.scheduler.running),
+        return {"ready": self.ready and not self.dead and self.closing is None,
+                "shutting_down": self.closing is not None, "running": len(self.engine.scheduler.running),
                 "waiting": len(self.engine.scheduler.waiting) + len(self.inbox), "time": time.time(),
                 "gc": self.collector.summary()}

@@ -1,7 +1,7 @@
 """The one user-facing sampling-parameters model.
 
 The spec's ``sampling:`` section is a ``SamplingOptions``; every API maps its own field names
-onto the same fields (with the same bounds, the ``Annotated`` types below) and overlays only
+onto the same fields (with the same bounds, the ``Annotated`` types of ``bounds``) and overlays only
 the fields a request actually gave on the spec's section (``SamplingOptions.merged``).
 ``params()`` resolves it into the engine's frozen ``SamplingParams``: an unset seed becomes a
 fresh random one, so unseeded sampled requests differ and each reports the seed it used.
@@ -10,25 +10,14 @@ fresh random one, so unseeded sampled requests differ and each reports the seed 
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .sampling import MAX_SEED, SamplingParams
-
-MAX_NEW_TOKENS = 1 << 20  # a sanity bound; the real one is max_model_len, checked per request
-MAX_LOGPROBS = 20  # top alternatives per position, as OpenAI allows
-
-Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-TopK = Annotated[int, Field(ge=-1)]
-NewTokens = Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, OpenAI's range
-RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
-TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-TokenId = Annotated[int, Field(ge=0)]
-LogitBias = dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]]
+# the bounds live in .bounds (SamplingParams checks them too); the API imports them from here
+from .bounds import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, LogitBias, NewTokens, Penalty,  # noqa: F401
+                     RepetitionPenalty, Seed, Temperature, TokenId, TopK, TopLogprobs, TopP)
+from .sampling import SamplingParams
 
 
 def fresh_seed() -> int:

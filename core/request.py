@@ -74,6 +74,7 @@ class Request:
     speculate: bool = True  # False: this request never drafts
     stop_strings: tuple[str, ...] = ()
     cancelled: bool = False  # set from another thread; the machine frees the slot next step
+    cancel_reason: str = "cancelled"  # its finish reason's message once cancelled
     in_flight: int = 0  # rounds launched for it whose results the machine has not yet collected
     # absolute position -> the target's logprob of the token there (params.logprobs / prompt_logprobs)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
@@ -107,6 +108,10 @@ class Request:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End it at the next step (from any thread), with ``reason`` as its abort message."""
+        self.cancel_reason, self.cancelled = reason, True
 
     def finish(self, reason: dict[str, Any]) -> None:
         self.finish_reason = reason

@@ -16,8 +16,9 @@ import numpy
 import torch
 from torch import Tensor
 
+from .bounds import MAX_SEED, check_params
+
 MASK32 = 0xFFFFFFFF
-MAX_SEED = 2**63 - 1
 
 
 class Stream(IntEnum):
@@ -49,6 +50,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     logprobs: int | None = None  # top alternatives to report per output token; None: none
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
+
+    def __post_init__(self) -> None:
+        check_params(self.__dict__)  # the spec's bounds: NaN, a negative temperature, top_p > 1 are refused
 
     @property
     def greedy(self) -> bool:

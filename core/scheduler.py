@@ -46,11 +46,11 @@ class Scheduler:
         requests wait while others run so they are prefilled together (_admitting)."""
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
-            abort(req, "cancelled")
+            abort(req, req.cancel_reason)
             self.cancelled.append(req)
         for req in self.running:
             if req.cancelled:
-                abort(req, "cancelled")
+                abort(req, req.cancel_reason)
         running = [r for r in self.running if r.phase is not Phase.FINISHED]
         budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
         prefills = []

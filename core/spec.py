@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from .models.config import ConfigError, ModelConfig, model_config, read_config_json
+from .models.config import ConfigError, ModelConfig, read_model_config
 from .models.presets import TARGET_PRESETS, target_preset
 from .registry import METHODS, RegistryError
 from .options import SamplingOptions
@@ -77,7 +77,7 @@ class ModelSpec(Strict):
         """The target's config: from the preset, or from config.json when ``read_files``."""
         if self.random_init is not None:
             return target_preset(self.random_init.preset)
-        return model_config(read_config_json(self.path)) if read_files else None
+        return read_model_config(self.path) if read_files else None
 
 
 class DraftModelSpec(Strict):
@@ -148,7 +148,25 @@ class ServerSpec(Strict):
     # loaded and a workspace for the largest forward is set aside. num_kv_blocks, when also set,
     # fixes the pool instead. null: static slots (or num_kv_blocks' pool)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    api_key_env: str | None = None  # name of the environment variable holding a bearer token
+    # the name of an environment variable holding a bearer token: every route but /health then
+    # needs `Authorization: Bearer <token>`; the server refuses to start if it is unset or empty
+    api_key_env: str | None = Field(None, min_length=1)
+    # the names a request's `model` may give (vLLM's served_model_name); the first is the one
+    # reported. A request naming another model gets a 404. null: the checkpoint folder's name
+    # (random weights: random-<preset>)
+    served_model_name: str | list[str] | None = None
+    # A request's limits, checked before any work is done for it (a 400 names the field; a
+    # body over max_request_bytes is a 413, refused unread). A body is parsed on the event
+    # loop: 8 MiB of token ids held /health about 0.3 s on a 2-core CPU.
+    max_request_bytes: int = Field(8 * 2**20, ge=1024)
+    max_prompt_chars: int | None = Field(None, ge=1)  # each prompt's; null: 32 per token of model.max_model_len
+    max_stop_strings: int = Field(64, ge=0)  # stop strings per request
+    max_stop_chars: int = Field(1024, ge=1)  # the longest stop string
+    max_n: int = Field(16, ge=1)  # n and best_of: completions per prompt
+    max_logit_bias: int = Field(1024, ge=0)  # logit_bias entries
+    # on SIGTERM or SIGINT: no new requests, the waiting ones aborted, the running ones given
+    # this long to finish (then aborted), exit 0; a second signal exits at once
+    shutdown_timeout_s: float = Field(30.0, ge=0, le=86400, allow_inf_nan=False)
     # rounds a request may have in flight while the host books the one before: 0 launches and
     # collects each round in turn; 1 or 2 let the device run ahead of the host. "auto" takes the
     # backend's fastest measured depth (the reference backend runs synchronously: 0).
@@ -159,6 +177,14 @@ class ServerSpec(Strict):
     def _depth(cls, value: Any) -> Any:
         if isinstance(value, int) and not 0 <= value <= 2:
             raise ValueError("must be 0, 1 or 2 (rounds in flight), or 'auto'")
+        return value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        names = [value] if isinstance(value, str) else value
+        if names is not None and (not names or not all(n.strip() for n in names)):
+            raise ValueError("give a name, or a list of names (the first is reported), none of them empty")
         return value
 
 
@@ -236,7 +262,9 @@ def load_spec(path: str | Path) -> Spec:
     if not path.is_file():
         raise SpecError(str(path), ["file not found; pass the path of a YAML spec (see specs/)"])
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise SpecError(str(path), ["not a text file (not UTF-8); pass the path of a YAML spec (see specs/)"]) from None
     except yaml.YAMLError as exc:
         raise SpecError(str(path), [f"not valid YAML: {exc}"]) from None
     spec = parse_spec(data, str(path))

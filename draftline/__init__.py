@@ -28,16 +28,23 @@ if not (_HERE / "core").is_dir() and (_HERE.parent / "core" / "__init__.py").is_
 _PUBLIC = {
     "Engine": "draftline.core.engine",
     "Completion": "draftline.core.engine",
-    "RequestError": "draftline.core.engine",
+    # the errors a caller can get: a bad spec, a checkpoint or config that cannot be loaded, a
+    # request (or SamplingParams) the engine cannot run; each message names the fix
+    "SpecError": "draftline.core.spec",
+    "ConfigError": "draftline.core.models.config",
+    "CheckpointError": "draftline.core.models.checkpoint",
+    "RequestError": "draftline.core.errors",
     "SamplingParams": "draftline.core.sampling",
     "Spec": "draftline.core.spec",
-    "SpecError": "draftline.core.spec",
     "load_spec": "draftline.core.spec",
 }
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
-    from draftline.core.engine import Completion, Engine, RequestError
+    from draftline.core.engine import Completion, Engine
+    from draftline.core.errors import RequestError
+    from draftline.core.models.checkpoint import CheckpointError
+    from draftline.core.models.config import ConfigError
     from draftline.core.sampling import SamplingParams
     from draftline.core.spec import Spec, SpecError, load_spec
 

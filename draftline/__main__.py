@@ -2,7 +2,7 @@
 
 import sys
 
-from draftline.core.cli import main
+from draftline.cli import main
 
 if __name__ == "__main__":  # not when a spawned worker (bench-serve's clients) imports this module again
     sys.exit(main())

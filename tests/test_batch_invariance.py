@@ -223,7 +223,7 @@ def test_eval_on_the_cuda_backend_reports_every_prompt_identical(capsys):
     kernels by default), greedy: its lossless check prints N/N identical for every method."""
     import json
 
-    from draftline.core.cli import main
+    from draftline.cli import main
 
     specs = [f"specs/gpu-{m}.yaml" for m in ("dflash", "eagle3", "gemma4-mtp")]
     assert main(["eval", *specs, "--num-prompts", "12", "--temperatures", "0", "--json"]) == 0

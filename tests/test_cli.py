@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.core.cli import main
+from draftline.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "specs" / "tiny-random-dflash.yaml")
@@ -188,9 +188,10 @@ def test_numeric_flags_are_checked_as_the_spec_checks_them(capsys, argv, needle)
 def test_help_shows_defaults_and_every_flag(capsys):
     import argparse
 
+    from draftline.api.commands import add_commands
     from draftline.core.cli import build_parser
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in build_parser(add_commands)._actions if isinstance(a, argparse._SubParsersAction))
     for name, parser in sub.choices.items():
         for action in parser._actions:
             assert action.help, (name, action.dest)

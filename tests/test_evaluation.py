@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from draftline.core.cli import main
+from draftline.cli import main
 from draftline.core.training.corpus import write_prompts
 
 ROOT = Path(__file__).resolve().parent.parent

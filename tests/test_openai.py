@@ -17,6 +17,7 @@ SPECS = Path(__file__).parent.parent / "specs"
 SPEC = load_spec(SPECS / "tiny-dflash.yaml")
 _DATA = SPEC.model_dump()
 _DATA["model"]["max_model_len"] = 64
+_DATA["server"]["served_model_name"] = ["tiny-code", "m"]  # requests below name it by its alias, m
 SPEC = type(SPEC).model_validate(_DATA | {"sampling": {"max_new_tokens": 9, "ignore_eos": True}})
 
 
@@ -50,6 +51,17 @@ def test_spec_defaults_apply_and_unseeded_requests_differ(client, url):
     replay = httpx.post(url + "/generate", json={"text": "def f(x):",
                                                  "sampling_params": {"temperature": 1.0, "sampling_seed": seed}}).json()
     assert replay["output_ids"] == sampled[0]["output_ids"] and replay["meta_info"]["seed"] == seed
+
+
+def test_models_are_listed_retrieved_and_an_unknown_one_is_a_404(client):
+    listed = client.models.list().data
+    assert [m.id for m in listed] == ["tiny-code", "m"] and all(m.created > 0 for m in listed)
+    assert client.models.retrieve("m").id == "m"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny-code', 'm'"):
+        client.completions.create(model="gpt-4o", prompt="def f(x):")
+    assert client.completions.create(model="tiny-code", prompt="def f(x):").model == "tiny-code"
 
 
 def test_streamed_equals_plain_with_usage_chunk(client):

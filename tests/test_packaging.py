@@ -40,9 +40,32 @@ def test_public_names_are_the_core_objects():
 
     assert draftline.Engine is Engine and draftline.SamplingParams is SamplingParams
     assert draftline.load_spec is load_spec
+    from draftline.core.engine import RequestError
+    from draftline.core.models.checkpoint import CheckpointError
+    from draftline.core.models.config import ConfigError
+    from draftline.core.spec import SpecError
+
+    assert (draftline.RequestError, draftline.ConfigError, draftline.CheckpointError, draftline.SpecError) == (
+        RequestError, ConfigError, CheckpointError, SpecError)
     assert dir(draftline) == sorted(draftline.__all__)
     with pytest.raises(AttributeError, match="no attribute 'Engin'"):
         draftline.Engin
+
+
+def test_core_never_imports_the_api():
+    """Layering: the API is built on core, so no module under core/ imports draftline.api (the
+    server's commands live in api/commands.py; draftline/cli.py puts the two together)."""
+    import ast
+
+    offenders = []
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[:2] == ["draftline", "api"]]
+            if isinstance(node, ast.ImportFrom) and node.level >= 2 and (node.module or "").startswith("api"):
+                offenders.append(f"{path.relative_to(ROOT)}: relative import of api")
+    assert offenders == []
 
 
 def test_import_draftline_is_light():

@@ -159,3 +159,26 @@ def test_filters_known_on_the_host_take_the_passes_the_batch_would():
         assert Filters.of(params) == Filters(bool((batch.temperature == 0).all()), bool((batch.top_k > 0).any()),
                                              bool((batch.top_p < 1).any()))
         assert torch.equal(probs_from_logits(logits, batch, Filters.of(params)), probs_from_logits(logits, batch))
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"temperature": float("nan")}, "temperature: input should be a finite number"),
+    ({"temperature": -1.0}, "temperature: input should be greater than or equal to 0"),
+    ({"top_p": 2.0}, "top_p: input should be less than or equal to 1"),
+    ({"top_p": 0.0}, "top_p: input should be greater than 0"),
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"seed": -5}, "seed"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"presence_penalty": float("inf")}, "presence_penalty: input should be a finite number"),
+    ({"logit_bias": ((3, float("nan")),)}, "logit_bias"),
+    ({"stop": ("ok", 5)}, "stop"),
+    ({"temperature": "0.5"}, "temperature"),
+])
+def test_sampling_params_refuse_what_the_spec_refuses(fields, needle):
+    """The Python API checks values as the spec and the HTTP API do (a NaN temperature once
+    returned '' with finish reason stop)."""
+    import draftline
+
+    with pytest.raises(draftline.RequestError, match=needle):
+        SamplingParams(**fields)
+    SamplingParams(temperature=1, top_p=1.0, stop=["x"], max_new_tokens=None, logit_bias=((3, -100.0),))  # fine

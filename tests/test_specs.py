@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.core.cli import main
+from draftline.cli import main
 from draftline.core.spec import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent

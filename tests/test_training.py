@@ -170,7 +170,7 @@ def _user_data(folder):
 
 
 def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
-    from draftline.core.cli import main
+    from draftline.cli import main
     from draftline.core.models.tokenizer import load_tokenizer
 
     _user_data(tmp_path)
@@ -199,7 +199,7 @@ def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     import shutil
     import time
 
-    from draftline.core.cli import main
+    from draftline.cli import main
     from draftline.core.models.loader import load_dflash
 
     torch.manual_seed(0)
@@ -360,7 +360,7 @@ def test_cli_target_training_keeps_its_budget(tmp_path, capsys):
     the budget (plus one step and saving), and the checkpoint loads."""
     import time
 
-    from draftline.core.cli import main
+    from draftline.cli import main
 
     _user_data(tmp_path)
     assert main(["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
@@ -379,7 +379,7 @@ def test_trained_target_has_a_tokenizer_hf_reads_as_draftline_does(tmp_path, cap
     """`corpus` (its own BPE) then `train target`: the target folder carries tokenizer_config.json
     and a chat template, so AutoTokenizer splits text as draftline does and both render a chat alike."""
     transformers = pytest.importorskip("transformers")
-    from draftline.core.cli import main
+    from draftline.cli import main
     from draftline.core.models.chat_template import load_chat_template
     from draftline.core.models.tokenizer import load_tokenizer
 
@@ -405,3 +405,23 @@ def test_trained_target_has_a_tokenizer_hf_reads_as_draftline_does(tmp_path, cap
     assert load_chat_template(with_template).source == CHAT_TEMPLATE
     assert transformers.AutoTokenizer.from_pretrained(with_template).encode("fox  jumps") == \
         load_tokenizer(tmp_path / "tok").encode("fox  jumps", add_special_tokens=False).ids
+
+
+def test_a_budget_spent_before_the_first_step_trains_none_and_still_saves():
+    """--max-seconds counts generation: a run whose generation spent the budget takes no
+    step (a step alone can outlast a small budget), evaluates and saves what it has, and its
+    reported wall time includes the generation."""
+    import time
+
+    from draftline.core.training.loop import Budget, Schedule, train_loop
+    from draftline.core.training.state import Position
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    budget = Budget(0.05, started=time.perf_counter() - 1.0)  # a second of "generation" already spent
+    saved = []
+    summary = train_loop("t", model, opt, lambda: model(torch.ones(1, 4)).sum(), lambda: {"heldout_loss": 1.5},
+                         Schedule(steps=10, eval_every=5, max_seconds=0.05), torch.device("cpu"), save=saved.append,
+                         budget=budget)
+    assert summary.steps == 0 and summary.heldout == {"heldout_loss": 1.5} and saved == [Position(0)]
+    assert float(re.search(r"wall ([0-9.]+) s", summary.report()).group(1)) >= 1.0

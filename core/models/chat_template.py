@@ -21,6 +21,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .config import ConfigError
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -112,13 +114,23 @@ def load_chat_template(folder: str | Path | None) -> ChatTemplate | None:
         return None
     folder = Path(folder)
     config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{config_path}: not valid JSON ({getattr(exc, 'msg', 'not UTF-8 text')}); fix the file, "
+                          "or remove it (the checkpoint then has no chat template)") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_path}: not a JSON object; fix the file, or remove it")
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    origin = f"{config_path}: chat_template"
     if source is None and (folder / "chat_template.jinja").is_file():
-        source = (folder / "chat_template.jinja").read_text()
+        source, origin = (folder / "chat_template.jinja").read_text(), str(folder / "chat_template.jinja")
     if not source:
         return None
     specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
-    return ChatTemplate(source, specials)
+    try:
+        return ChatTemplate(source, specials)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{origin} line {exc.lineno}: {exc.message}; fix the template's Jinja syntax") from None

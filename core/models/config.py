@@ -136,28 +136,52 @@ def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelConfig:
+def _number(raw: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    """``raw[key]`` as ``kind`` (``default`` where it is absent or null), or a ConfigError naming the field."""
+    value = raw.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"config.json lacks the field {key!r}")
+        return default
     try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        return ModelConfig(
-            arch=_arch(raw, default_arch),
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope(raw),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            eos_token_ids=_eos(raw),
-            initializer_range=float(raw.get("initializer_range", 0.02)),
-        )
-    except KeyError as exc:
-        raise ConfigError(f"config.json lacks the field {exc.args[0]!r}") from exc
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ConfigError(f"config.json: `{key}` is {shown}, not {'an integer' if kind is int else 'a number'}; "
+                          "fix it in the checkpoint's config.json") from None
+
+
+def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelConfig:
+    hidden, heads = _number(raw, "hidden_size", int), _number(raw, "num_attention_heads", int)
+    return ModelConfig(
+        arch=_arch(raw, default_arch),
+        vocab_size=_number(raw, "vocab_size", int),
+        hidden_size=hidden,
+        intermediate_size=_number(raw, "intermediate_size", int),
+        num_layers=_number(raw, "num_hidden_layers", int),
+        num_heads=heads,
+        num_kv_heads=_number(raw, "num_key_value_heads", int, heads) or heads,
+        head_dim=_number(raw, "head_dim", int, hidden // heads if heads else 0) or hidden // heads,
+        rms_norm_eps=_number(raw, "rms_norm_eps", float, 1e-6),
+        rope=_rope(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        max_position_embeddings=_number(raw, "max_position_embeddings", int, 32768),
+        eos_token_ids=_eos(raw),
+        initializer_range=_number(raw, "initializer_range", float, 0.02),
+    )
+
+
+def read_model_config(folder: str | Path) -> ModelConfig:
+    """A checkpoint folder's target config; its errors name the file."""
+    try:
+        return model_config(read_config_json(folder))
+    except ConfigError as exc:
+        path = str(Path(folder) / "config.json")
+        text = str(exc)
+        raise ConfigError(text if text.startswith(path) else f"{path}: {text.removeprefix('config.json: ')}") from None
 
 
 def dflash_config(raw: dict[str, Any]) -> DFlashConfig:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_weights, read_tensor, tensor_files, vocab_map
-from .config import dflash_config, model_config, read_config_json
+from .config import dflash_config, read_config_json, read_model_config
 from .dflash import DFlashDraftModel
 from .dialect import DFLASH_DIALECT
 from .layers import Rotary, init_random
@@ -17,7 +17,7 @@ from .target import TargetModel
 
 
 def load_target(folder: str | Path) -> TargetModel:
-    model = TargetModel(model_config(read_config_json(folder)))
+    model = TargetModel(read_model_config(folder))
     tied = ("lm_head.weight",) if model.config.tie_word_embeddings else ()
     load_weights(model, folder, optional=tied)
     return model.eval()

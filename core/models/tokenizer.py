@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from .config import ConfigError
+
 END_OF_TEXT = "<|endoftext|>"
 MASK = "<|mask|>"
 
@@ -41,4 +43,9 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; ship tokenizer.json beside config.json")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{path}: not a tokenizer file the tokenizers library reads ({reason}); replace it with "
+                          "the checkpoint's own tokenizer.json") from None

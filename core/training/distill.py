@@ -246,5 +246,6 @@ def _dflash_data(target: TargetModel, corpus: dict, cfg: DistillConfig, device,
                         budget=budget)
     # function starts, as `draftline eval` runs them: 256, or fewer in a run of few sequences
     small = replace(cfg, gen_batch=min(cfg.gen_batch, 256, max(8, cfg.num_sequences // 8)))
-    bare = distill_data(target, corpus, "heldout", small, small.gen_batch, cfg.seed + 2, device, mix="bare")
+    bare = distill_data(target, corpus, "heldout", small, small.gen_batch, cfg.seed + 2, device, mix="bare",
+                        budget=budget)  # within --max-seconds too: 256 rows took a minute on a CPU
     return data, held, bare

@@ -52,6 +52,7 @@ class Summary:
     loss: float = float("nan")
     heldout: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    run_started: float | None = None  # the run's own start (its budget's, generation included), for the report
 
     @property
     def wall_s(self) -> float:
@@ -64,7 +65,7 @@ class Summary:
         resumed = f" (resumed at step {self.resumed_at})" if self.resumed_at else ""
         parts = [f"{self.what}: {self.steps} steps{resumed}", f"final loss {self.loss:.4f}"]
         parts += [f"{k} {v:.4f}" for k, v in self.heldout.items()]
-        parts.append(f"wall {self.wall_s:.1f} s")
+        parts.append(f"wall {time.perf_counter() - (self.run_started or self.started):.1f} s")
         return ", ".join(parts)
 
 
@@ -129,7 +130,14 @@ def train_loop(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
     is the run's, started before generation."""
     budget = budget or Budget(cfg.max_seconds)
     left = budget.left()
-    summary = Summary(name, steps=start.step, resumed_at=start.step)
+    summary = Summary(name, steps=start.step, resumed_at=start.step, run_started=budget.started)
+    if budget.over():  # generation spent the budget: no step fits; what there is is evaluated and saved
+        log.info(f"{name}.time_budget_reached", step=start.step, max_seconds=cfg.max_seconds)
+        model.eval()
+        summary.heldout = eval_fn()
+        if save is not None:
+            save(start)
+        return summary
     bar = progress(cfg.steps, name, initial=start.step)  # its rate counts this run's steps only
     estimated, last = False, 0.0
     model.train()
