@@ -31,9 +31,11 @@ TRAIN_KNOBS = {
     "max_seconds": (flags.real(0.0, strict=True), "the whole run's wall-time budget (generation takes up to 40%%): "
                     "then evaluate and save; a checkpoint (drafters: with training_state.pt, for --resume) "
                     "is also written at every evaluation"),
-    "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, sampled, warm)"),
+    "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, hot, sampled, warm)"),
     "warm_tokens": (NON_NEGATIVE, "`warm` rows: sampled tokens after a bare prompt before the greedy part"),
     "weight_decay": (flags.real(0.0), "AdamW weight decay"),
+    "soft": (flags.real(0.0, high=1.0), "DFlash: the loss's share on the target's whole distribution, the rest on its "
+             "token (EAGLE-3 and MTP train on the distribution alone)"),
     "ttt_steps": (POSITIVE, "EAGLE-3: chained steps unrolled per training position"),
     "crop": (POSITIVE, "EAGLE-3 / MTP: tokens per training row, a window of a distilled sequence"),
     "chain_steps": (POSITIVE, "MTP: chained steps trained per context end"),

@@ -39,7 +39,7 @@ def test_training_step_on_cuda(tmp_path):
     tokens = torch.randint(0, 256, (2, 64), device=dev)
     anchors = torch.tensor([[3, 20, 40], [1, 10, 47]], device=dev)
     with autocast(dev):
-        loss, correct = training_loss(drafter, target, BlockBatch(tokens, anchors), mask_token_id=257)
+        loss, correct, _ = training_loss(drafter, target, BlockBatch(tokens, anchors), mask_token_id=257)
     loss.backward()
     assert torch.isfinite(loss) and correct.shape == (2, 3, 15)
     assert drafter.fc.weight.grad is not None and torch.isfinite(drafter.fc.weight.grad).all()
