@@ -4,8 +4,8 @@
 #   OUT=... bash bench/open_targets.sh 1   # the GPU tests; tau = 1 at batch 1 on the 8B shape
 #   OUT=... bash bench/open_targets.sh 2   # the tiny pair at 16 slots; 8B serving at 64 streams
 #   OUT=... bash bench/open_targets.sh 3   # a 4,096-token prompt under 32 streams; a prefill's kernels
-# Wheels in .whl/ (a machine without the server's dependencies) are installed first, as
-# bench/device_run.sh does. docs/RESULTS.md names each command's earlier figures and its target.
+# Wheels in .whl/ (a machine without the server's dependencies) are installed first.
+# docs/RESULTS.md names each command's figures and its target.
 set -u
 : "${OUT:?set OUT to a folder for the logs}"
 mkdir -p "$OUT"

@@ -190,7 +190,7 @@ class Machine:
         ``depth`` rounds ahead, or it is ``depth`` steps old. The age bound keeps the results
         the device has finished from waiting behind launches: a long prompt's chunk keeps its
         row in flight step after step, so by rows alone the machine would launch on, queue
-        ever more work ahead of the streams' tokens and stall them (about 100 ms at 32 streams)."""
+        ever more work ahead of the streams' tokens and stall them."""
         return max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
 
     def _preempt(self) -> None:
