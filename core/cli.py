@@ -112,7 +112,8 @@ def _print_text(engine: Any, prompt: str, result: dict[str, Any]) -> None:
     if "baseline" in result:
         b = result["baseline"]
         same = "identical" if b["output_ids"] == result["output_ids"] else "different (sampled)"
-        print(f"none baseline: {b['meta_info']['tokens_per_s']} tok/s; speedup {result['speedup']}x; output {same}")
+        speedup = "n/a (no tokens generated)" if result["speedup"] is None else f"{result['speedup']}x"
+        print(f"none baseline: {b['meta_info']['tokens_per_s']} tok/s; speedup {speedup}; output {same}")
     for r in result.get("rounds", []):
         print(f"  @{r['position']}: drafted {r['drafted']} accepted {r['accepted']} emitted {r['emitted']}")
 

@@ -45,6 +45,12 @@ def test_generate_text_output(capsys):
     assert "tau" in out and "speedup" in out and "output identical" in out
 
 
+def test_generate_no_tokens_compare_has_no_speedup_to_print(capsys):
+    assert main(["generate", "--spec", TINY, "--max-new-tokens", "0", "--compare", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup n/a (no tokens generated)" in out and "None" not in out
+
+
 def test_explain_prints_machine(capsys):
     assert main(["explain", TINY]) == 0
     out = capsys.readouterr().out

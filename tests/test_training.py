@@ -228,8 +228,18 @@ def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
     argv = ["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
             "--out", str(tmp_path / "c")]
     assert main(argv) == 0
-    info = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    captured = capsys.readouterr()
+    info = json.loads(captured.out.split("\nwrote")[0])
     assert info["records"] == 60 and info["chat_records"] == 30 and info["heldout_records"] >= 1
+    # 60 records hold out a few, which give fewer evaluation prompts than the 120 asked: said, not silent
+    held = info["heldout_records"]
+    assert info["warnings"][-1] == (f"wrote {held} evaluation prompts of the 120 asked (--prompts): the held-out "
+                                    "records hold no more; give more data, or ask for fewer")
+    assert "corpus.shortfall" in captured.err
+    from draftline.core.training.corpus import shortfalls
+
+    assert shortfalls("records", 1, 1, 120)[0].startswith("only 1 records held out (one in ten, by hash)")
+    assert shortfalls("modules", 19, 120, 120) == []
     data = torch.load(tmp_path / "c" / "corpus.pt")
     tok = load_tokenizer(tmp_path / "tok")
     ends = data["train_function_starts"]
