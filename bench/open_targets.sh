@@ -48,8 +48,15 @@ elif [ "$part" = 2 ]; then
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 64 --modes auto
 elif [ "$part" = 4 ]; then
   # issue 57: at temperature 1 the best method >= 1.5x over none (cuda, shipped pair, new prompts, batch 1)
-  run 560 humaneval_b1 python3 -m draftline eval specs/gpu-dflash.yaml specs/gpu-eagle3.yaml specs/gpu-gemma4-mtp.yaml \
+  run 280 humaneval_b1 python3 -m draftline eval specs/gpu-dflash.yaml specs/gpu-eagle3.yaml specs/gpu-gemma4-mtp.yaml \
     --dataset humaneval --temperatures 0,1.0
+  # the same with drafts sampled from the drafter (as the CPU specs draft; this backend drafts them eagerly)
+  for m in dflash eagle3 gemma4-mtp; do
+    sed -e "s#path: tiny/#path: $PWD/specs/tiny/#" -e "s/^speculative:/speculative:\n  draft_sample_method: probabilistic/" \
+      specs/gpu-$m.yaml > "$OUT/gpu-$m-probabilistic.yaml"
+  done
+  run 280 humaneval_b1_probabilistic python3 -m draftline eval "$OUT"/gpu-{dflash,eagle3,gemma4-mtp}-probabilistic.yaml \
+    --dataset humaneval --temperatures 1.0
 else
   # issue 22: no running request's gap over 2x its median while a 4,096-token prompt is prefilled
   run 280 long_prompt python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
