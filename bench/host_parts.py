@@ -1,8 +1,9 @@
 """Where the engine's host time goes at a batch size, part by part, timed with perf_counter
 (no profiler: cProfile doubles the cost of small calls and hides where a C call waits).
 
-`python bench/host_parts.py [--methods dflash,none] [--batch 16] [--prompts 48]` (CUDA machine):
-the shipped trained pair, `backend: cuda`, depth 2, greedy, 128 new tokens, drafting forced on,
+`python bench/host_parts.py [--methods dflash,none] [--batch 16] [--prompts 48] [--tokens 128]`
+(CUDA machine; without one the cuda backend runs in Triton's interpreter, which checks only that
+the tool runs): the shipped trained pair, `backend: cuda`, depth 2, greedy, drafting forced on,
 one `generate` call over BATCH slots (the continuous feed), a warm-up pass first. Each part's
 time is inclusive (a part inside another is counted in both) and reported in µs per round, with
 its calls per round; "wall" is the pass's wall time a round, "wait" the machine's blocked collects."""
@@ -14,12 +15,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-import torch
-
+from draftline.core.benchmark import SHIPPED, cuda_spec, interpret_without_gpu, synchronize
 from draftline.core.engine import Engine
 from draftline.core.sampling import SamplingParams
 from draftline.core.training.corpus import read_prompts
-from user_speedup import SPECS, _cuda  # bench/, beside this script
 
 PARTS = {  # owner (an attribute path from the engine) -> methods timed on it
     "machine": ("step", "_prefill", "_launch", "_collect", "_book", "_preempt"),
@@ -72,24 +71,26 @@ def main() -> None:
     ap.add_argument("--methods", default="dflash,none")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens a request")
     args = ap.parse_args()
+    interpret_without_gpu()
     prompts = read_prompts("specs/tiny/eval_prompts.jsonl")
-    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     engines: dict[str, Engine] = {}
     for method in args.methods.split(","):
         if method == "none":
-            first = next(iter(engines.values()), None) or Engine(_cuda(SPECS["dflash"], 2, args.batch))
+            first = next(iter(engines.values()), None) or Engine(cuda_spec(SHIPPED["dflash"], args.batch, 2))
             engine = first.with_method({"method": "none"})
         else:
-            engine = Engine(_cuda(SPECS[method], 2, args.batch), draft_policy="always")
+            engine = Engine(cuda_spec(SHIPPED[method], args.batch, 2), draft_policy="always")
         engines[method] = engine
         engine.generate(prompts[: args.prompts], params)  # warm-up: the same shapes, other prompts below
         spent, clock = instrument(engine), engine.machine.clock
         rounds0, prefills0, wait0 = clock.rounds, clock.prefills, clock.wait_s
-        torch.cuda.synchronize()
+        synchronize()
         begin = time.perf_counter()
         engine.generate(prompts[args.prompts : 2 * args.prompts], params)
-        torch.cuda.synchronize()
+        synchronize()
         wall = time.perf_counter() - begin
         rounds, prefills = clock.rounds - rounds0, clock.prefills - prefills0
         print(f"\n{method} batch {args.batch}: {rounds} rounds, {prefills} prefill launches, wall "

@@ -6,7 +6,8 @@ with ``model.batch_invariant`` off and on. ``--temperature`` above 0 samples ins
 prompt with its own seed: the same counts for seeded sampled requests.
 
 `python bench/identity.py [--batches 1,4,16] [--prompts 32] [--tokens 128] [--invariant off,on]
-[--temperature 0] [--depths 2] [--feed static|continuous]` (CUDA machine). ``--depths``: the
+[--temperature 0] [--depths 2] [--feed static|continuous]` (CUDA machine; without one the cuda
+backend runs in Triton's interpreter in float32, which checks only that the tool runs). ``--depths``: the
 pipeline depths (rounds in flight) of the drafting engines, each measured in turn. ``--feed
 continuous``: every prompt in one generate call through ``batch`` slots (engines built for each
 batch size), so finished requests' slots take new prompts while the others run, as a server's
@@ -17,20 +18,14 @@ from __future__ import annotations
 import argparse
 import itertools
 
+from draftline.core.benchmark import SHIPPED, cuda_spec, interpret_without_gpu
 from draftline.core.engine import Engine
 from draftline.core.sampling import SamplingParams
-from draftline.core.spec import load_spec
 from draftline.core.training.corpus import read_prompts
-
-SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 
 
 def _spec(path: str, invariant: bool, max_batch: int, depth: int = 2):
-    data = load_spec(path).model_dump(mode="python")
-    data["backend"] = "cuda"
-    data["model"].update(device="cuda", dtype="bfloat16", batch_invariant=invariant)
-    data["server"].update(max_batch_size=max_batch, pipeline_depth=depth)
-    return type(load_spec(path)).model_validate(data)
+    return cuda_spec(path, max_batch, depth, dtype="bfloat16", batch_invariant=invariant)
 
 
 def _outputs(engine: Engine, prompts: list[str], batch: int, params: list[SamplingParams]) -> list[list[int]]:
@@ -51,6 +46,7 @@ def main() -> None:
     ap.add_argument("--depths", default="2", help="pipeline depths of the drafting engines (0, 1, 2)")
     ap.add_argument("--feed", choices=["static", "continuous"], default="static")
     args = ap.parse_args()
+    interpret_without_gpu()
     prompts = read_prompts("specs/tiny/eval_prompts.jsonl")[: args.prompts]
     params = [SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=args.temperature, seed=1000 + i)
               for i in range(len(prompts))]
@@ -63,7 +59,7 @@ def main() -> None:
                                                 [int(d) for d in args.depths.split(",")]):
         alone = None
         for slots in [max(batches)] if args.feed == "static" else batches:  # one engine, or one a batch size
-            engine = Engine(_spec(SPECS[name], invariant, slots, depth), draft_policy="always")
+            engine = Engine(_spec(SHIPPED[name], invariant, slots, depth), draft_policy="always")
             base = engine.with_method({"method": "none"})
             auto = Engine(engine.spec, target=engine.target, tokenizer=engine.tokenizer, draft_policy="auto")
             alone = alone or _outputs(base, prompts, 1, params)

@@ -2,10 +2,11 @@
 interpreter (rounds run eagerly there, so every kernel a captured graph would hold is called
 from Python), each Triton kernel by name and each PyTorch op that would be a launch of its own.
 
-`python bench/launch_count.py [SPEC] [BATCH] [--sites]` (default the tiny DFlash pair at 16 rows;
-several minutes: the interpreter runs every kernel). --sites also names where each PyTorch op is
-called from (the three innermost frames of the project's own files). On the tiny pair a round's GPU time is launch
-latency (2.5 to 5 µs a kernel on an H200), so the count is the round's cost there."""
+`python bench/launch_count.py [SPEC] [BATCH] [--sites] [--tokens=N]` (default the tiny DFlash pair
+at 16 rows, 24 new tokens a request; several minutes: the interpreter runs every kernel). --sites
+also names where each PyTorch op is called from (the three innermost frames of the project's own
+files). On the tiny pair a round's GPU time is launch latency, so the count is the round's cost
+there."""
 import collections
 import os
 import sys
@@ -57,6 +58,7 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     path = args[0] if args else "specs/tiny-dflash.yaml"
     batch = int(args[1]) if len(args) > 1 else 16
+    tokens = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--tokens=")), 24)
     sites = collections.Counter() if "--sites" in sys.argv else None
     data = load_spec(path).model_dump(mode="python")
     data["backend"], data["model"]["device"] = "cuda", "cpu"
@@ -82,7 +84,7 @@ def main() -> None:
             return launch(reqs, width)
 
     backend.launch = counted_launch
-    engine.generate(read_prompts("specs/tiny/eval_prompts.jsonl")[:batch], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    engine.generate(read_prompts("specs/tiny/eval_prompts.jsonl")[:batch], SamplingParams(max_new_tokens=tokens, ignore_eos=True))
     total = sum(rounds.values())
     print(f"{path}: {total} rounds (rows: {dict(sorted(rounds.items()))}), {sum(counts.values()) / total:.1f} launches a round")
     for name, n in counts.most_common(40):

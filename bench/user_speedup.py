@@ -1,11 +1,13 @@
 """What a GPU user gets with the shipped trained pair: `Engine.generate` on prompts the engine
 has not seen, each method against `none` in the same process, greedy, 128 new tokens.
 
-`python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N] [--feed static|continuous]
-[--policy always|auto] [--plain] [--admission-wait N] [--num-speculative-tokens K]`
-(CUDA machine). Every (method, batch) pass takes prompts no pass before it ran, then runs them
-again: the first pass shows what one-time costs are left on the request path, the second the
-steady state. Triton compilations after start-up are counted (none should happen).
+`python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N] [--tokens 128]
+[--feed static|continuous] [--policy always|auto] [--plain] [--admission-wait N]
+[--num-speculative-tokens K]` (CUDA machine; without one the cuda backend runs in Triton's
+interpreter, which checks only that the tool runs). Every (method, batch) pass takes prompts no
+pass before it ran, then runs them again: the first pass shows what one-time costs are left on
+the request path, the second the steady state. Triton compilations after start-up are counted
+(none should happen).
 
 --feed static: one `generate` call per ``batch`` prompts, so a batch runs until its slowest
 request ends. --feed continuous: one call with every prompt, the engine's max_batch_size set
@@ -18,13 +20,11 @@ import time
 
 import torch
 
-from draftline.core.benchmark import idle_ms
+from draftline.core.benchmark import SHIPPED, cuda_spec, idle_ms, interpret_without_gpu, synchronize
 from draftline.core.engine import Engine
 from draftline.core.sampling import SamplingParams
-from draftline.core.spec import load_spec
 from draftline.core.training.corpus import read_prompts
 
-SPECS = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml", "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
 COMPILES = [0]
 REPORTING = [False]  # name the kernels compiled on the request path (not start-up's)
 
@@ -47,14 +47,12 @@ def _count_compiles() -> None:
 
 
 def _cuda(path: str, depth: int, max_batch: int, plain: bool = False, admission_wait: int = 0, k: int = 0):
-    data = load_spec(path).model_dump(mode="python")
-    data["backend"], data["model"]["device"] = "cuda", "cuda"
+    spec = cuda_spec(path, max_batch, depth, **({"batch_invariant": False} if plain else {}))
+    data = spec.model_dump(mode="python")
     if k:
         data["speculative"]["num_speculative_tokens"] = k
-    if plain:
-        data["model"]["batch_invariant"] = False
-    data["server"].update(max_batch_size=max_batch, pipeline_depth=depth, admission_wait=admission_wait)
-    return type(load_spec(path)).model_validate(data)
+    data["server"]["admission_wait"] = admission_wait
+    return type(spec).model_validate(data)
 
 
 def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
@@ -68,7 +66,7 @@ def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
     clock, timeline = engine.machine.clock, []
     engine.backend.timeline = timeline
     step0, wait0, pre0, pres0, rounds0 = clock.step_s, clock.wait_s, clock.prefill_s, clock.prefills, clock.rounds
-    torch.cuda.synchronize()
+    synchronize()
     start, tokens, rounds, round_tokens, tails, drafted = time.perf_counter(), 0, 0, 0, [], 0
     for i in range(0, len(prompts), batch):
         counts = []
@@ -79,7 +77,7 @@ def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
             round_tokens += c.meta_info["completion_tokens"] - 1
         rounds += sum(counts)
         tails.append(max(counts) * len(counts) / max(1, sum(counts)))
-    torch.cuda.synchronize()
+    synchronize()
     seconds = time.perf_counter() - start
     engine.backend.timeline = None
     batch_rounds, prefill_s = clock.rounds - rounds0, clock.prefill_s - pre0
@@ -97,6 +95,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--depths", default="2")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per (method, batch) pass")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens a request")
     ap.add_argument("--methods", default="dflash,eagle3,gemma4_mtp")
     ap.add_argument("--feed", choices=["static", "continuous"], default="static")
     ap.add_argument("--policy", default="always", help="draft policy: always (the method itself) or auto")
@@ -105,6 +104,7 @@ def main() -> None:
                     help="server.admission_wait: steps a free slot may wait to be filled together with others")
     ap.add_argument("--num-speculative-tokens", type=int, default=0, help="K for every method (default: the spec's)")
     args = ap.parse_args()
+    interpret_without_gpu()
     _count_compiles()
     pool = read_prompts("specs/tiny/eval_prompts.jsonl")
     batches, cursor, rows = [int(b) for b in args.batches.split(",")], 0, []
@@ -112,7 +112,7 @@ def main() -> None:
         for name in args.methods.split(","):
             slots = [max(batches)] if args.feed == "static" else batches  # one engine, or one per batch size
             for size in slots:
-                engine = Engine(_cuda(SPECS[name], depth, size, args.plain, args.admission_wait,
+                engine = Engine(_cuda(SHIPPED[name], depth, size, args.plain, args.admission_wait,
                                       args.num_speculative_tokens),
                                 draft_policy=args.policy)
                 base = engine.with_method({"method": "none"})
@@ -121,7 +121,7 @@ def main() -> None:
                     prompts = [pool[(cursor + i) % len(pool)] for i in range(max(batch, args.prompts))]
                     cursor += len(prompts)
                     rows += _passes(name, depth, batch, engine, base, prompts,
-                                    batch if args.feed == "static" else len(prompts))
+                                    batch if args.feed == "static" else len(prompts), args.tokens)
                 clock = engine.machine.clock
                 print(f"  host work {clock.host_us_per_round:.0f} us/round over {clock.rounds} rounds", flush=True)
                 for arm in engine.policy.table() if args.policy == "auto" else []:  # what auto estimated
@@ -148,10 +148,10 @@ def main() -> None:
           "wall us: the pass's wall time over its rounds")
 
 
-def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, prompts: list[str], per_call: int
-            ) -> list[tuple]:
+def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, prompts: list[str], per_call: int,
+            tokens: int) -> list[tuple]:
     """Rows for never-seen prompts, then the same again, each against `none`."""
-    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     compiles, REPORTING[0] = COMPILES[0], True
     first = [_run(engine, prompts, per_call, params)]
     REPORTING[0] = False

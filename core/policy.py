@@ -96,10 +96,13 @@ class Acceptance:
 @dataclass(frozen=True)
 class Drafted:
     """What the rows of a round to be launched have drafted so far, summed over the rows: the
-    drafts they accepted, and what the acceptance model expected of those rounds."""
+    drafts they accepted, and what the acceptance model expected of those rounds; and how
+    many rows there are, how many of them sampled (temperature above 0)."""
 
     accepted: int = 0
     expected: float = 0.0
+    rows: int = 0
+    sampled: int = 0
 
 
 @dataclass
@@ -156,7 +159,11 @@ class DraftPolicy:
     width: int | None = None
     probe_every: int = 16
     buckets: dict[int, Bucket] = field(default_factory=dict)
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # greedy rows' drafts
+    # sampled rows' drafts: accepted with the target's probability of them, far less often
+    # than greedy rows' on the same text, so one model for both would draft for sampled rows
+    # on the greedy rows' evidence (and stop drafting for greedy rows on the sampled rows')
+    sampled_acceptance: Acceptance = field(default_factory=Acceptance)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -190,9 +197,27 @@ class DraftPolicy:
         """Tokens a row of ``drafted`` rows emits in a round verifying ``width`` tokens."""
         if width == 1:
             return arm.tokens_per_row
-        full = self.acceptance.accepted(max(self.acceptance.counts, default=width))
+        widest = max((*self.acceptance.counts, *self.sampled_acceptance.counts), default=width)
+        full = self._accepted(widest, drafted)
         scale = (drafted.accepted + PRIOR_ROUNDS * full) / max(drafted.expected + PRIOR_ROUNDS * full, 1e-9)
-        return 1.0 + scale * self.acceptance.accepted(width)
+        return 1.0 + scale * self._accepted(width, drafted)
+
+    def _model(self, sampled: bool) -> Acceptance:
+        """The rows' class's acceptance model; the other class's until its own has rows."""
+        own, other = (self.sampled_acceptance, self.acceptance) if sampled else (self.acceptance, self.sampled_acceptance)
+        return own if own.rows or not other.rows else other
+
+    def _accepted(self, width: int, drafted: Drafted) -> float:
+        """Drafts a row of ``drafted``'s rows is expected to accept at ``width``: each class's
+        model weighted by its rows (rows unknown: by the rows each model has recorded)."""
+        if drafted.rows:
+            share = drafted.sampled / drafted.rows
+        else:
+            seen = self.acceptance.rows + self.sampled_acceptance.rows
+            share = self.sampled_acceptance.rows / seen if seen else 0.0
+        greedy = self._model(False).accepted(width) if share < 1 else 0.0
+        sampled = self._model(True).accepted(width) if share > 0 else 0.0
+        return (1 - share) * greedy + share * sampled
 
     def _costs(self, b: Bucket, drafted: Drafted) -> dict[int, float]:
         """Seconds a token of each measured arm offered at the bucket."""
@@ -240,10 +265,11 @@ class DraftPolicy:
         return None
 
     def record(self, batch_size: int, width: int, seconds: float, tokens: int, accepted: Sequence[int] = (),
-               host: float | None = None) -> None:
+               host: float | None = None, sampled: Sequence[bool] = ()) -> None:
         """A collected round of ``batch_size`` rows verifying ``width`` tokens each: its time
         (on the device, with ``host`` the host's time a round; else its share of wall time),
-        the tokens its live rows emitted, and the drafts each live row accepted."""
+        the tokens its live rows emitted, the drafts each live row accepted, and whether each
+        sampled (none given: all greedy)."""
         b = self.buckets.setdefault(self.bucket(batch_size), Bucket())
         if host is not None:
             b.host_times.append(host)
@@ -254,11 +280,16 @@ class DraftPolicy:
             arm.since += spent
         b.arm(width).record(seconds, tokens / batch_size)
         if width > 1 and accepted:
-            self.acceptance.record(width, accepted)
+            flags = list(sampled) or [False] * len(accepted)
+            for model, kind in ((self.acceptance, False), (self.sampled_acceptance, True)):
+                rows = [a for a, f in zip(accepted, flags) if f == kind]
+                if rows:
+                    model.record(width, rows)
 
-    def expected(self, width: int) -> float:
-        """Drafts the acceptance model expects a round of ``width`` to accept (0 when plain)."""
-        return self.acceptance.accepted(width) if width > 1 else 0.0
+    def expected(self, width: int, sampled: bool = False) -> float:
+        """Drafts the acceptance model expects a round of ``width`` to accept for a greedy row,
+        or a ``sampled`` one (0 when plain)."""
+        return self._model(sampled).accepted(width) if width > 1 else 0.0
 
     def table(self) -> list[dict]:
         """Per batch bucket and verify width: its measured ms per token and rounds, and whether

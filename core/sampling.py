@@ -206,6 +206,10 @@ def _top_p(p: Tensor, top_p: Tensor) -> Tensor:
 
 def sample(probs: Tensor, seed: Tensor, position: Tensor, stream: int) -> Tensor:
     """Gumbel-max draw from probs [N, V] keyed by (seed, position, stream) -> ids [N]."""
+    if probs.device.type == "cpu" and bool((probs.amax(-1) == 1).all()):
+        # every row one-hot (greedy rows): the draw is its argmax, whatever the noise; on the
+        # CPU, where reading the flag waits for nothing, the noise over the vocabulary is skipped
+        return probs.argmax(-1)
     u = uniform(row_key(seed, position, stream), probs.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return (torch.log(probs) + gumbel).argmax(-1)
@@ -230,7 +234,9 @@ def accept_drafts(
 ) -> Verdict:
     """Lossless speculative acceptance. With one-hot drafts (the default drafting), see
     `_accept_matching`; with a drafter's own distribution q, see `_accept_rejection`."""
-    if draft_probs is None:
+    if draft_probs is None or (greedy is not None and bool(greedy.all())):
+        # greedy rows' q is one-hot at the draft and p at the argmax: the rejection rule then
+        # accepts exactly the drafts equal to the argmax and emits the argmax, as matching does
         return _accept_matching(target_probs, drafts, seed, first_position, greedy)
     return _accept_rejection(target_probs, drafts, draft_probs, seed, first_position)
 

@@ -72,6 +72,5 @@ class Stops:
         round emits a token at least), so that a further round would be thrown away. Only then
         is it held out of the next round: held on its mean tokens a round instead, one request
         in nine fell short, and its next round then came depth + 1 steps after its last tokens,
-        its stream's longest gap by far (bench/held_rows.py: the worst gap 5.5 times a stream's
-        median at 64 streams, 2.3 times with this rule, for 1.4% of the output rate)."""
+        its stream's longest gap by far."""
         return rounds >= min(req.params.max_new_tokens - len(req.output_ids), req.max_model_len - req.seq_len)

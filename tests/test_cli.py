@@ -45,6 +45,12 @@ def test_generate_text_output(capsys):
     assert "tau" in out and "speedup" in out and "output identical" in out
 
 
+def test_generate_no_tokens_compare_has_no_speedup_to_print(capsys):
+    assert main(["generate", "--spec", TINY, "--max-new-tokens", "0", "--compare", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup n/a (no tokens generated)" in out and "None" not in out
+
+
 def test_explain_prints_machine(capsys):
     assert main(["explain", TINY]) == 0
     out = capsys.readouterr().out
@@ -176,6 +182,7 @@ def test_train_checks_its_target_before_any_work(capsys, tmp_path):
     (["serve", "--port", "70000"], "--port: 70000"),
     (["train", "dflash", "--out", "o", "--max-seconds", "inf"], "--max-seconds: inf: must be a finite number"),
     (["train", "dflash", "--out", "o", "--lr", "0"], "--lr: 0"),
+    (["train", "dflash", "--out", "o", "--soft", "1.5"], "--soft: 1.5: must be at most 1.0"),
 ])
 def test_numeric_flags_are_checked_as_the_spec_checks_them(capsys, argv, needle):
     with pytest.raises(SystemExit) as info:  # argparse's own error path, with exit code 1
@@ -197,7 +204,7 @@ def test_help_shows_defaults_and_every_flag(capsys):
             assert action.help, (name, action.dest)
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
-    assert "(default: 120)" in capsys.readouterr().out
+    assert "(default: 128)" in capsys.readouterr().out  # --max-new-tokens
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "--gen-batch      1024 (dflash, eagle3, gemma4_mtp)" in capsys.readouterr().out

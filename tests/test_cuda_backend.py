@@ -145,6 +145,13 @@ def test_rows_prefilled_beside_the_rounds_join_from_the_next_step(method, monkey
 
 TRAINED = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml",
            "gemma4_mtp": "specs/tiny-gemma4-mtp.yaml"}
+
+
+def _trained_spec(method: str):
+    """The shipped spec with argmax drafts: the path the cuda backend captures (the shipped
+    specs sample their drafts, which it drafts eagerly, for sampled requests' sake)."""
+    spec = _trained_spec(method)
+    return spec.with_method({**spec.speculative.model_dump(mode="python"), "draft_sample_method": "greedy"})
 TRAINED_PROMPTS = ["import os\nclass A:\n    def run(self, n):", "def add(a, b):\n    ",
                    "for i in range(10):\n    print(i)", "def __init__(self, name):\n"]
 TRAINED_LENGTHS = (8, 5, 6, 4)  # a few rounds each: the trained drafters' runs are long
@@ -152,7 +159,7 @@ TRAINED_LENGTHS = (8, 5, 6, 4)  # a few rounds each: the trained drafters' runs 
 
 @functools.cache
 def _trained_reference(method: str, batch: int) -> tuple:
-    spec = respec(load_spec(TRAINED[method]), "reference", max_batch_size=4, device=DEV, dtype="float32",
+    spec = respec(_trained_spec(method), "reference", max_batch_size=4, device=DEV, dtype="float32",
                   max_model_len=128)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS][:batch]
     return tuple(Engine(spec, draft_policy="always").generate(TRAINED_PROMPTS[:batch], params, trace=True))
@@ -171,7 +178,7 @@ def test_trained_drafters_accept_the_same_drafts(method, batch, depth):
     ref = _trained_reference(method, batch)
     assert sum(x.accepted for c in ref for x in c.rounds) >= 2 * batch  # drafts were accepted: the check has teeth
     default = {"batch_invariant": None} if method == "dflash" else {}
-    spec = respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32", max_model_len=128,
+    spec = respec(_trained_spec(method), "cuda", max_batch_size=4, device=DEV, dtype="float32", max_model_len=128,
                   **default)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS][:batch]
     eng = Engine(with_depth(spec, depth), draft_policy="always")
@@ -208,10 +215,10 @@ def test_a_narrower_verify_accepts_as_the_reference_and_emits_the_full_widths_to
 
     monkeypatch.setattr(cuda_backend, "NARROW_TOKENS", 0)
     full = _trained_reference(method, 4)
-    spec = respec(load_spec(TRAINED[method]), "reference", max_batch_size=4, device=DEV, dtype="float32",
+    spec = respec(_trained_spec(method), "reference", max_batch_size=4, device=DEV, dtype="float32",
                   max_model_len=128)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in TRAINED_LENGTHS]
-    cuda = with_depth(respec(load_spec(TRAINED[method]), "cuda", max_batch_size=4, device=DEV, dtype="float32",
+    cuda = with_depth(respec(_trained_spec(method), "cuda", max_batch_size=4, device=DEV, dtype="float32",
                              max_model_len=128), 2)
     server = {"block_size": 4, "num_kv_blocks": 160} if paged else {"enable_prefix_caching": False}  # else static
     cuda = cuda.model_copy(update={"server": cuda.server.model_copy(update=server)})
@@ -331,7 +338,7 @@ def _stops_inside_rounds(eng: Engine, alone) -> tuple[int, str]:
 @pytest.mark.gpu  # the trained pair's 16-token windows take the interpreter past 20 minutes here
 def test_stops_and_cancellation_in_flight_equal_the_synchronous_run():
     """The trained pair's own drafts: rounds accept what the drafter gets right."""
-    spec = respec(load_spec(TRAINED["dflash"]), "cuda", max_batch_size=4, device=DEV, dtype="float32",
+    spec = respec(_trained_spec("dflash"), "cuda", max_batch_size=4, device=DEV, dtype="float32",
                   max_model_len=128)
     _stops_in_flight_match_depth_0(lambda depth: Engine(with_depth(spec, depth), draft_policy="always"),
                                    TRAINED_PROMPTS, 9)

@@ -183,12 +183,15 @@ def test_training_loss_falls_and_reports_agreement():
     target, model = random_target("tiny-qwen3", 0), random_eagle3("tiny-eagle3", 3)
     tokens = torch.randint(0, 256, (4, 24))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    first = None
+    first = start = None
     for _ in range(60):
-        loss, correct = training_loss(model, target, tokens, steps=3)
+        loss, correct, overlap = training_loss(model, target, tokens, steps=3)
         first = first if first is not None else loss.item()
+        start = start if start is not None else overlap[0].mean().item()
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert correct.shape == (3, 4, 23) and not correct[2, :, :2].any()  # no 3-step chain before t = 2
+    assert correct.shape == overlap.shape == (3, 4, 23) and not correct[2, :, :2].any()  # no 3-step chain before t = 2
+    assert not overlap[2, :, :2].any() and bool(((overlap >= 0) & (overlap <= 1 + 1e-6)).all())
+    assert overlap[0].mean().item() > start + 0.05  # sampled drafts: the head's q moved toward the target's p
     assert loss.item() < first - 0.8  # nats; the floor is the target's own entropy, about 5 here

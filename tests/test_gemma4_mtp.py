@@ -38,14 +38,17 @@ def test_training_loss_falls():
     target, model = random_target("tiny-qwen3", 0), random_mtp("tiny-mtp", 3)
     tokens = torch.randint(0, 256, (4, 24))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    first = None
+    first = start = None
     for _ in range(40):
-        loss, correct = training_loss(model, target, tokens, steps=3)
+        loss, correct, overlap = training_loss(model, target, tokens, steps=3)
         first = first if first is not None else loss.item()
+        start = start if start is not None else overlap[0].mean().item()
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert correct.shape == (3, 4, 23) and not correct[2, :, -2:].any()  # steps past the end count nothing
+    assert correct.shape == overlap.shape == (3, 4, 23) and not correct[2, :, -2:].any()  # steps past the end count nothing
+    assert not overlap[2, :, -2:].any() and bool(((overlap >= 0) & (overlap <= 1 + 1e-6)).all())
+    assert overlap[0].mean().item() > start + 0.05  # sampled drafts: the drafter's q moved toward the target's p
     assert loss.item() < first - 0.5
 
 

@@ -39,7 +39,7 @@ def test_training_step_on_cuda(tmp_path):
     tokens = torch.randint(0, 256, (2, 64), device=dev)
     anchors = torch.tensor([[3, 20, 40], [1, 10, 47]], device=dev)
     with autocast(dev):
-        loss, correct = training_loss(drafter, target, BlockBatch(tokens, anchors), mask_token_id=257)
+        loss, correct, _ = training_loss(drafter, target, BlockBatch(tokens, anchors), mask_token_id=257)
     loss.backward()
     assert torch.isfinite(loss) and correct.shape == (2, 3, 15)
     assert drafter.fc.weight.grad is not None and torch.isfinite(drafter.fc.weight.grad).all()
@@ -76,7 +76,9 @@ def test_graphed_chains_equal_reference_float32(name):
 
 
 def _tiny_pair(backend: str, dtype: str, **model) -> Engine:
-    return Engine(respec(load_spec("specs/tiny-dflash.yaml"), backend, device="cuda", dtype=dtype, **model))
+    spec = load_spec("specs/tiny-dflash.yaml")  # with argmax drafts: the captured draft step
+    spec = spec.with_method({**spec.speculative.model_dump(mode="python"), "draft_sample_method": "greedy"})
+    return Engine(respec(spec, backend, device="cuda", dtype=dtype, **model))
 
 
 @pytest.mark.parametrize("invariant", [False, True])

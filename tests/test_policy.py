@@ -97,6 +97,23 @@ def test_rows_that_accept_little_turn_drafting_off_for_themselves():
     assert sum(policy.choose(1, FULL, hard) == 1 for _ in range(10)) >= 9
 
 
+def test_sampled_rows_are_judged_by_sampled_rows_acceptance():
+    """Greedy and sampled requests accept drafts at different rates on the same text: a new
+    sampled request is served plain at once where sampled rows accepted nothing, while a new
+    greedy request still drafts on the greedy rows' evidence, and a batch of both weighs each."""
+    policy = DraftPolicy("auto")
+    _run(policy, 40, on=1.0, off=2.0)  # greedy rows accept 3 of 15: drafting halves a token's cost
+    fresh_sampled, fresh_greedy = Drafted(rows=1, sampled=1), Drafted(rows=1, sampled=0)
+    assert policy.choose(1, FULL, fresh_sampled) == 16  # no sampled round yet: the greedy rows' model stands in
+    for _ in range(24):  # sampled rows accept nothing; a drafted round costs what it did
+        policy.record(1, 16, 4.0, 1, [0], sampled=[True])
+    assert policy.expected(16, sampled=True) == 0.0 and abs(policy.expected(16) - 3.0) < 1e-9
+    assert sum(policy.choose(1, FULL, fresh_sampled) == 1 for _ in range(10)) >= 9
+    assert sum(policy.choose(1, FULL, fresh_greedy) == 16 for _ in range(10)) >= 9
+    arm = policy.buckets[1].arm(16)
+    assert abs(policy.tokens(16, arm, Drafted(rows=4, sampled=2)) - 2.5) < 1e-9  # half the rows expect 3, half 0
+
+
 def _served(policy: DraftPolicy, rounds: int, batch: int, widths: tuple[int, ...], seconds, rate: float = 0.86,
             seed: int = 0) -> tuple[float, float, dict[int, int]]:
     """Rounds whose drafts are each accepted with ``rate`` given the one before, a round of

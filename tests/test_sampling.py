@@ -145,6 +145,39 @@ def test_sampling_a_one_hot_distribution_is_exact():
         assert torch.equal(sample(probs, torch.arange(n), torch.full((n,), position), Stream.SAMPLE), hot)
 
 
+def test_one_hot_rows_skip_the_noise_with_the_same_draws():
+    """A batch of one-hot rows returns its argmax without drawing noise: the Gumbel draw over
+    the whole vocabulary, which it skips, picks the same index; one row that is not one-hot
+    takes the whole batch through the draw."""
+
+    gen = torch.Generator().manual_seed(3)
+    hot = torch.randint(0, 64, (6,), generator=gen)
+    probs = torch.nn.functional.one_hot(hot, 64).float()
+    seed, position = torch.arange(6), torch.full((6,), 9)
+    noise = -torch.log(-torch.log(uniform(row_key(seed, position, Stream.DRAFT), 64)))
+    assert torch.equal(sample(probs, seed, position, Stream.DRAFT), (torch.log(probs) + noise).argmax(-1))
+    probs[0] = torch.softmax(torch.randn(64, generator=gen), -1)
+    assert torch.equal(sample(probs, seed, position, Stream.DRAFT), (torch.log(probs) + noise).argmax(-1))
+
+
+def test_greedy_rows_with_drafts_probabilities_accept_as_matching_does():
+    """Probabilistic drafts at temperature 0 are one-hot at the drafter's argmax: the rejection
+    rule gives exactly what the matching rule gives, which greedy rows now take."""
+    from draftline.core.sampling import _accept_matching, _accept_rejection
+
+    gen = torch.Generator().manual_seed(4)
+    n, k, v = 8, 4, 32
+    for _ in range(50):
+        t = torch.randint(0, v, (n, k + 1), generator=gen)
+        drafts = torch.where(torch.rand(n, k, generator=gen) < 0.7, t[:, :k], torch.randint(0, v, (n, k), generator=gen))
+        p, q = torch.nn.functional.one_hot(t, v).float(), torch.nn.functional.one_hot(drafts, v).float()
+        seed, first = torch.arange(n), torch.randint(0, 100, (n,), generator=gen)
+        slow = _accept_rejection(p, drafts, q, seed, first)
+        fast = accept_drafts(p, drafts, q, seed, first, torch.ones(n, dtype=torch.bool))
+        assert torch.equal(slow.num_accepted, fast.num_accepted) and torch.equal(slow.tokens, fast.tokens)
+        assert torch.equal(fast.tokens, _accept_matching(p, drafts, seed, first, None).tokens)
+
+
 def test_filters_known_on_the_host_take_the_passes_the_batch_would():
     """probs_from_logits with the batch's passes given from the requests' parameters (no wait on
     the device) equals the same call reading them off the batch, a top_p a hair under 1 too."""

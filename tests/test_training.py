@@ -54,14 +54,57 @@ def test_training_loss_ignores_everything_at_or_after_the_anchor():
     target, drafter = random_target("tiny-qwen3", 0), random_dflash("tiny-dflash", 1)
     tokens = torch.randint(0, 256, (1, 60))
     anchors = torch.tensor([[20]])
-    base, _ = training_loss(drafter, target, BlockBatch(tokens, anchors), 257)
+    base, _, _ = training_loss(drafter, target, BlockBatch(tokens, anchors), 257)
     later = tokens.clone()
     later[0, 36:] = (later[0, 36:] + 1) % 256  # after the block (20..35)
-    same, _ = training_loss(drafter, target, BlockBatch(later, anchors), 257)
+    same, _, _ = training_loss(drafter, target, BlockBatch(later, anchors), 257)
     earlier = tokens.clone()
     earlier[0, 5] = (earlier[0, 5] + 1) % 256
-    moved, _ = training_loss(drafter, target, BlockBatch(earlier, anchors), 257)
+    moved, _, _ = training_loss(drafter, target, BlockBatch(earlier, anchors), 257)
     assert torch.allclose(base, same) and not torch.allclose(base, moved)
+
+
+def test_soft_loss_is_cross_entropy_to_the_targets_distribution_before_each_slot():
+    """soft = 1: slot k's loss is the cross-entropy of the drafter's q to the target's p at
+    anchor + k, which the target computes from the tokens up to anchor + k - 1 (an uncached
+    forward here); soft = 0: the token's own cross-entropy; the overlap is sum(min(p, q))."""
+    from conftest import full_forward
+
+    target, drafter = random_target("tiny-qwen3", 0), random_dflash("tiny-dflash", 1)
+    tokens = torch.randint(0, 256, (1, 40))
+    batch, blk = BlockBatch(tokens, torch.tensor([[9]])), drafter.config.block_size
+    with torch.no_grad():
+        hidden, _ = full_forward(target, tokens)
+        p = torch.softmax(target.logits(hidden[0, 9 : 9 + blk - 1]), dim=-1)  # [B-1, V]: laws of slots 1..B-1
+        soft, _, overlap = training_loss(drafter, target, batch, 257, gamma=1e9, soft=1.0)  # gamma: equal weights
+        hard, _, _ = training_loss(drafter, target, batch, 257, gamma=1e9, soft=0.0)
+        mixed, _, _ = training_loss(drafter, target, batch, 257, gamma=1e9, soft=0.25)
+    q = _drafter_probs(drafter, target, batch)  # [B-1, V]
+    labels = tokens[0, 10 : 9 + blk]
+    torch.testing.assert_close(soft, -(p * q.log()).sum(-1).mean(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(hard, -q.log().gather(-1, labels[:, None]).mean(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mixed, 0.75 * hard + 0.25 * soft, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(overlap[0, 0], torch.minimum(p, q).sum(-1), rtol=1e-4, atol=1e-5)
+
+
+def _drafter_probs(drafter, target, batch: BlockBatch) -> torch.Tensor:
+    """q of slots 1..B-1 of the batch's one block, the way inference drafts it: the context's
+    K/V from the target's features before the anchor, then [anchor token, MASK x (B-1)]
+    attending over that context and the whole block, unmasked."""
+    from conftest import full_forward
+
+    anchor, blk = int(batch.anchors[0, 0]), drafter.config.block_size
+    with torch.no_grad():
+        _, features = full_forward(target, batch.tokens[:, :anchor], drafter.config.target_layer_ids)
+        context = drafter.context_kv(features, torch.arange(anchor)[None])
+        ids = torch.tensor([[int(batch.tokens[0, anchor])] + [257] * (blk - 1)])
+
+        def attend(layer, q, k, v):
+            keys, values = torch.cat([context[layer][0], k], dim=2), torch.cat([context[layer][1], v], dim=2)
+            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+        hidden = drafter(target.embed(ids), torch.arange(anchor, anchor + blk)[None], attend)
+        return torch.softmax(target.logits(hidden[0, 1:]), dim=-1)
 
 
 def test_micro_training_round_trip(tmp_path):
@@ -76,7 +119,7 @@ def test_micro_training_round_trip(tmp_path):
                         batch_size=2, anchors=3, eval_every=2)
     corpus = {"train": stream, "heldout": stream[:2000], "train_function_starts": torch.tensor([50, 700, 9000])}
     summary = train_dflash(target, corpus, tmp_path / "d", cfg, torch.device("cpu"))
-    assert summary.steps == 4 and {"heldout_tau_est", "heldout_tau_rounds"} <= set(summary.heldout)
+    assert summary.steps == 4 and {"heldout_tau_est", "heldout_sampled_tau_est", "heldout_tau_rounds"} <= set(summary.heldout)
     assert json.loads((tmp_path / "d" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     spec = parse_spec({"model": {"path": str(tmp_path / "t")},
                        "speculative": {"method": "dflash", "draft": {"path": str(tmp_path / "d")}}})
@@ -89,7 +132,7 @@ def test_micro_training_round_trip(tmp_path):
     cfg = Eagle3TrainConfig(preset="micro-eagle3", num_sequences=8, prompt_len=8, gen_len=12, gen_batch=4, steps=4,
                             batch_size=2, crop=16, ttt_steps=3, eval_every=2)
     summary = train_eagle3(target, corpus, tmp_path / "e", cfg, torch.device("cpu"))
-    assert summary.steps == 4 and {"heldout_loss", "heldout_tau_est"} <= set(summary.heldout)
+    assert summary.steps == 4 and {"heldout_loss", "heldout_tau_est", "heldout_sampled_tau_est"} <= set(summary.heldout)
     spec = parse_spec({"model": {"path": str(tmp_path / "t")},
                        "speculative": {"method": "eagle3", "draft": {"path": str(tmp_path / "e")},
                                        "num_speculative_tokens": 3}})
@@ -99,7 +142,7 @@ def test_micro_training_round_trip(tmp_path):
     cfg = MTPTrainConfig(preset="micro-mtp", num_sequences=8, prompt_len=8, gen_len=12, gen_batch=4, steps=4,
                          batch_size=2, crop=16, chain_steps=3, eval_every=2)
     summary = train_mtp(target, corpus, tmp_path / "m", cfg, torch.device("cpu"))
-    assert summary.steps == 4 and {"heldout_loss", "heldout_tau_est"} <= set(summary.heldout)
+    assert summary.steps == 4 and {"heldout_loss", "heldout_tau_est", "heldout_sampled_tau_est"} <= set(summary.heldout)
     spec = parse_spec({"model": {"path": str(tmp_path / "t")},
                        "speculative": {"method": "gemma4_mtp", "draft": {"path": str(tmp_path / "m")}}})
     assert Engine(spec).generate([[5, 6, 7]], params)[0].output_ids == base.output_ids
@@ -111,6 +154,14 @@ def test_fixed_chain_tau_counts_leading_runs_at_each_start():
     correct[0, 0, 1] = True  # start 1: first right only
     correct[1, 0, 2] = True  # start 2: first wrong
     assert fixed_chain_tau(correct) == pytest.approx(1.0 + (2 + 1 + 0) / 3)
+
+
+def test_sampled_tau_multiplies_each_steps_chance_of_acceptance():
+    """Overlaps in place of agreement: a chain's expected length is the sum of the products of
+    its steps' chances (0.5, then 0.5 x 0.4), whatever the start."""
+    overlap = torch.tensor([[[0.5, 0.5, 0.5]], [[0.4, 0.4, 0.4]]])  # [steps, b, T]
+    assert fixed_chain_tau(overlap) == pytest.approx(1.0 + 0.5 + 0.2)
+    assert chain_tau(overlap) == pytest.approx(1.0 + 0.5 + 0.2)
 
 
 def test_chain_tau_counts_leading_runs_along_each_chain():
@@ -177,8 +228,18 @@ def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
     argv = ["corpus", "--data", str(tmp_path / "data.jsonl"), "--tokenizer", str(tmp_path / "tok"),
             "--out", str(tmp_path / "c")]
     assert main(argv) == 0
-    info = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    captured = capsys.readouterr()
+    info = json.loads(captured.out.split("\nwrote")[0])
     assert info["records"] == 60 and info["chat_records"] == 30 and info["heldout_records"] >= 1
+    # 60 records hold out a few, which give fewer evaluation prompts than the 120 asked: said, not silent
+    held = info["heldout_records"]
+    assert info["warnings"][-1] == (f"wrote {held} evaluation prompts of the 120 asked (--prompts): the held-out "
+                                    "records hold no more; give more data, or ask for fewer")
+    assert "corpus.shortfall" in captured.err
+    from draftline.core.training.corpus import shortfalls
+
+    assert shortfalls("records", 1, 1, 120)[0].startswith("only 1 records held out (one in ten, by hash)")
+    assert shortfalls("modules", 19, 120, 120) == []
     data = torch.load(tmp_path / "c" / "corpus.pt")
     tok = load_tokenizer(tmp_path / "tok")
     ends = data["train_function_starts"]

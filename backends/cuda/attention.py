@@ -294,7 +294,7 @@ def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
     one row's 528-key verify of 16 tokens 9.5 against 11.9; sixteen such rows 26.4 against
     44.0; one 4001-key row of one token 10.1 against 11.8.
 
-    A row of at most four splits merges them in its last program (bench/attention_sweep.py
+    A row of at most four splits merges them in its last program (
     cases, same units): sixteen rows' verify 19.1 against 27.8 with a combine kernel, four
     rows' 11.0 against 15.3. One row's sixteen splits would leave one program a long serial
     merge (10.4 against 9.8 at 528 keys, 14.4 against 10.8 at 4001): one row keeps the combine."""

@@ -92,7 +92,7 @@ def invariant_tiling(n: int, k: int, gated: bool = False) -> Tiling | None:
 
 
 def device_tiling(m: int, n: int, k: int, gated: bool = False) -> Tiling | None:
-    """From a sweep on an H200 (bench/matvec_sweep.py): 128-wide K steps, three stages; 64
+    """From a sweep on an H200: 128-wide K steps, three stages; 64
     output columns per program (32 for the gated form, which streams two rows per column);
     K split in two or four until about PROGRAMS programs stream the weight."""
     block_k = min(128, k)

@@ -226,10 +226,15 @@ class BlockBatch:
 
 
 def training_loss(
-    drafter: DFlashDraftModel, target: TargetModel, batch: BlockBatch, mask_token_id: int, gamma: float = 7.0
-) -> tuple[Tensor, Tensor]:
-    """Weighted cross-entropy of slots 1..B-1, each block seeing target features strictly
-    before its anchor. Returns (loss, correct [b, A, B-1] bool) for acceptance estimates."""
+    drafter: DFlashDraftModel, target: TargetModel, batch: BlockBatch, mask_token_id: int, gamma: float = 7.0,
+    soft: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Weighted loss on slots 1..B-1, each block seeing target features strictly before its
+    anchor: (1 - soft) x cross-entropy of the token there, plus soft x cross-entropy to the
+    target's whole distribution p there (its KL to the drafter's q, up to p's entropy). The
+    token alone teaches the argmax, which greedy verification accepts; sampled verification
+    accepts a draft drawn from q with probability sum(min(p, q)), which needs q close to p.
+    Returns (loss, correct [b, A, B-1] bool argmax agreement, overlap [b, A, B-1] sum(min(p, q)))."""
     if drafter.config.windows() or drafter.config.draft_vocab_size is not None:
         raise ValueError("training a DFlash drafter with sliding-window layers or a reduced vocabulary is not "
                          "supported (the block mask here has no window; the loss reads the target's vocabulary)")
@@ -238,10 +243,13 @@ def training_loss(
     a, blk = anchors.shape[1], drafter.config.block_size
     dev = tokens.device
     positions = torch.arange(length, device=dev)[None].expand(b, -1)
-    with torch.no_grad():
-        _, features = target(tokens, positions, causal_attention, drafter.config.target_layer_ids)
-    context = drafter.context_kv(features, positions)  # per layer (k, v) [b, Hkv, L, D]
     block_pos = anchors[..., None] + torch.arange(blk, device=dev)  # [b, A, B]
+    with torch.no_grad():
+        final, features = target(tokens, positions, causal_attention, drafter.config.target_layer_ids)
+        before = (block_pos[..., 1:] - 1).flatten(1)  # [b, A*(B-1)]: the position whose output predicts slot k
+        seen = final.gather(1, before[..., None].expand(-1, -1, final.shape[-1]))
+        p = F.softmax(target.logits(seen), dim=-1).view(b, a, blk - 1, -1)  # [b, A, B-1, V]
+    context = drafter.context_kv(features, positions)  # per layer (k, v) [b, Hkv, L, D]
     labels = tokens.gather(1, block_pos.flatten(1)).view(b, a, blk)
     ids = torch.full_like(labels, mask_token_id)
     ids[..., 0] = labels[..., 0]
@@ -254,10 +262,13 @@ def training_loss(
 
     hidden = drafter(target.embed(ids.flatten(1)), block_pos.flatten(1), attend)  # [b, A*B, H]
     logits = target.logits(hidden.view(b, a, blk, -1)[:, :, 1:])  # [b, A, B-1, V]
-    ce = F.cross_entropy(logits.flatten(0, 2), labels[:, :, 1:].flatten(), reduction="none").view(b, a, blk - 1)
+    logq = F.log_softmax(logits, dim=-1)
+    hard = -logq.gather(-1, labels[:, :, 1:, None])[..., 0]  # [b, A, B-1]
+    per_slot = hard if soft == 0 else (1 - soft) * hard - soft * (p * logq).sum(-1)
     weight = torch.exp(-torch.arange(blk - 1, device=dev, dtype=torch.float32) / gamma)  # exp(-(k-1)/gamma)
-    loss = (ce * weight).sum(-1).mean() / weight.sum()
-    return loss, logits.argmax(-1) == labels[:, :, 1:]
+    loss = (per_slot * weight).sum(-1).mean() / weight.sum()
+    overlap = torch.minimum(p, logq.detach().exp()).sum(-1)
+    return loss, logits.argmax(-1) == labels[:, :, 1:], overlap
 
 
 def _block_mask(anchors: Tensor, length: int, blk: int) -> Tensor:
@@ -272,5 +283,7 @@ def _block_mask(anchors: Tensor, length: int, blk: int) -> Tensor:
 
 
 def expected_accept_length(correct: Tensor) -> float:
-    """τ if every block were verified greedily: 1 + mean length of the leading correct run."""
-    return 1.0 + float(correct.long().cumprod(dim=-1).sum(-1).float().mean())
+    """τ if every block were verified greedily (``correct`` [..., B-1] bool: 1 + the mean
+    leading correct run), or with drafts sampled from q (``correct`` the overlaps sum(min(p, q)):
+    1 + the mean of each slot's chance that it and every slot before it are accepted)."""
+    return 1.0 + float(correct.float().cumprod(dim=-1).sum(-1).mean())

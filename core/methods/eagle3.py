@@ -355,11 +355,13 @@ def chain_outputs(model: Eagle3DraftModel, embeds: Tensor, hidden: Tensor, steps
 
 
 def training_loss(model: Eagle3DraftModel, target: TargetModel, tokens: Tensor, steps: int = 7,
-                  decay: float = 0.8) -> tuple[Tensor, Tensor]:
+                  decay: float = 0.8) -> tuple[Tensor, Tensor, Tensor]:
     """Unrolled training-time test over target-generated tokens [b, L]: at every step j, soft
-    cross-entropy of the head's draft-vocabulary distribution against the target's own
+    cross-entropy of the head's draft-vocabulary distribution q against the target's own p
     (restricted to the draft vocabulary, renormalized) for the token two places on, weighted
-    decay^j. Returns (loss, correct [steps, b, L-1] bool: argmax agreement, where defined)."""
+    decay^j: q's KL to p up to p's entropy, so drafts sampled from q are accepted with
+    probability sum(min(p, q)). Returns (loss, correct [steps, b, L-1] bool: argmax agreement,
+    overlap [steps, b, L-1]: sum(min(p, q)); both 0 where a step is undefined)."""
     b, length = tokens.shape
     dev = tokens.device
     ids = model.draft_ids()
@@ -371,7 +373,7 @@ def training_loss(model: Eagle3DraftModel, target: TargetModel, tokens: Tensor, 
     embeds = model.embed(target, tokens[:, 1:])  # position t reads x_{t+1}, t = 0 .. L-2
     outs = chain_outputs(model, embeds, model.fuse(features[:, :-1]), steps)
     want = p[:, 1:]  # position t's head output predicts x_{t+2}: the target's distribution at t+1
-    total, weights, correct = 0.0, 0.0, []
+    total, weights, correct, overlap = 0.0, 0.0, [], []
     for j, out in enumerate(outs):
         logp = F.log_softmax(model.lm_head(model.readout(out)).float(), dim=-1)  # [b, L-1, Vd]
         valid = torch.arange(length - 1, device=dev) >= j  # a chain of j steps needs t >= j
@@ -379,4 +381,5 @@ def training_loss(model: Eagle3DraftModel, target: TargetModel, tokens: Tensor, 
         total = total + decay**j * ce.mean()
         weights += decay**j
         correct.append((logp.argmax(-1) == want.argmax(-1)) & valid)
-    return total / weights, torch.stack(correct)
+        overlap.append(torch.minimum(want, logp.detach().exp()).sum(-1) * valid)
+    return total / weights, torch.stack(correct), torch.stack(overlap)

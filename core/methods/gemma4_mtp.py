@@ -175,17 +175,19 @@ def chain_outputs(model: Gemma4MTPModel, target: TargetModel, tokens: Tensor, st
 
 
 def training_loss(model: Gemma4MTPModel, target: TargetModel, tokens: Tensor, steps: int = 4,
-                  decay: float = 0.8) -> tuple[Tensor, Tensor]:
-    """Chained steps over target-generated tokens [b, L]: step j's soft cross-entropy against
-    the target's distribution for x_{c+2+j}, weighted decay^j. Returns (loss, correct
-    [steps, b, L-1] argmax agreement, False where a step runs past the sequence)."""
+                  decay: float = 0.8) -> tuple[Tensor, Tensor, Tensor]:
+    """Chained steps over target-generated tokens [b, L]: step j's soft cross-entropy of the
+    drafter's q against the target's distribution p for x_{c+2+j}, weighted decay^j (q's KL to
+    p up to p's entropy: drafts sampled from q are accepted with probability sum(min(p, q))).
+    Returns (loss, correct [steps, b, L-1] argmax agreement, overlap [steps, b, L-1]
+    sum(min(p, q)); both 0 where a step runs past the sequence)."""
     length = tokens.shape[1]
     with torch.no_grad():
         positions = torch.arange(length, device=tokens.device)[None].expand(tokens.shape[0], -1)
         hidden, _ = target(tokens, positions, _causal)
         p = F.softmax(target.logits(hidden), dim=-1)  # [b, L, V]: at t, the law of x_{t+1}
     embedding = target.model.embed_tokens.weight
-    total, weights, correct = 0.0, 0.0, []
+    total, weights, correct, overlap = 0.0, 0.0, [], []
     for j, h in enumerate(chain_outputs(model, target, tokens, steps)):
         valid = torch.arange(length - 1, device=tokens.device) <= length - 2 - j  # c + 1 + j <= L - 1
         want = F.pad(p[:, 1 + j :], (0, 0, 0, j))  # law of x_{c+2+j} at index c
@@ -193,7 +195,8 @@ def training_loss(model: Gemma4MTPModel, target: TargetModel, tokens: Tensor, st
         total = total + decay**j * (-(want * logp).sum(-1))[:, valid].mean()
         weights += decay**j
         correct.append((logp.argmax(-1) == want.argmax(-1)) & valid)
-    return total / weights, torch.stack(correct)
+        overlap.append(torch.minimum(want, logp.detach().exp()).sum(-1) * valid)
+    return total / weights, torch.stack(correct), torch.stack(overlap)
 
 
 def _causal(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

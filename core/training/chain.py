@@ -16,8 +16,9 @@ from .distill import DistillConfig, Distilled, distill_data, pack, unpack
 from .loop import Budget, Summary, autocast, log, train_loop
 from .state import Position, StateWriter, restore
 
-# a drafter's objective over a batch of token windows [b, L] -> (loss, correct [steps, b, T])
-Objective = Callable[[Tensor], tuple[Tensor, Tensor]]
+# a drafter's objective over a batch of token windows [b, L] -> (loss, correct [steps, b, T] bool,
+# overlap [steps, b, T]: sum(min(p, q)), the chance a draft sampled from q is accepted)
+Objective = Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -37,18 +38,20 @@ def crop_batch(data: Distilled, cfg: ChainTrainConfig, gen: torch.Generator) -> 
 @torch.no_grad()
 def heldout(objective: Objective, tau: Callable[[Tensor], float], held: Distilled,
             cfg: ChainTrainConfig, budget: Budget | None = None) -> dict[str, float]:
-    """A chain drafter's held-out loss and τ estimate over 8 fixed batches of windows (fewer
-    once the budget is spent)."""
+    """A chain drafter's held-out loss and τ estimates over 8 fixed batches of windows (fewer
+    once the budget is spent): greedy, and with drafts sampled from the drafter at temperature 1."""
     gen = torch.Generator().manual_seed(1234)
-    losses, taus = [], []
+    losses, taus, sampled = [], [], []
     for i in range(8):
         if i and budget is not None and budget.over():
             break
         with autocast(held.tokens.device):
-            loss, correct = objective(crop_batch(held, cfg, gen))
+            loss, correct, overlap = objective(crop_batch(held, cfg, gen))
         losses.append(float(loss))
         taus.append(tau(correct))
-    return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus)}
+        sampled.append(tau(overlap))
+    return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus),
+            "heldout_sampled_tau_est": sum(sampled) / len(sampled)}
 
 
 def distill_chain(name: str, model: nn.Module, raw: dict[str, Any], objective: Objective,

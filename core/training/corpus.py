@@ -99,6 +99,27 @@ def function_starts(source: str) -> list[int]:
     return sorted(out)
 
 
+# fewer held-out records than this, and a held-out figure rests on too little text to say much
+FEW_HELDOUT = 10
+
+
+def shortfalls(what: str, held: int, prompts: int, asked: int) -> list[str]:
+    """Warnings, logged and returned, where the held-out split is thin or gave fewer
+    evaluation prompts than asked: ``held`` held-out records (modules, or your records)."""
+    import structlog
+
+    out = []
+    if held < FEW_HELDOUT:
+        out.append(f"only {held} {what} held out (one in ten, by hash): held-out loss and tau rest on little "
+                   "text; give more data")
+    if prompts < asked:
+        out.append(f"wrote {prompts} evaluation prompts of the {asked} asked (--prompts): the held-out {what} "
+                   "hold no more; give more data, or ask for fewer")
+    for message in out:
+        structlog.get_logger("draftline.train").warning("corpus.shortfall", message=message)
+    return out
+
+
 def write_prompts(path: Path, prompts: list[dict]) -> None:
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
 
@@ -140,8 +161,10 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
         encoded = tok.encode_batch(texts, add_special_tokens=False)
         data[f"{name}_prompts"] = [torch.tensor(e.ids[:64], dtype=torch.int16) for e in encoded]
     torch.save(data, out / "corpus.pt")
-    write_prompts(out / "eval_prompts.jsonl", function_prompts(split.heldout, num_prompts))
+    prompts = function_prompts(split.heldout, num_prompts)
+    write_prompts(out / "eval_prompts.jsonl", prompts)
     return {
+        "warnings": shortfalls("modules", len(split.heldout), len(prompts), num_prompts),
         "train_modules": len(split.train),
         "heldout_modules": sorted(split.heldout),
         "train_tokens": data["train"].numel(),

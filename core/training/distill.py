@@ -68,6 +68,9 @@ class DistillConfig(Schedule):
     warm_tokens: int = 16  # `warm` rows: sampled tokens after a bare prompt, before the greedy part
     anchors: int = 32
     gamma: float = 7.0
+    # the loss's share on the target's whole distribution (the rest on its token): drafts
+    # sampled from the drafter are accepted as its distribution meets the target's
+    soft: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,8 @@ GENERATION_SHARE = 0.4
 def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConfig, count: int, seed: int,
                  device, mix: str | None = None, budget: Budget | None = None) -> Distilled:
     """Target continuations, greedy (labels = what temperature-0 verification accepts) except
-    for `sampled` batches, which continue random windows at temperature 1. `warm` batches
+    for `sampled` batches, which continue random windows at temperature 1, and `hot` ones,
+    function starts continued at temperature 1 (what sampled requests meet). `warm` batches
     sample a few tokens after a bare prompt first: on training prompts an overfit target
     recites what it memorised, and the sampled detour shows the drafter the target's own
     greedy habits, which is what it meets on unseen prompts."""
@@ -136,11 +140,11 @@ def distill_data(target: TargetModel, corpus: dict, split: str, cfg: DistillConf
             break
         kind, key = kinds[i % len(kinds)], seed * 100003 + done
         n = min(size, count - done)
-        prompts = _prompts("bare" if kind == "warm" else kind, corpus, split, cfg, n, gen).to(device)
+        prompts = _prompts("bare" if kind in ("warm", "hot") else kind, corpus, split, cfg, n, gen).to(device)
         if kind == "warm":
             prompts = generate(target, prompts, cfg.warm_tokens, 1.0, key + 7)
         total = cfg.prompt_len + cfg.gen_len
-        temperature = 1.0 if kind == "sampled" else 0.0
+        temperature = 1.0 if kind in ("sampled", "hot") else 0.0
         rows.append(generate(target, prompts, total - prompts.shape[1], temperature, key))
         firsts.append(torch.full((prompts.shape[0],), prompts.shape[1] - 1, device=device))
         done, i = done + n, i + 1
@@ -177,7 +181,7 @@ def round_tau(drafter, target, data: Distilled, mask_id: int, blk: int, new_toke
         if live.numel() == 0 or (rounds and budget is not None and budget.over()):  # spent: the rounds so far
             return emitted / max(1, rounds)
         with autocast(tokens.device):
-            _, correct = training_loss(drafter, target, BlockBatch(tokens[live], anchors[live, None]), mask_id)
+            _, correct, _ = training_loss(drafter, target, BlockBatch(tokens[live], anchors[live, None]), mask_id)
         n = correct[:, 0].long().cumprod(dim=-1).sum(-1) + 1  # tokens this round emits
         anchors[live] += n
         emitted, rounds = emitted + int(n.sum()), rounds + live.numel()
@@ -186,17 +190,22 @@ def round_tau(drafter, target, data: Distilled, mask_id: int, blk: int, new_toke
 @torch.no_grad()
 def evaluate(drafter, target, data: Distilled, bare: Distilled, cfg: DistillConfig, mask_id: int,
              blk: int, budget: Budget | None = None) -> dict[str, float]:
-    """Held-out loss and τ over 8 fixed batches (fewer once the budget is spent) and τ in rounds."""
+    """Held-out loss and τ over 8 fixed batches (fewer once the budget is spent): greedy, and
+    with drafts sampled from the drafter at temperature 1 (slot k against the target's
+    distribution after the text's own tokens); and greedy τ in rounds."""
     gen = torch.Generator().manual_seed(1234)
-    losses, taus = [], []
+    losses, taus, sampled = [], [], []
     for i in range(8):
         if i and budget is not None and budget.over():
             break
         with autocast(data.tokens.device):
-            loss, correct = training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)
+            loss, correct, overlap = training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id,
+                                                   cfg.gamma, cfg.soft)
         losses.append(float(loss))
         taus.append(expected_accept_length(correct))
+        sampled.append(expected_accept_length(overlap))
     return {"heldout_loss": sum(losses) / len(losses), "heldout_tau_est": sum(taus) / len(taus),
+            "heldout_sampled_tau_est": sum(sampled) / len(sampled),
             "heldout_tau_rounds": round_tau(drafter, target, bare, mask_id, blk, new_tokens=128, budget=budget)}
 
 
@@ -225,7 +234,7 @@ def train_dflash(target: TargetModel, corpus: dict | None, out: Path, cfg: Disti
     writer = StateWriter(out, "dflash", cfg, target, pack(train=data, held=held, bare=bare))
 
     def loss() -> Tensor:
-        return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma)[0]
+        return training_loss(drafter, target, sample_blocks(data, cfg, blk, gen), mask_id, cfg.gamma, cfg.soft)[0]
 
     def save(pos: Position) -> None:
         save_checkpoint(out, {**raw, "torch_dtype": "bfloat16"}, drafter, dtype=torch.bfloat16)

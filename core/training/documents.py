@@ -137,7 +137,7 @@ def build_user_corpus(out: Path, data: list[str], tokenizer_folder: Path | None,
     from ..models.tokenizer import load_tokenizer
     from ..models.tokenizer_files import write_tokenizer_files
     from .bpe import train_bpe
-    from .corpus import write_prompts
+    from .corpus import shortfalls, write_prompts
 
     docs = read_documents(source_files(data, skip=out), load_template(tokenizer_folder))
     train_docs, held_docs = split_documents(docs)
@@ -162,8 +162,9 @@ def build_user_corpus(out: Path, data: list[str], tokenizer_folder: Path | None,
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer_files(out, tok, eos, tokenizer_folder)  # with tokenizer_config.json and its chat template
     torch.save(data_out, out / "corpus.pt")
-    write_prompts(out / "eval_prompts.jsonl", _eval_prompts(tok, held_docs, num_prompts))
-    return {"records": len(docs), "train_records": len(train_docs), "heldout_records": len(held_docs),
+    prompts = _eval_prompts(tok, held_docs, num_prompts)
+    write_prompts(out / "eval_prompts.jsonl", prompts)
+    return {"warnings": shortfalls("records", len(held_docs), len(prompts), num_prompts), "records": len(docs), "train_records": len(train_docs), "heldout_records": len(held_docs),
             "chat_records": sum(d.prompt is not None for d in docs), "train_tokens": data_out["train"].numel(),
             "heldout_tokens": data_out["heldout"].numel(), "vocab_size": vocab,
             "tokenizer": str(tokenizer_folder or "BPE trained on the train split"),

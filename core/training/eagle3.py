@@ -26,12 +26,13 @@ class Eagle3TrainConfig(ChainTrainConfig):
 
 
 def chain_tau(correct: Tensor) -> float:
-    """τ if every position started a greedy round of len(correct) chained drafts: correct
-    [steps, b, T] (step j's agreement at t belongs to the chain started at t - j)."""
+    """τ if every position started a round of len(correct) chained drafts: correct [steps, b, T]
+    (step j's agreement at t belongs to the chain started at t - j), bool for greedy drafts, or
+    each step's chance of acceptance (sampled drafts' overlaps)."""
     steps, _, t = correct.shape
     starts = torch.arange(t - steps + 1, device=correct.device)
     runs = torch.stack([correct[j][:, starts + j] for j in range(steps)], dim=-1)  # [b, starts, steps]
-    return 1.0 + float(runs.long().cumprod(dim=-1).sum(-1).float().mean())
+    return 1.0 + float(runs.float().cumprod(dim=-1).sum(-1).mean())
 
 
 def stored(weight: Tensor) -> Tensor:
@@ -55,7 +56,7 @@ def train_eagle3(target: TargetModel, corpus: dict | None, out: Path, cfg: Eagle
         init_random(model, cfg.seed, model.config.layer.initializer_range)
         model.d2t.zero_()
         model.t2d.fill_(True)
-    def objective(tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def objective(tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return training_loss(model, target, tokens, cfg.ttt_steps)
 
     def beside() -> dict[str, Tensor]:

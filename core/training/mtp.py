@@ -25,11 +25,12 @@ class MTPTrainConfig(ChainTrainConfig):
 
 
 def fixed_chain_tau(correct: Tensor) -> float:
-    """τ if every context end c started a greedy round of len(correct) drafts: correct
-    [steps, b, T] (step j's agreement at c belongs to the chain started at c)."""
+    """τ if every context end c started a round of len(correct) drafts: correct [steps, b, T]
+    (step j's agreement at c belongs to the chain started at c), bool for greedy drafts, or
+    each step's chance of acceptance (sampled drafts' overlaps)."""
     steps, _, t = correct.shape
     runs = correct[:, :, : t - steps + 1].permute(1, 2, 0)  # [b, starts, steps]
-    return 1.0 + float(runs.long().cumprod(dim=-1).sum(-1).float().mean())
+    return 1.0 + float(runs.float().cumprod(dim=-1).sum(-1).mean())
 
 
 def train_mtp(target: TargetModel, corpus: dict | None, out: Path, cfg: MTPTrainConfig, device,
