@@ -24,12 +24,13 @@ PARTS = {  # owner (an attribute path from the engine) -> methods timed on it
     "machine": ("step", "_prefill", "_launch", "_collect", "_book", "_preempt"),
     "scheduler": ("schedule", "reap"),
     "policy": ("choose", "record"),
-    "backend": ("prefill", "launch", "collect", "_admit", "_prefill_groups", "_prefill_group", "_load_prefill",
-                "_replay", "_land", "_started", "free", "_first_tokens"),
+    "backend": ("prefill", "launch", "collect", "_replay", "free"),
+    "backend.prefiller": ("_admit", "_prefill_groups", "_prefill_group", "_load_prefill", "_first_tokens"),
+    "backend.landing": ("land", "started"),
     "backend.bufs": ("load",),
     "backend.graphs": ("run",),
-    "backend.prefill_graphs": ("run",),
-    "backend.prefix_store": ("restore", "stages", "saves", "copy", "release"),
+    "backend.prefiller.graphs": ("run",),
+    "backend.prefiller.prefix_store": ("restore", "stages", "saves", "copy", "release"),
     "backend.cache": ("flush", "allocate", "reserve", "release"),
     "backend.staging": ("put", "put_many", "put_into"),  # the backend's own calls (the prefix store bound its own at start-up)
 }

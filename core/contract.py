@@ -82,6 +82,15 @@ class DraftRows:
         return min(k, self.drafts) if self.drafts > 0 else k
 
 
+class DraftOverride(Protocol):
+    """Replaces a draft step's drafts (core/simulated.SimulatedAcceptance, for bench
+    --acceptance): ``admit`` learns a prompt's slot, ``__call__`` rewrites the drafts in place."""
+
+    def admit(self, slot: int, prompt_ids: list[int]) -> None: ...
+
+    def __call__(self, slots: Tensor, start: Tensor, drafts: Tensor) -> None: ...
+
+
 class TargetKV(Protocol):
     """Read-only access to the target's KV cache for the rows of a draft step."""
 

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _run(*argv: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "bench")}
+    path = os.pathsep.join(map(str, (ROOT / "bench", ROOT)))  # this tree's package, not whichever is installed
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

@@ -675,7 +675,7 @@ def test_a_long_prompt_is_prefilled_apart_from_short_ones_and_emits_as_the_refer
     ref = _engine("none", "reference", max_model_len=512).generate(prompts, params)
     engine = _engine("none", "cuda", max_model_len=512)
     reqs = [SimpleNamespace(prompt_ids=[0] * n, params=SamplingParams(), prefilled=0) for n in (5, 300, 7)]
-    assert engine.backend._prefill_groups(reqs, [5, 300, 7]) == [[0, 2], [1]]
+    assert engine.backend.prefiller._prefill_groups(reqs, [5, 300, 7]) == [[0, 2], [1]]
     got = engine.generate(prompts, params)
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
 
@@ -692,17 +692,17 @@ def test_a_prefill_group_splits_where_its_measured_prices_say_and_emits_as_the_r
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     ref = _engine("dflash", "reference").generate(PROMPTS[:3], params, trace=True)
     engine = _engine("dflash", "cuda", depth=2, batch_invariant=True)  # the split's rows compute alike
-    engine.backend.prefill_prices = PrefillPrices({(rows, width, False): ms for width in (16, 32, 64)
-                                                   for rows, ms in ((1, 1.0), (2, 2.0), (4, 20.0))})
+    engine.backend.prefiller.prices = PrefillPrices({(rows, width, False): ms for width in (16, 32, 64)
+                                                     for rows, ms in ((1, 1.0), (2, 2.0), (4, 20.0))})
     reqs = [SimpleNamespace(prompt_ids=[0] * n, params=SamplingParams(), prefilled=0) for n in (5, 6, 7)]
-    assert engine.backend._prefill_groups(reqs, [5, 6, 7]) == [[0, 1], [2]]
-    forwards, group = [], engine.backend._prefill_group
-    monkeypatch.setattr(engine.backend, "_prefill_group", lambda rs, es: forwards.append(len(rs)) or group(rs, es))
+    assert engine.backend.prefiller._prefill_groups(reqs, [5, 6, 7]) == [[0, 1], [2]]
+    forwards, group = [], engine.backend.prefiller._prefill_group
+    monkeypatch.setattr(engine.backend.prefiller, "_prefill_group", lambda rs, es: forwards.append(len(rs)) or group(rs, es))
     _same_rounds(ref, engine.generate(PROMPTS[:3], params, trace=True))
     assert forwards == [2, 1]
     plain = _engine("dflash", "cuda", depth=2, batch_invariant=False)  # the default is on where dtypes allow it
-    plain.backend.prefill_prices = engine.backend.prefill_prices
-    assert plain.backend._prefill_groups(reqs, [5, 6, 7]) == [[0, 1, 2]]
+    plain.backend.prefiller.prices = engine.backend.prefiller.prices
+    assert plain.backend.prefiller._prefill_groups(reqs, [5, 6, 7]) == [[0, 1, 2]]
 
 
 @pytest.mark.parametrize("method,budget,temperature", [("none", 6, 0.0), ("dflash", 6, 0.0), ("eagle3", 6, 0.0),
@@ -728,7 +728,7 @@ def test_a_prompt_prefilled_in_chunks_emits_and_drafts_as_prefilled_whole(method
     spied = views._in_windows  # when start-up captures the later chunks' graphs, whatever the budget)
     monkeypatch.setattr(views, "_in_windows", lambda *a: windowed.append(1) or spied(*a))
     chunked = Engine(type(whole.spec).model_validate(spec), whole.target, whole.tokenizer)
-    graphed = chunked.backend.prefill_graphs.enabled
+    graphed = chunked.backend.prefiller.graphs.enabled
     short = chunked.add_request(PROMPTS[0], params, trace=True)
     while not short.output_ids:  # prefilled (in chunks too at budget 6): it runs its rounds from here
         chunked.step()
@@ -912,7 +912,7 @@ def test_a_captured_prefill_shape_is_padded_over_whatever_the_shared_buffer_held
     plain = _engine("eagle3", "cuda", batch_invariant=True)
     spec = plain.spec.model_dump(mode="python")
     spec["server"] |= {"enable_prefix_caching": True, "block_size": 4}
-    backend = Engine(type(plain.spec).model_validate(spec), plain.target, plain.tokenizer).backend
+    backend = Engine(type(plain.spec).model_validate(spec), plain.target, plain.tokenizer).backend.prefiller
     assert backend.prefix_store is not None and backend.ring is not None  # both tables in the view
     backend.pre.raw.fill_(12345)
     backend._pad_prefill(4, 16)

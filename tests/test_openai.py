@@ -18,6 +18,9 @@ SPEC = load_spec(SPECS / "tiny-dflash.yaml")
 _DATA = SPEC.model_dump()
 _DATA["model"]["max_model_len"] = 64
 _DATA["server"]["served_model_name"] = ["tiny-code", "m"]  # requests below name it by its alias, m
+# argmax drafts: a seeded request's tokens then follow from its seed alone, whatever its neighbours
+# and however many rounds draft (sampled drafts are lossless in law, not token for token)
+_DATA["speculative"]["draft_sample_method"] = "greedy"
 SPEC = type(SPEC).model_validate(_DATA | {"sampling": {"max_new_tokens": 9, "ignore_eos": True}})
 
 

@@ -23,7 +23,6 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 import torch
@@ -31,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from draftline.core.contract import Capacity, DraftRows, RoundResult, narrowing_widths
+from draftline.core.contract import Capacity, DraftOverride, DraftRows, RoundResult, narrowing_widths
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.config import ConfigError
@@ -56,9 +55,7 @@ from .matvec import MAX_ROWS, ArgmaxScratch, Draw, take_draws
 from .ops import CudaOps
 from .memory import GIB, KVBudget, size_pool
 from .penalties import SlotPenalties
-from .prefill import PREFILL_WIDTHS, PrefillBuffers, Prefilling, draw_scores
-from .prefix import DevicePrefix
-from .prices import PrefillPrices
+from .prefill import PREFILL_WIDTHS, Prefiller, draw_scores
 from .staging import Staging
 from .views import CAUSAL, LONG_WINDOW, KVView
 from .windows import verify_window
@@ -111,14 +108,6 @@ def _settle_kernel(meta, drafts, num, tokens, bad, packed, state, stride_meta, s
     tl.store(state + stride_state + slot, start + accepted + 1, mask=live)
 
 
-class DraftOverride(Protocol):
-    """Replaces a draft step's drafts (draftline.core.simulated.SimulatedAcceptance)."""
-
-    def admit(self, slot: int, prompt_ids: list[int]) -> None: ...
-
-    def __call__(self, slots: Tensor, start: Tensor, drafts: Tensor) -> None: ...
-
-
 def buckets_for(max_batch: int) -> list[int]:
     out, b = [], 1
     while b < max_batch:
@@ -127,7 +116,7 @@ def buckets_for(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
-class CudaBackend(Prefilling):
+class CudaBackend:
     name = "cuda"
     default_depth = 2
     max_depth = MAX_DEPTH
@@ -160,9 +149,6 @@ class CudaBackend(Prefilling):
                               cfg.head_dim, dtype, device, invariant=invariant, paged=paged,
                               put=self._put)
         self.kv.share(self.cache.pager)  # the drafter's caches page with the target's table
-        # a prompt may be prefilled in chunks: through the invariant prefill, which attends over
-        # the cache (the library's whole-prompt attention sees only the tokens it is given)
-        self.chunked_prefill = self.cache.invariant
         drafter_model = getattr(self.drafter, "model", None)
         for model in (target, drafter_model):  # before any capture: fusing frees the old weights a graph would
             if model is not None:  # have baked in
@@ -181,21 +167,16 @@ class CudaBackend(Prefilling):
         # prefills on a stream of their own, beside the rounds, where asked for (beside.py)
         self.beside = PrefillStream(device, beside_wanted(device, self.graphs.enabled))
         self.prefill_beside = self.beside.stream is not None  # the machine's rows join the step after their prefill
-        # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
-        self.prefill_graphs = Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0",
-                                     pool=self._prefill_pool())
-        self.prefill_prices = PrefillPrices()  # measured once the prefill graphs are captured (prepare)
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
         self.landing = Landing(device, capacity.max_batch)  # where rounds' results come back to the host
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
-        # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
-        seeded = self.ring if getattr(self.drafter, "extends_from_features", False) else None  # a hit's chunk reads it
-        self.prefix_store = DevicePrefix(capacity.prefix_block, self.cache, self.kv, seeded, self.staging) \
-            if capacity.prefix_block and self.chunked_prefill else None
-        self.prefix = None if self.prefix_store is None else self.prefix_store.index
-        self.pre = PrefillBuffers.make(capacity.max_batch, self.cache.max_len,
-                                       capacity.prefix_block if self.prefix_store is not None else 0, device)
+        # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
+        self.prefiller = Prefiller(target, plan, capacity, self.cache, self.kv, self.drafter, self.ring, self.ops,
+                                   self.bufs, self.penalties, self.landing, self.beside, self.staging,
+                                   tuple(self.buckets), self._prefill_graphs())
+        store = self.prefiller.prefix_store
+        self.prefix = None if store is None else store.index  # the engine's view of what is cached
 
     def _kv_budget(self, capacity: Capacity, width: int, dtype: torch.dtype, max_len: int, invariant: bool,
                    taps: int) -> KVBudget | None:
@@ -221,17 +202,25 @@ class CudaBackend(Prefilling):
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _prefill_pool(self) -> Graphs | None:
-        """The graphs whose memory pool the prefill graphs share: the rounds', where they run in
-        one stream (a prefill's temporaries are a round's); none beside them (their own pool)."""
-        return None if self.prefill_beside else self.graphs
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.prefiller.chunked
+
+    def _prefill_graphs(self) -> Graphs:
+        """Short prefills' graphs, in the rounds' memory pool where they run in one stream (a
+        prefill's temporaries are a round's), their own beside them."""
+        return Graphs(enabled=self.graphs.enabled and os.environ.get("DRAFTLINE_PREFILL_GRAPHS") != "0",
+                      pool=None if self.prefill_beside else self.graphs)
+
+    def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> Launch:
+        return self.prefiller.prefill(reqs, ends)
 
     def set_draft_override(self, override: "DraftOverride | None") -> dict:
         """Rewrite every greedy draft step's drafts (draftline.core.simulated, for bench --acceptance);
         the graphs are captured again with it inside."""
-        self.draft_override = override
+        self.draft_override = self.prefiller.draft_override = override
         self.graphs = Graphs(enabled=self.graphs.enabled)
-        self.prefill_graphs = Graphs(enabled=self.prefill_graphs.enabled, pool=self._prefill_pool())
+        self.prefiller.graphs = self._prefill_graphs()
         if self.graphs.enabled:  # the old graphs' pool back to the device before the new ones' captures
             torch.cuda.empty_cache()
         return self.prepare()
@@ -248,9 +237,10 @@ class CudaBackend(Prefilling):
         if not self.graphs.enabled:
             return {"graphs": 0, "seconds": 0.0}
         begin, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        graphed, self.prefill_graphs.enabled = self.prefill_graphs.enabled, False
+        prefills = self.prefiller.graphs
+        graphed, prefills.enabled = prefills.enabled, False
         self._warm_prefill(2)  # eager: the drafter's caches are made outside any capture
-        self.prefill_graphs.enabled = graphed
+        prefills.enabled = graphed
         for length in range(2, LONG_WINDOW + 2):  # every kernel specialization an eager prefill can hit
             self._warm_prefill(length)
         for bucket in self.buckets[1:]:  # and every batch size's (the eager tail's shapes follow the rows)
@@ -264,27 +254,18 @@ class CudaBackend(Prefilling):
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
                 self._replay(*key)
-            for width in PREFILL_WIDTHS:
-                for later in (False, True):  # first chunks, and later ones (a prefix hit's rest)
-                    if self._prefill_graphed(bucket, width, later):
-                        self._pad_prefill(bucket, width)  # the scratch slot: the draws place nothing
-                        self.prefill_graphs.run((bucket, width, later),
-                                                lambda: self._prefill_step(bucket, width, None, later))
-        priced = time.perf_counter()
-        self.prefill_prices = PrefillPrices.measure(self.prefill_graphs, self.landing.device_index,
-                                                    lambda key: self._pad_prefill(key[0], key[1]))
-        priced = time.perf_counter() - priced
+        self.prefiller.capture()
         self.graphs.seal()
-        self.prefill_graphs.seal()
+        prefills.seal()
         self.beside.active = self.prefill_beside  # requests' prefills from now on
         self.landing.mark_origin()
         torch.cuda.synchronize()
         # what start-up reserved, beside what the pool's sizing set aside (kv_budget.workspace)
         memory = {"warm_up_gib": round(warmed / GIB, 2), "round_graphs_gib": round(self.graphs.grown / GIB, 2),
-                  "prefill_graphs_gib": round(self.prefill_graphs.grown / GIB, 2),
+                  "prefill_graphs_gib": round(prefills.grown / GIB, 2),
                   "peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / GIB, 2)}
-        return {"graphs": len(self.graphs) + len(self.prefill_graphs), "seconds": round(time.perf_counter() - begin, 3),
-                "prefill_pricing_seconds": round(priced, 3), "memory": memory}
+        return {"graphs": len(self.graphs) + len(prefills), "seconds": round(time.perf_counter() - begin, 3),
+                "memory": memory}
 
     def _warm_prefill(self, length: int, n: int = 1, chunk: int | None = None) -> None:
         """n prompts of ``length`` tokens prefilled (with ``chunk``: that many first, then the rest)."""
@@ -326,11 +307,6 @@ class CudaBackend(Prefilling):
 
     # ------------------------------------------------------------------ host values and logprobs
 
-    @staticmethod
-    def _window_logprobs(reqs: list[Request], logits: Tensor, tokens: Tensor, first: Tensor) -> list:
-        pending = target_logprobs.window(reqs, logits, tokens, first)
-        return [] if pending is None else [pending]
-
     def _put(self, host: Tensor) -> Tensor:
         """Host values onto the device without waiting: a pinned, asynchronous copy (a plain
         one waits for every round in flight, which would drain the pipeline at each prefill)."""
@@ -365,7 +341,7 @@ class CudaBackend(Prefilling):
         if packed is None:
             packed = self._accept(reqs, width, logits[:n], probs)
             first = self.bufs.row(START, n) + 1  # this round's (the next launch gathers anew)
-            reported = self._window_logprobs(reqs, logits[:n], packed[:, 2 : 2 + width], first)
+            reported = target_logprobs.pending(reqs, logits[:n], packed[:, 2 : 2 + width], first)
         return self.landing.land(packed[:n], width, reported, started)
 
     def attention_bandwidth(self, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float, float]]:
@@ -502,8 +478,7 @@ class CudaBackend(Prefilling):
     def free(self, req: Request) -> None:
         self.bufs.forget()  # a preempted request comes back under its id in other slots
         self.beside.forget(req.kv)
-        if self.prefix_store is not None:
-            self.prefix_store.release(req)
+        self.prefiller.release(req)
         if req.kv is not None:
             self.penalties.rows.pop(req.kv, None)
             self.cache.release(req.kv)

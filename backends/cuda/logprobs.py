@@ -79,6 +79,12 @@ def window(reqs: list[Request], logits: Tensor, tokens: Tensor, first: Tensor) -
     return Pending(tuple(reqs), tuple(range(len(reqs))), first, tokens, chosen, values, ids)
 
 
+def pending(reqs: list[Request], logits: Tensor, tokens: Tensor, first: Tensor) -> list[Pending]:
+    """``window``'s logprobs as the list a landing takes: empty where no row reports them."""
+    found = window(reqs, logits, tokens, first)
+    return [] if found is None else [found]
+
+
 def prompt(req: Request, hidden: Tensor, ids: Tensor, logits_of: Callable[[Tensor], Tensor],
            chunk: int = 1024) -> Pending:
     """A prompt's own logprobs: hidden [P - 1, H] at positions 0 .. P-2 scoring ids [P - 1] (the

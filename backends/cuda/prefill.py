@@ -9,35 +9,42 @@ the next chunk or the first round writes over them. A chunk runs from its start:
 prefill's windows attend over the keys cached before it, so the chunks compute what the whole
 prompt would. The drafter takes a first chunk through ``prefill_rows`` and a later one as a
 round's extension, from the features before it (the ring). A new request's prompt meets the
-prefix cache first (prefix.py): the blocks it starts with are copied into its slots and the
+prefix cache first (prefix.py): the pages of the blocks it starts with are mapped into its table and the
 rest prefilled as a later chunk. Completed prompts draw their first token and land as a round
 of width 1; a chunk short of its prompt's end lands with no token (accepted -1).
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
 import triton
 from torch import Tensor
 
-from draftline.core.contract import DraftRows
+from draftline.core.contract import Capacity, DraftOverride, DraftRows
+from draftline.core.machine import Plan
+from draftline.core.methods.base import Drafter
 from draftline.core.models.ops import Forward
+from draftline.core.models.target import TargetModel
 from draftline.core.request import Request
 from draftline.core.sampling import Filters, SamplingBatch, Stream, probs_from_logits
 
 from . import logprobs as target_logprobs
-from .logprobs import Pending
 from . import sampling as kernels
-from .buffers import draft_slot, host_inverse_temperature, inverse_temperature
-from .prefix import SAVE_COLS, STAGE_COLS
+from .beside import PrefillStream
+from .buffers import Buffers, FeatureRing, draft_slot, host_inverse_temperature, inverse_temperature
+from .graphs import Graphs
 from .head import lm_logits
-from .kv import FrozenTargetKV, Rows
-from .landing import Launch
+from .kv import FrozenTargetKV, Rows, StaticKV, StaticStore
+from .landing import Landing, Launch
+from .logprobs import Pending
+from .ops import CudaOps
+from .penalties import SlotPenalties
+from .prefix import SAVE_COLS, STAGE_COLS, DevicePrefix
+from .prices import PrefillPrices
+from .staging import Staging
 from .views import prefill_view
 
 
@@ -144,8 +151,65 @@ def draw_scores(logits: Tensor, reqs: list[Request], batch: SamplingBatch) -> tu
     return logits, inverse_temperature(batch.temperature)
 
 
-class Prefilling:
-    """CudaBackend's prefill (the module's docstring); the backend holds the state it reads."""
+@dataclass(eq=False)
+class Prefiller:
+    """The cuda backend's prefill (the module's docstring), given the backend's parts it works
+    with; it owns the prefill buffers, the short prefills' graphs and their prices, and the
+    prefix cache's store."""
+
+    target: TargetModel
+    plan: Plan
+    capacity: Capacity
+    cache: StaticKV  # the target's KV: slots, pages, the scratch slot
+    kv: StaticStore  # the drafter's caches
+    drafter: Drafter | None
+    ring: FeatureRing | None  # the last verified features, for drafters that read them
+    ops: CudaOps
+    bufs: Buffers  # the rounds' slot state, where first tokens are placed
+    penalties: SlotPenalties
+    landing: Landing
+    beside: PrefillStream
+    staging: Staging
+    buckets: tuple[int, ...]  # the batch sizes graphs are captured for
+    graphs: Graphs  # short prefills' graphs
+    prices: PrefillPrices = field(default_factory=PrefillPrices)  # measured once the graphs are captured
+    draft_override: DraftOverride | None = None  # admits each prompt (bench --acceptance)
+    prefix_store: DevicePrefix | None = field(init=False)
+    pre: PrefillBuffers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device = self.cache.data.device
+        # the prefix cache: a hit's rest is prefilled as a later chunk, so it needs chunked prefill
+        seeded = self.ring if getattr(self.drafter, "extends_from_features", False) else None  # a hit's chunk reads it
+        block = self.capacity.prefix_block if self.chunked else 0
+        self.prefix_store = DevicePrefix(block, self.cache, self.kv, seeded, self.staging) if block else None
+        self.pre = PrefillBuffers.make(self.capacity.max_batch, self.cache.max_len, block, self.device)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether a prompt may be prefilled in chunks: through the invariant prefill, which attends
+        over the cache (the library's whole-prompt attention sees only the tokens it is given)."""
+        return self.cache.invariant
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def release(self, req: Request) -> None:
+        """A finished request's hold on the prefix cache's blocks."""
+        if self.prefix_store is not None:
+            self.prefix_store.release(req)
+
+    def capture(self) -> None:
+        """Every short prefill's graph, for every bucket, over padding rows (the scratch slot:
+        the draws place nothing); then their prices, measured."""
+        for bucket in self.buckets:
+            for width in PREFILL_WIDTHS:
+                for later in (False, True):  # first chunks, and later ones (a prefix hit's rest)
+                    if self._prefill_graphed(bucket, width, later):
+                        self._pad_prefill(bucket, width)
+                        self.graphs.run((bucket, width, later), lambda: self._prefill_step(bucket, width, None, later))
+        self.prices = PrefillPrices.measure(self.graphs, self.landing.device_index,
+                                            lambda key: self._pad_prefill(key[0], key[1]))
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> Launch:
@@ -176,7 +240,7 @@ class Prefilling:
         # each group's result copied before the next group runs: a graph's output is rewritten by its next replay
         done = [(packed.clone(), reported) for packed, reported in
                 (self._prefill_group([reqs[i] for i in g], [ends[i] for i in g]) for g in groups)]
-        order = self._put(torch.tensor([i for g in groups for i in g]))
+        order = self.staging.put(torch.tensor([i for g in groups for i in g]))
         packed = torch.empty(len(reqs), 3, dtype=torch.int64, device=self.device)
         packed[order] = torch.cat([p for p, _ in done])
         reported = [r for g, (_, group_reported) in zip(groups, done) for r in _as_rows_of(group_reported, g)]
@@ -235,7 +299,7 @@ class Prefilling:
         sizes = [ends[i] - reqs[i].prefilled for i in group]
         width = self._prefill_shape(len(group), max(sizes), self.cache.max_len - max(reqs[i].prefilled for i in group))[1]
         pieces, at = [], 0
-        for rows in self.prefill_prices.pieces(len(group), width, later):
+        for rows in self.prices.pieces(len(group), width, later):
             pieces.append(group[at : at + rows])
             at += rows
         return pieces
@@ -256,7 +320,7 @@ class Prefilling:
         ending = [e >= r.prefill_len for r, e in zip(reqs, ends)]  # chunks that end their prompts
         v = self._load_prefill(reqs, chunks, starts, ending, rows, width)
         later = any(starts)  # later chunks (a prefix hit's rest among them) have graphs of their own
-        logits, features, packed = self.prefill_graphs.run((rows, width, later),
+        logits, features, packed = self.graphs.run((rows, width, later),
                                                            lambda: self._prefill_step(rows, width, None, later)) \
             if self._prefill_graphed(rows, width, later) and hidden is None \
             else self._prefill_step(rows, width, hidden, later)
@@ -272,7 +336,7 @@ class Prefilling:
         if not done:
             return packed, []  # every chunk short of its prompt's end: finite, no token
         packed = packed.clone()
-        pick = self._put(torch.tensor(done))
+        pick = self.staging.put(torch.tensor(done))
         first, reported = self._first_tokens([reqs[i] for i in done], *(None if t is None else _pick(t, pick)
                                                                          for t in rows_in))
         packed[pick] = first
@@ -343,7 +407,7 @@ class Prefilling:
         self.bufs.place(slots, tokens, at)
         self.penalties.count(reqs, tokens[:, None], None)
         reported = self._prompt_logprobs(reqs, hidden, ids)
-        reported += self._window_logprobs(reqs, logits[:, None], tokens[:, None], at)
+        reported += target_logprobs.pending(reqs, logits[:, None], tokens[:, None], at)
         # as a round of width 1 lands: finite, accepted (0), the token; read when collected
         return torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), reported
 
@@ -358,8 +422,8 @@ class Prefilling:
                 for i, r in enumerate(reqs) if _prompt_logprobs(r) and len(r.prompt_ids) > 1]
 
     def _prefill_graphed(self, rows: int, width: int, later: bool = False) -> bool:
-        return (self.prefill_graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
-                and width <= self.cache.max_len and (self.chunked_prefill or not later))
+        return (self.graphs.enabled and width in PREFILL_WIDTHS and rows * width <= PREFILL_GRAPH_TOKENS
+                and width <= self.cache.max_len and (self.chunked or not later))
 
     def _prefill_step(self, rows: int, width: int, hidden_out: list | None = None, later: bool = False
                       ) -> tuple[Tensor, Tensor | None, Tensor]:
