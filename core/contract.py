@@ -75,6 +75,12 @@ class DraftRows:
     # a drafter that needs them makes them
     positions: Tensor | None = None
     end: Tensor | None = None  # [N] int64: start + W, that window's key count, where the backend has it
+    greedy: bool = False  # every row greedy (temperature 0): a draw from the drafter's q is its argmax
+
+    def argmax_drafts(self, draft_sample_method: str) -> bool:
+        """Whether the drafts are the drafter's argmax: the plan drafts greedily, or every row is
+        greedy, where sampling from q picks its argmax (the argmax path skips q and the draw)."""
+        return self.greedy or draft_sample_method == "greedy"
 
     def verified(self, k: int) -> int:
         """The drafts the round verifies, at most K: the steps a chain runs, the block slots a

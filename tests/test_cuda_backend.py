@@ -270,18 +270,26 @@ def test_slots_are_reused_after_requests_finish():
     assert eng.generate(prompts[:1], params)[0].output_ids == first[0].output_ids
 
 
-def test_probabilistic_drafting_runs_eagerly_and_stays_lossless():
-    """Drafts sampled from the drafter's q take the eager draft path and the rejection kernel;
-    greedy requests still get the reference's tokens, sampled ones repeat under their seed."""
+def test_probabilistic_drafting_samples_eagerly_and_drafts_greedy_rows_inside_the_round():
+    """With draft_sample_method probabilistic, rounds of greedy rows draft the drafter's argmax
+    (what a draw from their one-hot q is) inside the round's graph path, and get the reference's
+    tokens; rounds with a sampling row draw from q on the eager draft path and the rejection
+    kernel, and repeat under their seed."""
     spec = {**METHODS["dflash"], "draft_sample_method": "probabilistic"}
     engines = [Engine(tiny_spec(spec, max_batch_size=2, backend=backend, device=DEV, dtype="float32", max_model_len=128))
                for backend in ("reference", "cuda")]
+    backend, inside, eager = engines[1].backend, [], []
+    draft_step, propose = backend._draft_step, backend.drafter.propose
+    backend._draft_step = lambda *a: inside.append(1) or draft_step(*a)
+    backend.drafter.propose = lambda reqs, rows: eager.append(not rows.greedy) or propose(reqs, rows)
     greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)  # about 4 rounds: each is interpreted
     ref, got = (e.generate(PROMPTS[:2], greedy) for e in engines)
     assert [c.output_ids for c in got] == [c.output_ids for c in ref]
+    assert inside and not any(eager)
     sampled = [SamplingParams(temperature=1.0, seed=9, max_new_tokens=5, ignore_eos=True)]
     first = [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)]
     assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first
+    assert any(eager)
 
 
 def _stops_in_flight_match_depth_0(engine_at, prompts: list[str], n: int) -> list:

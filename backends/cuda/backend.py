@@ -286,24 +286,20 @@ class CudaBackend:
         takes the full width. Narrower widths decide on the device."""
         keys = [(bucket, 1, True, False), (bucket, 1, False, False)]
         if self.width > 1:
-            inside = self._graphed_draft()
-            keys += [(bucket, self.width, False, inside)] + ([(bucket, self.width, True, True)] if inside else [])
+            keys += [(bucket, self.width, False, True), (bucket, self.width, True, True)]
+            keys += [(bucket, self.width, False, False)] if self.plan.draft_sample_method != "greedy" else []
             keys += [(bucket, w, True, True) for w in self.narrow[bucket]]
         return keys
 
     def _narrower(self, bucket: int) -> tuple[int, ...]:
         """The narrower verify widths a drafting round of ``bucket`` rows may take (captured:
         the greedy drafts' graphs decide on the device), where its full verify may be compute-bound."""
-        graphed = self.capacity.graphs and self.device.type == "cuda"
-        if self.drafter is None or bucket * self.width < NARROW_TOKENS or (graphed and not self._graphed_draft()):
+        if self.drafter is None or bucket * self.width < NARROW_TOKENS:
             return ()
         return narrowing_widths(self.width - 1)[1:]
 
     def verify_widths(self, rows: int) -> tuple[int, ...]:
         return () if self.drafter is None else (self.width, *self.narrow[self.bucket(rows)])
-
-    def _graphed_draft(self) -> bool:
-        return self.drafter is not None and self.drafter.graph_safe and self.plan.draft_sample_method == "greedy"
 
     # ------------------------------------------------------------------ host values and logprobs
 
@@ -325,13 +321,16 @@ class CudaBackend:
                 self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
             self.cache.flush()
         self.bufs.load(reqs, bucket)
+        # drafts drawn from the drafter's q (rows that sample, where the spec drafts so) are accepted
+        # eagerly, q and all; greedy rows' drafts are its argmax, drafted inside the round's graph
+        sampled = width > 1 and self.plan.draft_sample_method != "greedy" and any(r.params.temperature > 0 for r in reqs)
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
-        decide = not any(r.params.reads_logits for r in reqs) and (width == 1 or self.plan.draft_sample_method == "greedy")
+        decide = not any(r.params.reads_logits for r in reqs) and not sampled
         if width > 1 and (not decide or width not in self.verify_widths(n)):
             width = self.width  # logits read on the host: the full window's graph
-        inside = width > 1 and self._graphed_draft()
+        inside = width > 1 and not sampled
         probs = None
-        if width > 1 and not inside:  # sampled drafts: their q goes to acceptance
+        if sampled:  # their q goes to acceptance
             self.bufs.gather(bucket)
             proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1)).first(width - 1)
             self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens[:n])
@@ -377,20 +376,21 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ draft
 
-    def _rows(self, bucket: int, drafts: int = 0, positions: Tensor | None = None, end: Tensor | None = None
-              ) -> DraftRows:
+    def _rows(self, bucket: int, drafts: int = 0, positions: Tensor | None = None, end: Tensor | None = None,
+              greedy: bool = False) -> DraftRows:
         """The rows as a drafter sees them; ``end`` [bucket]: start + the width of the forward
-        their caches serve (the verify's, for its context update), where it is on the device."""
+        their caches serve (the verify's, for its context update), where it is on the device;
+        ``greedy``: every row is (its drafts the drafter's argmax)."""
         b = self.bufs
         slots, start = b.row(SLOT, bucket), b.row(START, bucket)
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
                          caches=Rows(b.row(DRAFT_SLOT, bucket)), target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
-                         drafts=drafts, positions=positions, end=end)
+                         drafts=drafts, positions=positions, end=end, greedy=greedy)
 
     def _draft_step(self, bucket: int, width: int) -> None:
         """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps)."""
-        rows = self._rows(bucket, width - 1)
+        rows = self._rows(bucket, width - 1, greedy=True)  # a graph's draft step: greedy rows alone
         tokens = self.drafter.propose([], rows).tokens  # [bucket, K], or its first width - 1 columns
         self.bufs.drafts[:bucket, : tokens.shape[1]].copy_(tokens)
         if self.draft_override is not None:

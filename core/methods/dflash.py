@@ -203,7 +203,7 @@ class DFlashDrafter(Drafter):
         hidden = self.model.run(ops, fwd, ops.embed(self.target.model.embed_tokens.weight, ids))
         # the block attends as a whole, but only the slots the round verifies are read out
         read = 1 + rows.verified(self.plan.block_size - 1)
-        if self.plan.draft_sample_method == "greedy":  # slot k predicts position start + k
+        if rows.argmax_drafts(self.plan.draft_sample_method):  # slot k predicts position start + k
             best = ops.argmax(self.model.head(self.target), hidden[:, 1:read])  # [N, K] drafter-vocabulary ids
             return Proposal(tokens=self.model.to_target_ids(best))
         logits = self.model.logits(hidden[:, 1:read], self.target, ops)  # [N, K, V]

@@ -202,13 +202,14 @@ class Eagle3Drafter(Drafter):
         self.model.run(self.ops, fwd, self.table, tokens, self.model.fuse(feats, self.ops, fwd))
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        if self.kv.positional and self.ascending and self.plan.draft_sample_method == "greedy":
+        argmax = rows.argmax_drafts(self.plan.draft_sample_method)
+        if self.kv.positional and self.ascending and argmax:
             return Proposal(tokens=self._greedy_rows(rows))
         if self.kv.positional:
             logits = self._chain_rows(rows)  # [N, K, V]
         else:  # one request at a time (its pending context, then K-1 chained steps)
             logits = torch.stack([self._chain(req) for req in reqs])
-        if self.plan.draft_sample_method == "greedy":
+        if argmax:
             return Proposal(tokens=logits.argmax(-1))
         return self._sampled(logits, rows)
 
@@ -260,7 +261,7 @@ class Eagle3Drafter(Drafter):
 
     def _pick_rows(self, logits: Tensor, rows: DraftRows, j: int) -> Tensor:
         """Draft j + 1's token, as propose() will choose it: argmax, or the seeded draw."""
-        if self.plan.draft_sample_method == "greedy":
+        if rows.argmax_drafts(self.plan.draft_sample_method):
             return logits.argmax(-1)
         q = probs_from_logits(logits, rows.batch)
         return sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)

@@ -124,10 +124,10 @@ class MTPDrafter(Drafter):
         # the chain's one query position (the last token's), over the target's verified keys
         fwd = rows.target_kv.forward(rows.start[:, None], self.kv_layer)
         embedding = self.readout.weight
-        tokens, qs = [], []
+        tokens, qs, argmax = [], [], rows.argmax_drafts(self.plan.draft_sample_method)
         for j in range(k):
             hidden = self.model.run(self.ops, fwd, embedding, token, hidden)
-            if self.plan.draft_sample_method == "greedy":
+            if argmax:
                 token = self.ops.argmax(self.readout, hidden[:, 0])[:, None]  # [N, 1]
             else:
                 q = probs_from_logits(self.ops.logits(self.readout, hidden[:, 0]), rows.batch)
