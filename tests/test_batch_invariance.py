@@ -196,15 +196,17 @@ def test_a_window_too_wide_for_the_invariant_tile_is_refused_only_when_the_spec_
 def test_seeded_sampled_requests_are_the_same_with_drafting_on_off_and_auto(name):
     """The spec's default kernels (batch-invariant) in bf16 on the GPU: seeded sampled requests
     emit the same tokens with drafting forced on, with `none`, and with the `auto` policy,
-    alone and in a batch of 8 (greedy drafts are accepted against the target's own keyed draw,
-    which plain decoding makes too)."""
-    from conftest import respec
+    alone and in a batch of 8 (argmax drafts are accepted against the target's own keyed draw,
+    which plain decoding makes too; drafts sampled from q, as the shipped specs draft for sampled
+    requests, are lossless in law, not token for token)."""
+    from conftest import argmax_drafts, respec
     from draftline.core.engine import Engine
     from draftline.core.sampling import SamplingParams
     from draftline.core.spec import load_spec
     from draftline.core.training.corpus import read_prompts
 
     spec = respec(load_spec(f"specs/{name}.yaml"), "cuda", device="cuda", dtype="bfloat16", max_batch_size=8)
+    spec = argmax_drafts(spec)
     engine = Engine(spec, draft_policy="always")
     assert engine.backend.cache.invariant  # the default
     engines = [engine, engine.with_method({"method": "none"}),

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from conftest import INTERPRETED, respec, tiny_spec  # noqa: E402
+from conftest import INTERPRETED, argmax_drafts, respec, tiny_spec  # noqa: E402
 from draftline.core.engine import Engine, kv_blocks, kv_lookahead  # noqa: E402
 from draftline.core.sampling import SamplingParams  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
@@ -148,10 +148,9 @@ TRAINED = {"dflash": "specs/tiny-dflash.yaml", "eagle3": "specs/tiny-eagle3.yaml
 
 
 def _trained_spec(method: str):
-    """The shipped spec with argmax drafts: the path the cuda backend captures (the shipped
-    specs sample their drafts, which it drafts eagerly, for sampled requests' sake)."""
-    spec = _trained_spec(method)
-    return spec.with_method({**spec.speculative.model_dump(mode="python"), "draft_sample_method": "greedy"})
+    """The shipped spec with argmax drafts (the shipped specs sample their drafts, which greedy
+    requests draft as their argmax anyway): the reference's drafts then come from the same head."""
+    return argmax_drafts(load_spec(TRAINED[method]))
 TRAINED_PROMPTS = ["import os\nclass A:\n    def run(self, n):", "def add(a, b):\n    ",
                    "for i in range(10):\n    print(i)", "def __init__(self, name):\n"]
 TRAINED_LENGTHS = (8, 5, 6, 4)  # a few rounds each: the trained drafters' runs are long
@@ -279,13 +278,19 @@ def test_probabilistic_drafting_samples_eagerly_and_drafts_greedy_rows_inside_th
     engines = [Engine(tiny_spec(spec, max_batch_size=2, backend=backend, device=DEV, dtype="float32", max_model_len=128))
                for backend in ("reference", "cuda")]
     backend, inside, eager = engines[1].backend, [], []
-    draft_step, propose = backend._draft_step, backend.drafter.propose
-    backend._draft_step = lambda *a: inside.append(1) or draft_step(*a)
+    replay, propose = backend._replay, backend.drafter.propose  # (bucket, width, decide, drafts inside)
+
+    def spied(bucket, width, decide, drafts_inside):
+        if width > 1:
+            inside.append(drafts_inside)
+        return replay(bucket, width, decide, drafts_inside)
+
+    backend._replay = spied
     backend.drafter.propose = lambda reqs, rows: eager.append(not rows.greedy) or propose(reqs, rows)
     greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)  # about 4 rounds: each is interpreted
     ref, got = (e.generate(PROMPTS[:2], greedy) for e in engines)
     assert [c.output_ids for c in got] == [c.output_ids for c in ref]
-    assert inside and not any(eager)
+    assert inside and all(inside) and not any(eager)
     sampled = [SamplingParams(temperature=1.0, seed=9, max_new_tokens=5, ignore_eos=True)]
     first = [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)]
     assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first

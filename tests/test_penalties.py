@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import full_forward
+from conftest import argmax_drafts, full_forward
 from draftline.core.engine import Engine
 from draftline.core.sampling import SamplingParams
 from draftline.core.spec import load_spec
@@ -87,7 +87,8 @@ def test_greedy_with_drafting_equals_plain_when_penalised(plain, method, batch):
 def test_seeded_sampling_with_drafting_equals_plain_when_penalised(plain):
     """Argmax drafts are accepted against the target's own keyed sample at each position, so a
     seeded penalised request emits the same tokens drafted or not."""
-    drafted = Engine(load_spec(SPECS / "tiny-dflash.yaml"), plain.target, plain.tokenizer, draft_policy="always")
+    drafted = Engine(argmax_drafts(load_spec(SPECS / "tiny-dflash.yaml")), plain.target, plain.tokenizer,
+                     draft_policy="always")
     params = [_params(temperature=0.8, seed=31 + i, **PENALISED["mixed"]) for i in range(3)]
     got = drafted.generate(PROMPTS[:3], params)
     assert [c.output_ids for c in got] == [c.output_ids for c in plain.generate(PROMPTS[:3], params)]

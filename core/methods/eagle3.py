@@ -202,7 +202,9 @@ class Eagle3Drafter(Drafter):
         self.model.run(self.ops, fwd, self.table, tokens, self.model.fuse(feats, self.ops, fwd))
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
-        argmax = rows.argmax_drafts(self.plan.draft_sample_method)
+        # rows None: the reference's requests, one at a time
+        argmax = self.plan.draft_sample_method == "greedy" if rows is None else rows.argmax_drafts(
+            self.plan.draft_sample_method)
         if self.kv.positional and self.ascending and argmax:
             return Proposal(tokens=self._greedy_rows(rows))
         if self.kv.positional:
