@@ -132,7 +132,7 @@ class ServerSpec(Strict):
     admission_wait: int = Field(0, ge=0)
     # prompts' full blocks of block_size tokens are kept after their requests and reused by
     # later prompts that start alike (the reference backend; the cuda backend with its chunked
-    # prefill, in a device store of a quarter of the KV cache's positions)
+    # prefill, as pages of its KV pool that later requests map into their tables)
     enable_prefix_caching: bool = True
     block_size: int = Field(16, ge=1, le=1024)
     # KV blocks (of block_size tokens) the running requests may hold together: requests are
