@@ -69,16 +69,16 @@ elif [ "$part" = 1 ]; then
   echo "rc=$?"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
   tail -1 "$OUT/gpu_tests.log"  # pytest's summary line, warnings and all
-  # issue 19: no regression at tau = 1 (none <= 1.23x floor, dflash round <= 1.25x)
+  # no regression at tau = 1 (none <= 1.23x floor, dflash round <= 1.25x)
   run 130 tau1_b1 python3 -m draftline bench --spec specs/qwen3-8b-random-dflash.yaml --batch-sizes 1
 elif [ "$part" = 2 ]; then
-  # issue 19: every method >= 1.3x over none at 16 slots, new prompts
+  # every method >= 1.3x over none at 16 slots, new prompts
   run 200 tiny_b16 python3 bench/user_speedup.py --batches 16 --feed continuous --prompts 48
-  # issue 22: >= 11,000 output tok/s at 64 streams (SIMULATED acceptance)
+  # >= 11,000 output tok/s at 64 streams (SIMULATED acceptance)
   run 320 serve_64 python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 64 --modes auto
 elif [ "$part" = 4 ]; then
-  # issue 57: at temperature 1 the best method >= 1.5x over none (cuda, shipped pair, new prompts, batch 1)
+  # at temperature 1 the best method >= 1.5x over none (cuda, shipped pair, new prompts, batch 1)
   run 280 humaneval_b1 python3 -m draftline eval specs/gpu-dflash.yaml specs/gpu-eagle3.yaml specs/gpu-gemma4-mtp.yaml \
     --dataset humaneval --temperatures 0,1.0
   # the same with drafts sampled from the drafter (as the CPU specs draft; this backend drafts them eagerly)
@@ -89,10 +89,10 @@ elif [ "$part" = 4 ]; then
   run 280 humaneval_b1_probabilistic python3 -m draftline eval "$OUT"/gpu-{dflash,eagle3,gemma4-mtp}-probabilistic.yaml \
     --dataset humaneval --temperatures 1.0
 else
-  # issue 22: no running request's gap over 2x its median while a 4,096-token prompt is prefilled
+  # no running request's gap over 2x its median while a 4,096-token prompt is prefilled
   run 280 long_prompt python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 128 --concurrency 32 --requests 128 \
     --long-prompt 4096 --max-model-len 4608 --max-num-batched-tokens 256 --modes auto
-  # issue 22's lead: prompts' prefills were a fifth of the 64-stream level's device time
+  # prompts' prefills were a fifth of the 64-stream level's device time
   TAIL=40 DRAFTLINE_PDL=0 run 250 prefill_kernels python3 bench/prefill_kernels.py specs/qwen3-8b-random-dflash.yaml 1,8
 fi

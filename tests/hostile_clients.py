@@ -1,4 +1,4 @@
-"""Measures what issue 56's targets ask, against a real `draftline serve` process (the default
+"""Measures the serving hardening targets against a real `draftline serve` process (the default
 spec, tiny DFlash) and the real CLI, and prints each number:
 
   python tests/hostile_clients.py [--examples 50] [--skip-cli]
