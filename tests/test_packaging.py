@@ -125,3 +125,20 @@ def test_module_and_console_script_from_outside_the_repository(tmp_path):
         pytest.skip(f"no draftline console script next to {sys.executable} (pip install -e .)")
     run = _outside([str(script), "validate", spec], tmp_path)
     assert "1 valid, 0 invalid" in run.stdout
+
+
+def test_a_script_beside_a_clone_named_draftline_gets_the_package(tmp_path):
+    # a clone is usually a folder named draftline; a script run from the folder that holds it
+    # finds that folder first, so it must be the whole package there, not an empty namespace
+    (tmp_path / "draftline").symlink_to(ROOT, target_is_directory=True)
+    code = (
+        "import json, draftline\n"
+        "from draftline import Engine, SamplingParams\n"
+        "import draftline.core.engine, draftline.cli\n"
+        "print(json.dumps([draftline.core.engine.__file__, draftline.cli.__file__, Engine.__name__]))\n"
+    )
+    run = _outside([sys.executable, "-c", code], tmp_path)
+    engine, cli, name = json.loads(run.stdout.splitlines()[-1])
+    assert (Path(engine), Path(cli), name) == (ROOT / "core" / "engine.py", ROOT / "draftline" / "cli.py", "Engine")
+    helped = _outside([sys.executable, "-m", "draftline", "--help"], tmp_path)
+    assert "generate" in helped.stdout
