@@ -99,6 +99,7 @@ def test_drafter_context_is_exactly_the_target_features_before_the_anchor():
     for _ in range(4):
         engine.step()
     drafter = engine.backend.drafter
+    drafter.store_pending(req)  # the last round's context waits for the next draft
     anchor = req.seq_len - 1
     ids = torch.tensor([req.token_ids[:anchor]])
     with torch.no_grad():
@@ -114,6 +115,36 @@ def test_drafter_context_is_exactly_the_target_features_before_the_anchor():
         drafter.extend(req, feats[0, -1:] * 3.0, anchor)  # a leaked row at the anchor position
         after = drafter.propose([req], engine.backend.draft_rows([req])).tokens
     assert not torch.equal(before, after)
+
+
+def test_plain_rounds_store_no_context_until_the_request_drafts_again():
+    """Rounds decoded plainly (two rows, drafting only up to one) leave their context pending,
+    so they cost no drafter work; the next draft stores the whole run in one forward, equal to
+    K/V from a full target forward, and a finished request leaves nothing behind."""
+    spec = tiny_spec()
+    data = spec.model_dump(mode="python")
+    data["speculative"]["max_draft_batch"] = 1
+    engine = Engine(type(spec).model_validate(data))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in ("def f(x):\n    return", "class A:\n    pass")]
+    for _ in range(5):
+        engine.step()
+    drafter, req = engine.backend.drafter, reqs[0]
+    anchor = req.seq_len - 1
+    assert len(req.output_ids) > 3 and req.draft_state.length() == 0  # prompt and rounds alike pending
+    start, parts = drafter.pending[req.rid]
+    assert start == 0 and sum(len(f) for f in parts) == anchor
+    with torch.no_grad():
+        drafter.propose([req], engine.backend.draft_rows([req]))
+        _, feats = full_forward(engine.target, torch.tensor([req.token_ids[:anchor]]), engine.plan.target_layer_ids)
+        expect = drafter.model.context_kv(feats, torch.arange(anchor)[None])
+    assert req.rid not in drafter.pending and req.draft_state.length() == anchor
+    for layer, (k, v) in enumerate(expect):
+        torch.testing.assert_close(req.draft_state.k[layer], k[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(req.draft_state.v[layer], v[0], rtol=1e-4, atol=1e-5)
+    while engine.scheduler.has_work():
+        engine.step()
+    assert drafter.pending == {}
 
 
 def test_preset_matches_zlab_fields():

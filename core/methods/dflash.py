@@ -177,6 +177,10 @@ class DFlashDrafter(Drafter):
         # each query's window ending at itself (z-lab), as both backends' stores apply them
         self.windowed = {"windows": cfg.windows(), "block_causal": cfg.sliding_block_causal,
                          "per_query": cfg.sliding_per_query} if cfg.windows() else {}
+        # request id -> (first position, features [n, taps*H] from there on, in order): context
+        # not yet stored, so rounds decoded plainly cost no drafter work, and a run of them is
+        # stored in one forward once the request drafts again
+        self.pending: dict[int, tuple[int, list[Tensor]]] = {}
 
     def admit(self, req: Request) -> None:
         req.draft_state = self.kv.new(len(self.model.layers))
@@ -184,9 +188,25 @@ class DFlashDrafter(Drafter):
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
         if req.draft_state is None:
             self.admit(req)
-        positions = torch.arange(first_position, first_position + features.shape[0], device=features.device)[None]
+        start, parts = self.pending.get(req.rid, (first_position, []))
+        if parts and start + sum(len(f) for f in parts) != first_position:  # not where the run ends: store it first
+            self.store_pending(req)
+            start, parts = first_position, []
+        self.pending[req.rid] = (start, parts + [features])
+
+    def store_pending(self, req: Request) -> None:
+        """The request's pending context into its cache, in one forward."""
+        start, parts = self.pending.pop(req.rid, (0, []))
+        if not parts:
+            return
+        features = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n, taps*H]
+        positions = torch.arange(start, start + features.shape[0], device=features.device)[None]
         fwd = self.kv.forward([req.draft_state], positions, causal=False)
         self.model.store_context(self.kv.ops, fwd, features[None])
+
+    def release(self, req: Request) -> None:
+        self.pending.pop(req.rid, None)
+        super().release(req)
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
         positions = rows.positions  # [N, W]
@@ -196,6 +216,8 @@ class DFlashDrafter(Drafter):
         self.model.store_context(self.kv.ops, fwd, features)
 
     def propose(self, reqs: list[Request], rows: DraftRows) -> Proposal:
+        for req in reqs:  # what their plain rounds left to store
+            self.store_pending(req)
         n, ops = rows.last_token.shape[0], self.kv.ops
         # [N, B] each: ids anchor, MASK, ...; positions start .. start + B - 1
         ids, positions = ops.block_window(rows.last_token, rows.start, self.mask_token_id, self.plan.block_size)
