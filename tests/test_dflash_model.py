@@ -132,13 +132,13 @@ def test_plain_rounds_store_no_context_until_the_request_drafts_again():
     drafter, req = engine.backend.drafter, reqs[0]
     anchor = req.seq_len - 1
     assert len(req.output_ids) > 3 and req.draft_state.length() == 0  # prompt and rounds alike pending
-    start, parts = drafter.pending[req.rid]
-    assert start == 0 and sum(len(f) for f in parts) == anchor
+    start, end, parts = drafter.pending[id(req.draft_state)]
+    assert (start, end, sum(len(f) for f in parts)) == (0, anchor, anchor)
     with torch.no_grad():
         drafter.propose([req], engine.backend.draft_rows([req]))
         _, feats = full_forward(engine.target, torch.tensor([req.token_ids[:anchor]]), engine.plan.target_layer_ids)
         expect = drafter.model.context_kv(feats, torch.arange(anchor)[None])
-    assert req.rid not in drafter.pending and req.draft_state.length() == anchor
+    assert id(req.draft_state) not in drafter.pending and req.draft_state.length() == anchor
     for layer, (k, v) in enumerate(expect):
         torch.testing.assert_close(req.draft_state.k[layer], k[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(req.draft_state.v[layer], v[0], rtol=1e-4, atol=1e-5)

@@ -177,10 +177,10 @@ class DFlashDrafter(Drafter):
         # each query's window ending at itself (z-lab), as both backends' stores apply them
         self.windowed = {"windows": cfg.windows(), "block_causal": cfg.sliding_block_causal,
                          "per_query": cfg.sliding_per_query} if cfg.windows() else {}
-        # request id -> (first position, features [n, taps*H] from there on, in order): context
+        # id of a request's cache -> [first position, end, features [n, taps*H] in order]: context
         # not yet stored, so rounds decoded plainly cost no drafter work, and a run of them is
         # stored in one forward once the request drafts again
-        self.pending: dict[int, tuple[int, list[Tensor]]] = {}
+        self.pending: dict[int, list] = {}
 
     def admit(self, req: Request) -> None:
         req.draft_state = self.kv.new(len(self.model.layers))
@@ -188,24 +188,28 @@ class DFlashDrafter(Drafter):
     def extend(self, req: Request, features: Tensor | None, first_position: int) -> None:
         if req.draft_state is None:
             self.admit(req)
-        start, parts = self.pending.get(req.rid, (first_position, []))
-        if parts and start + sum(len(f) for f in parts) != first_position:  # not where the run ends: store it first
+        run = self.pending.get(id(req.draft_state))
+        if run is not None and run[1] != first_position:  # not where the run ends: store it first
             self.store_pending(req)
-            start, parts = first_position, []
-        self.pending[req.rid] = (start, parts + [features])
+            run = None
+        if run is None:
+            run = self.pending[id(req.draft_state)] = [first_position, first_position, []]
+        run[1] += features.shape[0]
+        run[2].append(features)
 
     def store_pending(self, req: Request) -> None:
         """The request's pending context into its cache, in one forward."""
-        start, parts = self.pending.pop(req.rid, (0, []))
-        if not parts:
+        run = self.pending.pop(id(req.draft_state), None)
+        if run is None:
             return
+        start, _, parts = run
         features = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n, taps*H]
         positions = torch.arange(start, start + features.shape[0], device=features.device)[None]
         fwd = self.kv.forward([req.draft_state], positions, causal=False)
         self.model.store_context(self.kv.ops, fwd, features[None])
 
     def release(self, req: Request) -> None:
-        self.pending.pop(req.rid, None)
+        self.pending.pop(id(req.draft_state), None)
         super().release(req)
 
     def extend_rows(self, rows: DraftRows, features: Tensor, tokens: Tensor) -> None:
