@@ -14,9 +14,10 @@ so only the rounds that carry a prefilled row wait, on the last prefill's event,
 every earlier one. Prefills count attention's arrivals in tickets of their own
 (StaticKV.prefills_apart), and their graphs keep a memory pool of their own.
 
-Why off: on the H200 with the shipped tiny pair at 16 slots (docs/RESULTS.md), a round ran about 25 µs longer while a prefill ran beside it, the rows joining a
-step later left 11.2 rows a round against 11.4, and the passes were no faster than in line
-within the hosts' spread (``DRAFTLINE_PREFILL_BESIDE=1`` against the default, one run each).
+Why off: on the H200 with the shipped tiny pair at 16 slots, a round ran longer while a
+prefill ran beside it, the rows joining a step later made rounds thinner, and the passes were
+no faster than in line within the hosts' spread (docs/RESULTS.md; ``DRAFTLINE_PREFILL_BESIDE=1``
+against the default measures it).
 """
 
 from __future__ import annotations
