@@ -154,8 +154,8 @@ def _training_commands(sub, handlers: dict[str, Handler]) -> None:
                    help="text files, JSONL files (a \"text\" or chat \"messages\" field per line) or folders of them "
                         "(default: the standard library's Python source)")
     c.add_argument("--tokenizer", metavar="FOLDER",
-                   help="with --data: the target's folder, for its tokenizer.json and chat template "
-                        "(default: train a BPE on the text)")
+                   help="the target's folder, for its tokenizer.json and chat template: a drafter's corpus "
+                        "must be tokenized as its target was (default: train a BPE on the text)")
     c.add_argument("--vocab-size", type=flags.integer(512, 65535), default=4096,
                    help="BPE vocabulary size, when a BPE is trained")
     c.add_argument("--prompts", type=NON_NEGATIVE, default=120, help="held-out evaluation prompts to write")

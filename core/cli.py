@@ -121,22 +121,8 @@ def _print_text(engine: Any, prompt: str, result: dict[str, Any]) -> None:
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:
-    if args.data:
-        return _user_corpus(args)
-    if args.tokenizer:
-        raise ConfigError("--tokenizer applies to --data (your own text); the standard-library corpus trains its own BPE")
-    from .training.corpus import build_corpus
-
-    info = build_corpus(Path(args.out), args.vocab_size, args.prompts)
-    print(json.dumps(info, indent=2))
-    print(f"wrote {args.out}/corpus.pt ({info['bytes'] / 2**20:.1f} MiB: {info['train_tokens']:,} train and "
-          f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, tokenizer_config.json, eval_prompts.jsonl")
-    return 0
-
-
-def _user_corpus(args: argparse.Namespace) -> int:
-    from .training.documents import build_user_corpus
-
+    """Your own text (--data), or this interpreter's standard library; tokenized by --tokenizer
+    (a target's folder) or by a BPE trained on the text."""
     folder = Path(args.tokenizer) if args.tokenizer else None
     if folder is not None and not (folder / "tokenizer.json").is_file():
         raise ConfigError(f"--tokenizer {folder}: no tokenizer.json there; give the target's HF-format folder")
@@ -144,7 +130,14 @@ def _user_corpus(args: argparse.Namespace) -> int:
         from .models.tokenizer import load_tokenizer
 
         load_tokenizer(folder)
-    info = build_user_corpus(Path(args.out), args.data, folder, args.vocab_size, args.prompts)
+    if args.data:
+        from .training.documents import build_user_corpus
+
+        info = build_user_corpus(Path(args.out), args.data, folder, args.vocab_size, args.prompts)
+    else:
+        from .training.corpus import build_corpus
+
+        info = build_corpus(Path(args.out), args.vocab_size, args.prompts, folder)
     print(json.dumps(info, indent=2))
     print(f"wrote {args.out}/corpus.pt ({info['bytes'] / 2**20:.1f} MiB: {info['train_tokens']:,} train and "
           f"{info['heldout_tokens']:,} held-out tokens), tokenizer.json, tokenizer_config.json, eval_prompts.jsonl")
@@ -231,6 +224,8 @@ def _train_drafter(args: argparse.Namespace, out: Path, device):
                           "nothing is left; give a larger --steps to train on")
     _check_target(args)
     data = None if resume else train_inputs.corpus(args.data)
+    if resume is None:
+        train_inputs.same_tokenizer(args.data, args.target)
     target = load_target(args.target)
     if resume is not None:
         check_target(resume, target, args.resume, args.target)

@@ -72,3 +72,21 @@ def corpus(folder: str, seq_len: int | None = None) -> dict[str, Any]:
                           f"{data['heldout'].numel():,} held-out tokens; give a --seq-len below {shortest - 1} "
                           "or a larger corpus")
     return data
+
+
+def same_tokenizer(corpus_folder: str, target_folder: str) -> None:
+    """A drafter learns token ids: its corpus must be tokenized as its target's prompts are.
+    A target folder without tokenizer.json (a bare checkpoint) is taken at its word."""
+    import json
+
+    theirs, ours = Path(target_folder) / "tokenizer.json", Path(corpus_folder) / "tokenizer.json"
+    if not theirs.is_file() or not ours.is_file():
+        return
+    try:
+        same = json.loads(theirs.read_text()).get("model") == json.loads(ours.read_text()).get("model")
+    except (ValueError, UnicodeDecodeError):
+        return  # a damaged file is named where it is loaded
+    if not same:
+        raise ConfigError(f"--data {corpus_folder}: its tokenizer.json is not --target {target_folder}'s, so the "
+                          "drafter would learn other token ids; rebuild the corpus with the target's tokenizer: "
+                          f"`draftline corpus --tokenizer {target_folder} --out {corpus_folder}` (add --data for your own text)")

@@ -252,6 +252,42 @@ def test_user_corpus_from_jsonl_with_the_targets_tokenizer(tmp_path, capsys):
     assert 'bad.jsonl:2: a record needs a "text" string or a "messages" list' in capsys.readouterr().err
 
 
+def test_library_corpus_with_the_targets_tokenizer_and_a_mismatch_refused(tmp_path, monkeypatch, capsys):
+    """`corpus --tokenizer TARGET` tokenizes the standard library as the target reads text (a
+    drafter for a shipped target, on any Python), keeping the split by module; a drafter run
+    whose corpus another tokenizer wrote stops before any work, naming that command."""
+    from draftline.cli import main
+    from draftline.core.training import corpus
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for i in range(20):
+        body = "".join(f"def f{j}_{i}(x):\n    y = x + {j}\n    return y\n\n" for j in range(12))
+        (lib / f"mod{i}.py").write_text(body)
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: lib)
+    _user_data(tmp_path)
+    assert main(["corpus", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "c"), "--prompts", "8"]) == 0
+    assert (tmp_path / "c" / "tokenizer.json").read_text() == (tmp_path / "tok" / "tokenizer.json").read_text()
+    data = torch.load(tmp_path / "c" / "corpus.pt")
+    held = {f"mod{i}" for i in range(20) if is_held_out(f"mod{i}")}
+    assert data["vocab_size"] == 300 and data["eos_id"] == 256 and data["heldout_function_starts"].numel() == 12 * len(held)
+    prompts = [json.loads(line) for line in (tmp_path / "c" / "eval_prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 8 and {p["module"] for p in prompts} <= held
+    capsys.readouterr()
+
+    stream = torch.randint(2, 300, (4000,), dtype=torch.int16)
+    pretrain(stream, stream[:1000], 300, 0, tmp_path / "t", PretrainConfig(preset="micro", steps=1, batch_size=2,
+             seq_len=16, eval_every=1), torch.device("cpu"))
+    train_bpe(["def f(x):\n    return x\n"] * 20, 512).save(str(tmp_path / "t" / "tokenizer.json"))
+    argv = ["train", "dflash", "--data", str(tmp_path / "c"), "--target", str(tmp_path / "t"), "--device", "cpu",
+            "--preset", "micro-dflash", "--out", str(tmp_path / "d")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"its tokenizer.json is not --target {tmp_path / 't'}'s" in err
+    assert f"`draftline corpus --tokenizer {tmp_path / 't'} --out {tmp_path / 'c'}`" in err
+    assert not (tmp_path / "d").exists()
+
+
 def test_cli_training_keeps_its_budget_and_resumes(tmp_path, capsys):
     """A drafter trained from the user's JSONL: --num-sequences smaller than --gen-batch
     generates only those; --max-seconds bounds the whole run (generation included) and leaves

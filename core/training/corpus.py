@@ -128,19 +128,27 @@ def read_prompts(path: Path) -> list[str]:
     return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
-    """Train the tokenizer on the train split, tokenize both splits, pick held-out prompts."""
+def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120, tokenizer_folder: Path | None = None) -> dict:
+    """Train the tokenizer on the train split (or take ``tokenizer_folder``'s: a target's, whose
+    drafters are to be trained on this interpreter's library), tokenize both splits, pick
+    held-out prompts."""
     import torch
 
+    from ..models.tokenizer import load_tokenizer
     from ..models.tokenizer_files import write_tokenizer_files
     from .bpe import train_bpe
+    from .documents import config_vocab, eos_id
 
     out.mkdir(parents=True, exist_ok=True)
     split = split_stdlib()
     train_texts, heldout_texts = read_sources(split.train), read_sources(split.heldout)
-    tok = train_bpe(train_texts, vocab_size)
-    eos = tok.token_to_id("<|endoftext|>")
-    write_tokenizer_files(out, tok, eos)  # tokenizer.json and what HF AutoTokenizer reads beside it
+    if tokenizer_folder is None:
+        tok = train_bpe(train_texts, vocab_size)
+        eos = tok.token_to_id("<|endoftext|>")
+    else:
+        tok = load_tokenizer(tokenizer_folder)
+        eos = eos_id(tok, tokenizer_folder)
+    write_tokenizer_files(out, tok, eos, tokenizer_folder)  # tokenizer.json and what HF AutoTokenizer reads beside it
 
     def flat(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token stream with end-of-text between files, and each function start's last token."""
@@ -153,9 +161,10 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120) -> dict:
         return torch.tensor(ids, dtype=torch.int16), torch.tensor(starts, dtype=torch.int64)
 
     train, train_fn = flat(train_texts)
+    vocab = tok.get_vocab_size() if tokenizer_folder is None else max(tok.get_vocab_size(), config_vocab(tokenizer_folder))
     heldout, heldout_fn = flat(heldout_texts)
     data = {"train": train, "heldout": heldout, "train_function_starts": train_fn,
-            "heldout_function_starts": heldout_fn, "vocab_size": tok.get_vocab_size(), "eos_id": eos}
+            "heldout_function_starts": heldout_fn, "vocab_size": vocab, "eos_id": eos}
     for name, modules in (("train", split.train), ("heldout", split.heldout)):  # bare prompts, as served
         texts = [p["prompt"] for p in function_prompts(modules, 50000)]
         encoded = tok.encode_batch(texts, add_special_tokens=False)

@@ -149,7 +149,7 @@ def build_user_corpus(out: Path, data: list[str], tokenizer_folder: Path | None,
     else:  # a target trained from scratch on this text: its own BPE
         tok = train_bpe([d.text for d in train_docs], vocab_size)
     eos = eos_id(tok, tokenizer_folder)
-    vocab = max(tok.get_vocab_size(), _config_vocab(tokenizer_folder))
+    vocab = max(tok.get_vocab_size(), config_vocab(tokenizer_folder))
     dtype = torch.int16 if vocab <= 2**15 else torch.int32
     data_out: dict[str, Any] = {"vocab_size": vocab, "eos_id": eos}
     for split, split_docs in (("train", train_docs), ("heldout", held_docs)):
@@ -195,7 +195,7 @@ def _eval_prompts(tok: Any, docs: list[Document], count: int) -> list[dict]:
     return out
 
 
-def _config_vocab(folder: Path | None) -> int:
+def config_vocab(folder: Path | None) -> int:
     """The target's config.json vocab_size (often padded past the tokenizer's)."""
     config = folder / "config.json" if folder else None
     if config is None or not config.is_file():
