@@ -141,7 +141,8 @@ class Engine:
         paged = spec.server.num_kv_blocks or getattr(self.backend, "kv_pages", 0)  # the cuda backend's pool
         self.blocks = kv_blocks(spec, capacity.kv_lookahead, paged)
         self.startup = self.backend.prepare()  # graphs for every bucket, before any request
-        if capacity.prefix_block and getattr(self.backend, "prefix", None) is None:
+        prefix = getattr(self.backend, "prefix", None)  # its PrefixCache (None: it caches no prefix)
+        if capacity.prefix_block and prefix is None:
             log.info("prefix_caching.unavailable", backend=self.backend_name,
                      detail="every prompt is prefilled whole: the cuda backend caches prefixes with its "
                             "chunked prefill, which needs model.batch_invariant")
@@ -149,7 +150,8 @@ class Engine:
         self.scheduler = Scheduler(spec.server.max_batch_size, spec.server.max_num_batched_tokens,
                                    chunked=getattr(self.backend, "chunked_prefill", False),
                                    pool=self.blocks if paged else None,  # unpaged: nothing to count
-                                   admission_wait=spec.server.admission_wait)
+                                   admission_wait=spec.server.admission_wait,
+                                   prefix=prefix)
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         self.stops = Stops(self._decode)
         self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops, depth)

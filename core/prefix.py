@@ -14,6 +14,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
+def chain_key(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """A block's key: its tokens and, through its parent's key, every token before them."""
+    return hash((parent, tokens))
+
+
+def block_keys(ids: list[int], block_size: int, limit: int) -> list[int]:
+    """The keys of the full blocks within ids[:limit], first to last, as the cache keys them."""
+    keys, parent = [], None
+    for start in range(0, limit - block_size + 1, block_size):
+        parent = chain_key(parent, tuple(ids[start : start + block_size]))
+        keys.append(parent)
+    return keys
+
+
 @dataclass(eq=False)
 class Block:
     key: int  # hash of (parent's key, tokens)
@@ -43,7 +57,7 @@ class PrefixCache:
 
     @staticmethod
     def key(parent: Block | None, tokens: tuple[int, ...]) -> int:
-        return hash((None if parent is None else parent.key, tokens))
+        return chain_key(None if parent is None else parent.key, tokens)
 
     def lookup(self, ids: list[int], limit: int) -> list[Block]:
         """The cached blocks ``ids`` starts with, covering at most ``limit`` tokens, pinned for

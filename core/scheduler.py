@@ -7,13 +7,18 @@ from typing import Callable
 
 from .blocks import BlockPool
 from .machine import Phase, abort
+from .prefix import PrefixCache, block_keys
 from .request import Request
 
 
 class Scheduler:
     def __init__(self, max_batch_size: int, max_prefill_tokens: int | None = None, chunked: bool = False,
-                 pool: BlockPool | None = None, admission_wait: int = 0):
+                 pool: BlockPool | None = None, admission_wait: int = 0, prefix: PrefixCache | None = None):
         self.max_batch_size = max_batch_size
+        # the backend's prefix cache (read only): a prompt that starts with blocks another is
+        # computing waits for them to be cached instead of computing them again beside it
+        self.prefix = prefix
+        self._keys: dict[int, tuple[int, list[int]]] = {}  # rid -> (prefill_len, its blocks' keys)
         self.admission_wait = admission_wait  # steps an admission may wait for others to go with it
         self.steps = 0  # schedule() calls
         self.ready_since: int | None = None  # the step from which a waiting request could take a free slot
@@ -43,11 +48,14 @@ class Scheduler:
         one admitted may take only part of its prompt (not one asking prompt logprobs), else
         whole prompts, the first one always; and while the KV pool has the blocks of the whole
         prompt (a resumed request's: prompt and generated tokens). With admission_wait, new
-        requests wait while others run so they are prefilled together (_admitting)."""
+        requests wait while others run so they are prefilled together (_admitting). A prompt
+        that starts with blocks another prefill computes now waits, and the requests behind
+        it go first (_waits_for)."""
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             abort(req, req.cancel_reason)
             self.cancelled.append(req)
+            self._keys.pop(req.rid, None)
         for req in self.running:
             if req.cancelled:
                 abort(req, req.cancel_reason)
@@ -62,19 +70,46 @@ class Scheduler:
         self.steps += 1
         admitting = self._admitting(running)
         held = self._held()
-        while admitting and self.waiting and len(self.running) < self.max_batch_size and budget > 0 \
-                and self._fits(self.waiting[0], held):
-            req = self.waiting[0]
+        flying = {k for r in running if r.phase is Phase.PREFILL for k in self._blocks(r)}
+        for req in list(self.waiting) if admitting else ():
+            if len(self.running) >= self.max_batch_size or budget <= 0 or not self._fits(req, held):
+                break
+            if self._waits_for(req, flying):
+                continue  # its prefix is being computed: the cache gives it once that is done
             need, chunkable = req.prefill_len, self._chunks(req)
             if need > budget and not chunkable and prefills:
                 break  # a whole prompt that does not fit: the next step takes it
-            self.waiting.popleft()
+            self.waiting.remove(req)
             end = need if need <= budget or not chunkable else int(budget)
             prefills.append((req, end))
             budget -= end
             self.running.append(req)
             held += 0 if self.pool is None else self.pool.demand(req)
+            flying.update(self._blocks(req))
         return prefills, running
+
+    def _blocks(self, req: Request) -> list[int]:
+        """The prefix cache's keys of the full blocks ``req``'s prefill may cache or find (none
+        without a cache, or for a prompt asking prompt logprobs, which never meets it)."""
+        if self.prefix is None or req.params.prompt_logprobs is not None:
+            return []
+        known = self._keys.get(req.rid)
+        if known is None or known[0] != req.prefill_len:
+            keys = block_keys(req.prefill_ids, self.prefix.block_size, req.prefill_len - 1)
+            known = self._keys[req.rid] = (req.prefill_len, keys)
+        return known[1]
+
+    def _waits_for(self, req: Request, flying: set[int]) -> bool:
+        """Whether at least half of ``req``'s full blocks are ones another prefill computes now,
+        in the run it starts with (cached blocks in that run it finds anyway): waiting for them
+        to be cached costs less than computing them twice."""
+        keys, gain = self._blocks(req), 0
+        for key in keys:
+            if key in flying and key not in self.prefix.blocks:
+                gain += 1
+            elif key not in self.prefix.blocks:
+                break
+        return gain > 0 and 2 * gain >= len(keys)
 
     def _admitting(self, running: list[Request]) -> bool:
         """Whether new requests are admitted this step (server.admission_wait): at once when it
@@ -126,6 +161,7 @@ class Scheduler:
         done = [r for r in self.running if r.phase is Phase.FINISHED]
         for req in done:
             free(req)
+            self._keys.pop(req.rid, None)
         self.running = [r for r in self.running if r.phase is not Phase.FINISHED]
         done, self.cancelled = done + self.cancelled, []
         return done

@@ -1035,7 +1035,8 @@ def test_a_chunked_prompt_keeps_no_flight_past_the_pipeline_depth():
 @pytest.mark.parametrize("method, pages", [("none", 7), ("dflash", 11)])  # a request takes up to 6 and 9
 def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method, pages):
     """A property test of the paged pool on the cuda backend, the prefix cache on: requests
-    arrive (some sharing a prompt's first blocks), are cancelled and are preempted at random
+    arrive (some sharing a prompt's first blocks, some in bursts that share two blocks no
+    request has computed yet), are cancelled and are preempted at random
     through four slots and too few 4-token pages, two rounds in flight. After every step each
     page is free, or held by the slots' table lines (several, a shared prefix's page) and the
     prefix cache, as many times as its count says; a page some line holds is never free; only
@@ -1058,6 +1059,9 @@ def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method
                 prompt = reqs[-1].prompt_ids[:4] + prompt
             params = SamplingParams(max_new_tokens=rng.randrange(6, 14), ignore_eos=True)
             reqs.append(engine.add_request(prompt, params))
+            if rng.random() < 0.3:  # a burst: two blocks new to the cache, shared in flight
+                shared = [rng.randrange(2, 200) for _ in range(8)]
+                reqs += [engine.add_request(shared + [rng.randrange(2, 200)], params) for _ in range(2)]
         running = [r for r in engine.scheduler.running if r.phase is not Phase.FINISHED]
         if step % 5 == 4 and running:  # a client gone, its rounds in flight
             rng.choice(running).cancelled = True
@@ -1070,6 +1074,7 @@ def test_random_joins_cancels_and_preemptions_leave_every_page_owned_once(method
                           engine.backend.prefix)
     _pages_free_or_cached(pager, engine.backend.prefix)
     assert sum(r.preemptions for r in reqs) > 0 and any(r.cancelled for r in reqs)
+    assert any(r.cached_tokens >= 8 and r.prompt_ids[:8] == q.prompt_ids[:8] for r in reqs for q in reqs if q is not r)
     kept = [r for r in reqs if not r.cancelled]
     want = _engine(method, "reference").generate([r.prompt_ids for r in kept],
                                                  [r.params for r in kept])

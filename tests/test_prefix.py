@@ -99,3 +99,27 @@ def test_prompt_logprobs_are_computed_not_taken_from_the_cache():
     assert len([e for e in with_lp[0].prompt_logprobs if e is not None]) == len(with_lp[0].prompt_ids) - 1
     again = engine.generate([SHARED + "z = 3\n"], params)
     assert again[0].meta_info["cached_tokens"] > 0
+
+
+def test_prompts_that_arrive_together_compute_their_shared_prefix_once():
+    """A burst of prompts that start alike: the first computes the shared blocks, the others
+    wait a step for the cache and take them from it (a prompt with nothing in common goes
+    ahead of them), and every output equals the one computed without the cache."""
+    spec = load_spec("specs/tiny-dflash.yaml")
+    on = Engine(spec, draft_policy="always")
+    data = spec.model_dump(mode="python")
+    data["server"]["enable_prefix_caching"] = False
+    off = Engine(type(spec).model_validate(data), on.target, on.tokenizer, draft_policy="always")
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [SHARED * 3 + s for s in SUFFIXES] + ["class Other:\n    pass\n"]
+    reqs = [on.add_request(p, params) for p in prompts]
+    on.step()
+    assert [r.phase.value for r in reqs[1:3]] == ["WAITING", "WAITING"]  # the shared blocks are being computed
+    assert reqs[0].prefilled == reqs[0].prefill_len and reqs[3].prefilled == reqs[3].prefill_len
+    while on.scheduler.has_work():
+        on.step()
+    shared = len(on.encode(SHARED * 3)) // spec.server.block_size * spec.server.block_size
+    assert reqs[0].cached_tokens == 0 and all(r.cached_tokens >= shared for r in reqs[1:3])
+    want = off.generate(prompts, params)
+    assert [on.completion(r).output_ids for r in reqs] == [c.output_ids for c in want]
+    assert not on.scheduler._keys  # nothing kept for requests that ended
