@@ -32,16 +32,24 @@ def create_app(loop: EngineLoop) -> FastAPI:
     loop.finish_listeners.append(metrics.finished)
     catalog, limits = Catalog(spec), Limits.of(spec)
     errors.install(app, metrics)
-    _status_routes(app, loop, metrics, catalog)
-    _generation_routes(app, loop, catalog, limits)
+    # routes reach the engine through the app, never a closure: FastAPI keeps each route's
+    # endpoint in a process-wide cache, which would keep a stopped server's engine (its GPU
+    # memory) alive for good
+    app.state.loop = loop
+    _status_routes(app, metrics, catalog)
+    _generation_routes(app, catalog, limits)
     app.add_middleware(Gate, token=token, max_bytes=spec.server.max_request_bytes)
     return app
 
 
-def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, catalog: Catalog) -> None:
+def _loop(request: Request) -> EngineLoop:
+    return request.app.state.loop
+
+
+def _status_routes(app: FastAPI, metrics: Metrics, catalog: Catalog) -> None:
     @app.get("/health")
-    async def health() -> JSONResponse:
-        status = loop.status()
+    async def health(request: Request) -> JSONResponse:
+        status = _loop(request).status()
         return JSONResponse({"status": "ok" if status["ready"] else "unavailable", **status}, 200 if status["ready"] else 503)
 
     @app.get("/metrics")
@@ -57,28 +65,29 @@ def _status_routes(app: FastAPI, loop: EngineLoop, metrics: Metrics, catalog: Ca
         return catalog.entry(model_id)
 
     @app.get("/spec")
-    async def active_spec() -> dict[str, Any]:
-        plan, prefix = loop.engine.plan, getattr(loop.engine.backend, "prefix", None)
-        return {"spec": loop.engine.spec.model_dump(mode="json"), "plan": plan.__dict__ | {"target_layer_ids": list(plan.target_layer_ids)},
-                "phases": describe_transitions(), "draft_policy": loop.engine.policy.table(),
+    async def active_spec(request: Request) -> dict[str, Any]:
+        engine = _loop(request).engine
+        plan, prefix = engine.plan, getattr(engine.backend, "prefix", None)
+        return {"spec": engine.spec.model_dump(mode="json"), "plan": plan.__dict__ | {"target_layer_ids": list(plan.target_layer_ids)},
+                "phases": describe_transitions(), "draft_policy": engine.policy.table(),
                 "prefix_cache": None if prefix is None else prefix.summary(),  # None: the backend caches no prefix
-                "kv_blocks": loop.engine.blocks.__dict__ | {"preemptions": loop.engine.machine.clock.preemptions}}
+                "kv_blocks": engine.blocks.__dict__ | {"preemptions": engine.machine.clock.preemptions}}
 
 
-def _generation_routes(app: FastAPI, loop: EngineLoop, catalog: Catalog, limits: Limits) -> None:
+def _generation_routes(app: FastAPI, catalog: Catalog, limits: Limits) -> None:
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
-        route = GenerateRoute(loop, body, limits)
+        route = GenerateRoute(_loop(request), body, limits)
         return await route.stream() if body.stream else await route.respond(request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         catalog.check(body.model)
-        route = CompletionsRoute(loop, body, catalog.name, limits)
+        route = CompletionsRoute(_loop(request), body, catalog.name, limits)
         return await route.stream() if body.stream else await route.respond(request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         catalog.check(body.model)
-        route = ChatRoute(loop, body, catalog.name, limits)
+        route = ChatRoute(_loop(request), body, catalog.name, limits)
         return await route.stream() if body.stream else await route.respond(request)

@@ -136,3 +136,53 @@ def test_the_trace_timeline_shows_the_device_idle_between_launches():
     assert timeline([{**r, "device_at": None} for r in recs], 1) == []  # the reference backend times no device
     recs[2]["held"] = 3  # rows the length rule kept out of that step's round
     assert timeline(recs, 1)[3].endswith("round 2 rows width 4, 3 held back")
+
+
+def _tracked_engines(monkeypatch) -> list:
+    """Weak references to every engine bench-serve builds."""
+    import weakref
+
+    from draftline.api import bench
+
+    made = []
+
+    class Tracked(bench.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(bench, "Engine", Tracked)
+    return made
+
+
+def test_each_modes_engine_is_gone_once_its_server_stops(monkeypatch):
+    """bench-serve runs its modes one after another in one process: once a mode's server stops,
+    nothing holds its engine (FastAPI caches each route's endpoint process-wide, so a route
+    must not close over the engine), and its memory goes back before the next mode's."""
+    import gc
+
+    made = _tracked_engines(monkeypatch)
+    run_bench(SPEC, Options([1], requests=2, max_new=4, prompt_len=8, modes=("always", "off")), as_json=True)
+    gc.collect()
+    assert len(made) == 2 and [r() for r in made] == [None, None]
+
+
+@pytest.mark.gpu
+def test_every_mode_on_the_gpu_gives_back_what_it_took(monkeypatch):
+    """The same on the cuda backend: device memory after the three modes is what it was before."""
+    import gc
+
+    import torch
+
+    from draftline.core.spec import load_spec
+
+    spec = load_spec("specs/gpu-dflash.yaml")
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    made = _tracked_engines(monkeypatch)
+    run_bench(spec, Options([1], requests=2, max_new=8, prompt_len=16), as_json=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert len(made) == 3 and all(r() is None for r in made)
+    assert torch.cuda.memory_allocated() - before < 2**20
