@@ -273,7 +273,7 @@ def test_probabilistic_drafting_samples_eagerly_and_drafts_greedy_rows_inside_th
     """With draft_sample_method probabilistic, rounds of greedy rows draft the drafter's argmax
     (what a draw from their one-hot q is) inside the round's graph path, and get the reference's
     tokens; rounds with a sampling row draw from q on the eager draft path and the rejection
-    kernel, and repeat under their seed."""
+    kernel, and repeat under their seed, before and after start-up's warm sampled rounds."""
     spec = {**METHODS["dflash"], "draft_sample_method": "probabilistic"}
     engines = [Engine(tiny_spec(spec, max_batch_size=2, backend=backend, device=DEV, dtype="float32", max_model_len=128))
                for backend in ("reference", "cuda")]
@@ -295,6 +295,10 @@ def test_probabilistic_drafting_samples_eagerly_and_drafts_greedy_rows_inside_th
     first = [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)]
     assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first
     assert any(eager)
+    for n in (1, 2):  # start-up's sampled rounds (a GPU's, to compile their eager path) leave nothing behind
+        backend._warm_sampled(n)
+    assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first
+    assert [c.output_ids for c in engines[1].generate(PROMPTS[:2], greedy)] == [c.output_ids for c in ref]
 
 
 def _stops_in_flight_match_depth_0(engine_at, prompts: list[str], n: int) -> list:

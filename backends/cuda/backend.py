@@ -254,6 +254,9 @@ class CudaBackend:
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
                 self._replay(*key)
+        sampled = self.drafter is not None and self.width > 1 and self.plan.draft_sample_method != "greedy"
+        for bucket in self.buckets if sampled else ():
+            self._warm_sampled(min(bucket, self.capacity.max_batch))
         self.prefiller.capture()
         self.graphs.seal()
         prefills.seal()
@@ -270,14 +273,26 @@ class CudaBackend:
     def _warm_prefill(self, length: int, n: int = 1, chunk: int | None = None) -> None:
         """n prompts of ``length`` tokens prefilled (with ``chunk``: that many first, then the rest)."""
         if length < self.capacity.max_model_len:
-            warm = [Request(rid=-1, prompt_ids=[0] * length, params=SamplingParams(max_new_tokens=1),
-                            stop_ids=frozenset(), max_model_len=self.capacity.max_model_len,
-                            stats=SpecStats(self.plan.num_speculative_tokens)) for _ in range(n)]
+            warm = self._warm_requests(length, n, SamplingParams(max_new_tokens=1))
             if chunk is not None:
                 self.collect(self.prefill(warm, [chunk] * n))
             self.collect(self.prefill(warm))
             for req in warm:
                 self.free(req)
+
+    def _warm_sampled(self, n: int) -> None:
+        """A drafting round of n rows that sample, drafts drawn from q: its eager path (the
+        drafter's draws, the rejection kernel) compiled now, not in a request's first such round."""
+        warm = self._warm_requests(2, n, SamplingParams(max_new_tokens=self.width + 1, temperature=1.0, seed=0))
+        self.collect(self.prefill(warm))
+        self.collect(self.launch(warm, self.width))
+        for req in warm:
+            self.free(req)
+
+    def _warm_requests(self, length: int, n: int, params: SamplingParams) -> list[Request]:
+        return [Request(rid=-1, prompt_ids=[0] * length, params=params, stop_ids=frozenset(),
+                        max_model_len=self.capacity.max_model_len, stats=SpecStats(self.plan.num_speculative_tokens))
+                for _ in range(n)]
 
     def _graph_keys(self, bucket: int) -> list[tuple[int, int, bool, bool]]:
         """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
