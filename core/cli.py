@@ -62,6 +62,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     plan = METHODS.get(spec.speculative.method)(spec.speculative).plan(target)
     print(f"spec:    {args.spec}")
     print(f"target:  {target.arch}, {target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}")
+    quant = "unquantized (the checkpoint's dtype)" if target.fp8 is None else (
+        f"fp8 e4m3 decoder projections, {target.fp8.block[0]} x {target.fp8.block[1]} weight blocks, "
+        f"activations per token in groups of {target.fp8.block[1]} (dynamic); norms, embeddings, LM head bf16")
+    print(f"weights: {quant}")
     print(f"backend: {spec.backend}\n\nplan")
     print("\n".join("  " + line for line in plan.describe()))
     print("\nphases (per request)")

@@ -641,7 +641,7 @@ def _same_logprobs(ref, got) -> None:
 
 def test_logprobs_and_penalties_through_chunks_and_prefix_hits_equal_the_reference():
     """Rows reporting logprobs and adjusting logits, prefilled in chunks of at most 6 tokens and
-    (the second time) from the prefix cache's blocks, beside one asking prompt logprobs (which
+    (the second time, and the third prompt the first time) from the prefix cache's blocks, beside one asking prompt logprobs (which
     neither chunks nor meets the cache): tokens and logprobs are the reference's."""
     shared = "import os\nimport sys\n"
     prompts = [shared + "def f(x):", shared + "class A:", shared + "x = ["]
@@ -658,7 +658,8 @@ def test_logprobs_and_penalties_through_chunks_and_prefix_hits_equal_the_referen
         got = eng.generate(prompts, params)
         assert [c.output_ids for c in got] == [c.output_ids for c in ref]
         hits = [c.meta_info["cached_tokens"] > 0 for c in got]
-        assert hits == ([False, False, False] if run == 0 else [False, True, True])
+        # the first run's third prompt waits for the blocks the second computes, then finds them
+        assert hits == ([False, False, True] if run == 0 else [False, True, True])
         _same_logprobs(ref, got)
 
 

@@ -95,4 +95,4 @@ def test_shipped_prompts_are_heldout_function_starts():
 def test_shipped_checkpoints_fit_the_size_budget():
     files = [p for p in (ROOT / "specs" / "tiny").rglob("*") if p.is_file()]
     assert all(p.stat().st_size < 15 * 2**20 for p in files)
-    assert sum(p.stat().st_size for p in files) < 30 * 2**20
+    assert sum(p.stat().st_size for p in files) < 48 * 2**20  # the tiny target (bf16 and fp8), three drafters

@@ -64,6 +64,9 @@ def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...
     """
     files = tensor_files(folder)
     params = {(names or {}).get(n, n): p for n, p in module.named_parameters()}
+    for prefix, m in module.named_modules():  # quantized layers keep their checkpoint tensors as buffers
+        for b in getattr(m, "checkpoint_buffers", ()):
+            params[f"{prefix}.{b}" if prefix else b] = getattr(m, b)
     missing = [n for n in params if n not in files and n not in optional]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -80,12 +83,23 @@ def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...
     return sorted(set(files) - set(params))
 
 
+# dtypes a tensor must already have: a quantized weight and its scales are read as they are
+EXACT = (torch.float8_e4m3fn,)
+
+
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointError(
             f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
             f"the config implies {list(param.shape)}; the config.json and weights disagree"
         )
+    exact = param.dtype in EXACT or tensor.dtype in EXACT or name.endswith("weight_scale_inv")
+    if tensor.dtype in EXACT and param.dtype not in EXACT:
+        raise CheckpointError(f"{path.name}: tensor {name} is {tensor.dtype}, but config.json has no quantization_config "
+                              "(quant_method fp8); add the checkpoint's own, or use its bf16 weights")
+    if exact and tensor.dtype != param.dtype:
+        raise CheckpointError(f"{path.name}: tensor {name} is {tensor.dtype}, the config's quantization_config "
+                              f"implies {param.dtype}; the config.json and weights disagree")
     param.copy_(tensor.to(param.dtype))
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .fp8 import Fp8Scheme
 
 ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -51,6 +54,7 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     eos_token_ids: tuple[int, ...] = ()
     initializer_range: float = 0.02
+    fp8: "Fp8Scheme | None" = None  # block-scaled e4m3 decoder projections (quantization_config); None: bf16
 
     @property
     def qk_norm(self) -> bool:
@@ -153,7 +157,9 @@ def _number(raw: dict[str, Any], key: str, kind: type, default: Any = None) -> A
                           "fix it in the checkpoint's config.json") from None
 
 
-def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelConfig:
+def model_config(raw: dict[str, Any], default_arch: str | None = None, quantized: bool = False) -> ModelConfig:
+    """A layer stack's config; ``quantized``: a target's, which may be an fp8 checkpoint
+    (drafters load bf16 only)."""
     hidden, heads = _number(raw, "hidden_size", int), _number(raw, "num_attention_heads", int)
     return ModelConfig(
         arch=_arch(raw, default_arch),
@@ -171,13 +177,26 @@ def model_config(raw: dict[str, Any], default_arch: str | None = None) -> ModelC
         max_position_embeddings=_number(raw, "max_position_embeddings", int, 32768),
         eos_token_ids=_eos(raw),
         initializer_range=_number(raw, "initializer_range", float, 0.02),
+        fp8=_quantization(raw, quantized),
     )
+
+
+def _quantization(raw: dict[str, Any], quantized: bool) -> "Fp8Scheme | None":
+    from .fp8 import fp8_scheme  # fp8.py reads this module's ConfigError
+
+    if "quantization_config" in raw and not quantized:
+        raise ConfigError("config.json quantization_config: a drafter loads in bf16 only (the target may be fp8); "
+                          "use the drafter's bf16 checkpoint")
+    scheme = fp8_scheme(raw.get("quantization_config"))
+    if scheme is not None and raw.get("attention_bias"):
+        raise ConfigError("config.json: attention_bias with quantization_config fp8: fp8 projections carry no bias")
+    return scheme
 
 
 def read_model_config(folder: str | Path) -> ModelConfig:
     """A checkpoint folder's target config; its errors name the file."""
     try:
-        return model_config(read_config_json(folder))
+        return model_config(read_config_json(folder), quantized=True)
     except ConfigError as exc:
         path = str(Path(folder) / "config.json")
         text = str(exc)

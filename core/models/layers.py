@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig, RopeConfig
+from .fp8 import linear
 from .ops import Forward, Ops, Partial, Taps
 
 
@@ -95,10 +96,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_proj = linear(h, cfg.num_heads * d, cfg.attention_bias, cfg.fp8)
+        self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, cfg.fp8)
+        self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.attention_bias, cfg.fp8)
+        self.o_proj = linear(cfg.num_heads * d, h, cfg.attention_bias, cfg.fp8)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -107,9 +108,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = linear(cfg.hidden_size, cfg.intermediate_size, False, cfg.fp8)
+        self.up_proj = linear(cfg.hidden_size, cfg.intermediate_size, False, cfg.fp8)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, False, cfg.fp8)
 
 
 class DecoderLayer(nn.Module):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_weights, read_tensor, tensor_files, vocab_map
+from .checkpoint import CheckpointError, load_weights, read_tensor, tensor_files, vocab_map
 from .config import dflash_config, read_config_json, read_model_config
 from .dflash import DFlashDraftModel
 from .dialect import DFLASH_DIALECT
@@ -19,7 +19,11 @@ from .target import TargetModel
 def load_target(folder: str | Path) -> TargetModel:
     model = TargetModel(read_model_config(folder))
     tied = ("lm_head.weight",) if model.config.tie_word_embeddings else ()
-    load_weights(model, folder, optional=tied)
+    unused = load_weights(model, folder, optional=tied)
+    scales = [n for n in unused if n.endswith("weight_scale_inv")]
+    if scales:  # their weights would have loaded unscaled
+        raise CheckpointError(f"{folder}: tensor(s) {', '.join(scales[:3])} scale fp8 weights, but config.json has "
+                              "no quantization_config; add the checkpoint's own (quant_method fp8) or use its bf16 weights")
     return model.eval()
 
 
