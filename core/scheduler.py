@@ -105,10 +105,11 @@ class Scheduler:
         to be cached costs less than computing them twice."""
         keys, gain = self._blocks(req), 0
         for key in keys:
-            if key in flying and key not in self.prefix.blocks:
-                gain += 1
-            elif key not in self.prefix.blocks:
+            if key in self.prefix.blocks:
+                continue
+            if key not in flying:
                 break
+            gain += 1
         return gain > 0 and 2 * gain >= len(keys)
 
     def _admitting(self, running: list[Request]) -> bool:

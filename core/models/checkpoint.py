@@ -93,11 +93,10 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> N
             f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
             f"the config implies {list(param.shape)}; the config.json and weights disagree"
         )
-    exact = param.dtype in EXACT or tensor.dtype in EXACT or name.endswith("weight_scale_inv")
     if tensor.dtype in EXACT and param.dtype not in EXACT:
         raise CheckpointError(f"{path.name}: tensor {name} is {tensor.dtype}, but config.json has no quantization_config "
                               "(quant_method fp8); add the checkpoint's own, or use its bf16 weights")
-    if exact and tensor.dtype != param.dtype:
+    if (param.dtype in EXACT or name.endswith("weight_scale_inv")) and tensor.dtype != param.dtype:
         raise CheckpointError(f"{path.name}: tensor {name} is {tensor.dtype}, the config's quantization_config "
                               f"implies {param.dtype}; the config.json and weights disagree")
     param.copy_(tensor.to(param.dtype))

@@ -61,29 +61,37 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _e4m3(groups: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """Float32 groups -> (e4m3 values, each group's scale, kept as size-1 ``dims``): the scale
+    is the group's largest magnitude over e4m3's largest value."""
+    scale = (groups.abs().amax(dim=dims, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _spread(scale: Tensor, size: int, dim: int, n: int) -> Tensor:
+    """A scale per group of ``size`` along ``dim`` -> one per element of the first ``n``."""
+    return scale.repeat_interleave(size, dim).narrow(dim, 0, n)
+
+
 def dequantize(weight: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
     """weight [out, in] e4m3, scale_inv [ceil(out / b0), ceil(in / b1)] -> float32 [out, in]."""
     rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * scale
+    return weight.float() * _spread(_spread(scale_inv.float(), block[0], 0, rows), block[1], 1, cols)
 
 
 def quantize_activations(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """x [..., in] -> (e4m3 values [..., in], float32 scales [..., ceil(in / group)]), a scale per
     token and group of ``group`` inputs (the last group may be short)."""
-    x = x.float()
     n = x.shape[-1]
-    padded = torch.nn.functional.pad(x, (0, _cdiv(n, group) * group - n))
-    groups = padded.unflatten(-1, (-1, group))  # [..., G, group]
-    scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [..., G]
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.flatten(-2)[..., :n], scale
+    padded = torch.nn.functional.pad(x.float(), (0, _cdiv(n, group) * group - n))
+    q, scale = _e4m3(padded.unflatten(-1, (-1, group)), (-1,))  # [..., G, group], [..., G, 1]
+    return q.flatten(-2)[..., :n], scale[..., 0]
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
     """x [..., in] through the block-scaled weight -> [..., out] in x's dtype (the reference)."""
     q, scale = quantize_activations(x, block[1])
-    xs = q.float() * scale.repeat_interleave(block[1], -1)[..., : x.shape[-1]]
+    xs = q.float() * _spread(scale, block[1], -1, x.shape[-1])
     return (xs @ dequantize(weight, scale_inv, block).T).to(x.dtype)
 
 
@@ -93,10 +101,8 @@ def quantize_weight(w: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
     rows, cols = w.shape
     b0, b1 = block
     padded = torch.nn.functional.pad(w.float(), (0, _cdiv(cols, b1) * b1 - cols, 0, _cdiv(rows, b0) * b0 - rows))
-    tiles = padded.unflatten(0, (-1, b0)).unflatten(2, (-1, b1))  # [R, b0, C, b1]
-    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)  # [R, C]
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale
+    q, scale = _e4m3(padded.unflatten(0, (-1, b0)).unflatten(2, (-1, b1)), (1, 3))  # [R, b0, C, b1], [R, 1, C, 1]
+    return q.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale[:, 0, :, 0]
 
 
 class Fp8Linear(nn.Module):

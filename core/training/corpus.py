@@ -142,12 +142,10 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120, tokenizer_f
     out.mkdir(parents=True, exist_ok=True)
     split = split_stdlib()
     train_texts, heldout_texts = read_sources(split.train), read_sources(split.heldout)
-    if tokenizer_folder is None:
-        tok = train_bpe(train_texts, vocab_size)
-        eos = tok.token_to_id("<|endoftext|>")
-    else:
-        tok = load_tokenizer(tokenizer_folder)
-        eos = eos_id(tok, tokenizer_folder)
+    tok = train_bpe(train_texts, vocab_size) if tokenizer_folder is None else load_tokenizer(tokenizer_folder)
+    eos = eos_id(tok, tokenizer_folder)
+    vocab = max(tok.get_vocab_size(), config_vocab(tokenizer_folder))
+    dtype = torch.int16 if vocab <= 2**15 else torch.int32  # a target's tokenizer may pass int16's ids
     write_tokenizer_files(out, tok, eos, tokenizer_folder)  # tokenizer.json and what HF AutoTokenizer reads beside it
 
     def flat(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,17 +156,16 @@ def build_corpus(out: Path, vocab_size: int, num_prompts: int = 120, tokenizer_f
             token_starts = [a for a, _ in enc.offsets]
             starts += [len(ids) + bisect.bisect_left(token_starts, c) - 1 for c in function_starts(text)]
             ids += enc.ids + [eos]
-        return torch.tensor(ids, dtype=torch.int16), torch.tensor(starts, dtype=torch.int64)
+        return torch.tensor(ids, dtype=dtype), torch.tensor(starts, dtype=torch.int64)
 
     train, train_fn = flat(train_texts)
-    vocab = tok.get_vocab_size() if tokenizer_folder is None else max(tok.get_vocab_size(), config_vocab(tokenizer_folder))
     heldout, heldout_fn = flat(heldout_texts)
     data = {"train": train, "heldout": heldout, "train_function_starts": train_fn,
             "heldout_function_starts": heldout_fn, "vocab_size": vocab, "eos_id": eos}
     for name, modules in (("train", split.train), ("heldout", split.heldout)):  # bare prompts, as served
         texts = [p["prompt"] for p in function_prompts(modules, 50000)]
         encoded = tok.encode_batch(texts, add_special_tokens=False)
-        data[f"{name}_prompts"] = [torch.tensor(e.ids[:64], dtype=torch.int16) for e in encoded]
+        data[f"{name}_prompts"] = [torch.tensor(e.ids[:64], dtype=dtype) for e in encoded]
     torch.save(data, out / "corpus.pt")
     prompts = function_prompts(split.heldout, num_prompts)
     write_prompts(out / "eval_prompts.jsonl", prompts)
