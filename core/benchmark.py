@@ -20,6 +20,7 @@ from torch import nn
 
 from .engine import Engine
 from .models.config import read_config_json
+from .models.fp8 import Fp8Linear
 from .models.presets import target_preset_raw
 from .sampling import SamplingParams
 from .spec import Spec, load_spec
@@ -81,9 +82,12 @@ def median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
 
 
 def matrix_bytes(module: nn.Module) -> int:
-    """Bytes of the module's weights a forward multiplies with (embedding tables excluded)."""
+    """Bytes of the module's weights a forward multiplies with (embedding tables excluded), as
+    stored: an FP8 projection's e4m3 weight and its block scales."""
     seen, total = set(), 0
-    for name, p in module.named_parameters():
+    quantized = [(f"{name}.{b}", getattr(m, b)) for name, m in module.named_modules() if isinstance(m, Fp8Linear)
+                 for b in Fp8Linear.checkpoint_buffers]
+    for name, p in [*module.named_parameters(), *quantized]:
         if id(p) in seen or "embed_tokens" in name:
             continue
         seen.add(id(p))

@@ -1,6 +1,7 @@
-"""Block-scaled FP8 targets on the reference backend: the checkpoint format (every key and
-dtype, refusals by name), the math against its blockwise definition, the shipped tiny FP8
-target (made from the bf16 one, its accuracy against it) and lossless drafting over it."""
+"""Block-scaled FP8 targets (the reference backend; the cuda one in test_cuda_fp8.py): the
+checkpoint format (every key and dtype, refusals by name), the math against its blockwise
+definition, the shipped tiny FP8 target (made from the bf16 one, its accuracy against it) and
+lossless drafting over it."""
 
 import json
 import re
@@ -170,16 +171,32 @@ def test_drafting_over_the_fp8_target_is_lossless(method):
     assert max(c.meta_info["spec_accept_length"] for c in got) > 1.5  # the bf16 drafters' drafts are accepted
 
 
-def test_the_cuda_backend_refuses_an_fp8_target_and_explain_names_the_scheme(capsys, monkeypatch):
+def test_explain_names_the_scheme(capsys):
     from draftline.cli import main
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the cuda backend on a CPU
-
-    spec = load_spec("specs/tiny-fp8-none.yaml")
-    data = spec.model_dump(mode="python") | {"backend": "cuda"}
-    data["model"]["device"] = "cpu"
-    with pytest.raises(ConfigError, match="an fp8 checkpoint .* runs on backend: reference"):
-        Engine(type(spec).model_validate(data))
     assert main(["explain", "specs/tiny-fp8-dflash.yaml"]) == 0
     assert "weights: fp8 e4m3 decoder projections, 128 x 128 weight blocks" in capsys.readouterr().out
     assert read_model_config(FP8_TARGET).fp8 is not None and read_model_config(BF16_TARGET).fp8 is None
+
+
+def test_a_random_fp8_target_is_the_bf16_one_of_the_same_seed_quantized_and_its_bytes_are_counted():
+    """random_init over an fp8 preset (specs/qwen3-8b-fp8-random-*.yaml's, here on the micro
+    shape): each projection is the bf16 preset's draw quantized by block; bench's byte floor
+    counts its e4m3 weights and float32 scales as stored."""
+    from draftline.core.benchmark import matrix_bytes
+    from draftline.core.models.layers import init_random
+    from draftline.core.models.presets import target_preset_raw
+    from draftline.core.models.target import TargetModel
+
+    raw = target_preset_raw("micro")
+    bf16, fp8 = (TargetModel(model_config(r, quantized=True)) for r in (raw, {**raw, "quantization_config": SCHEME}))
+    for model in (bf16, fp8):
+        init_random(model, seed=3, std=0.02)
+    quantized = {name: m for name, m in fp8.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(quantized) == 7 * fp8.config.num_layers
+    for name, m in quantized.items():
+        q, scale = quantize_weight(bf16.get_submodule(name).weight.detach(), (128, 128))
+        assert torch.equal(m.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(m.weight_scale_inv, scale)
+    projections = sum(m.weight.numel() for m in quantized.values())
+    scales = sum(m.weight_scale_inv.numel() for m in quantized.values())
+    assert matrix_bytes(bf16) - matrix_bytes(fp8) == 4 * projections - (projections + 4 * scales)  # float32 model

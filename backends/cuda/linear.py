@@ -12,7 +12,10 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
+from draftline.core.models.fp8 import Fp8Linear
+
 from . import overlap
+from .fp8 import Fp8Weight, fp8_product, pack
 from .matvec import MAX_ROWS, WIDE_WEIGHTS, choose_tiling, invariant_tiling, matvec
 
 
@@ -28,7 +31,7 @@ def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(out + r * I + cols, silu * u, mask=inside)
 
 
-def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtype | None = None,
+def linear(x: Tensor, weight: Tensor | Fp8Weight, gated: bool = False, out_dtype: torch.dtype | None = None,
            invariant: bool = False) -> Tensor:
     """x [M, K] @ weight.T through the decode matvec when it applies (the result may then be
     float32 partial sums [parts, M, N]: add_norm and the q/k/v kernel take those), else the
@@ -36,7 +39,9 @@ def linear(x: Tensor, weight: Tensor, gated: bool = False, out_dtype: torch.dtyp
     results are rounded to x's dtype, then stored as ``out_dtype`` when given. ``invariant``:
     the matvec at every M, its reductions fixed by the weight's shape (matvec.invariant_tiling),
     where the matrix library's algorithm would change with M; a launch-bound weight past the
-    matvec's rows takes that form too (launch_bound)."""
+    matvec's rows takes that form too (launch_bound). An Fp8Weight goes through fp8.py's product."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_product(x, weight, gated, out_dtype, invariant)
     return product(x, weight, gated, out_dtype, invariant or launch_bound(x.shape[0], weight))
 
 
@@ -82,11 +87,15 @@ def fuse(model: nn.Module) -> None:
             m.fused_qkv, m.fused_qkv_bias = _fuse([m.q_proj, m.k_proj, m.v_proj])
         if _has(m, ("gate_proj", "up_proj")) and getattr(m, "fused_gate_up", None) is None:
             m.fused_gate_up, _ = _fuse([m.gate_proj, m.up_proj])
+        if isinstance(m, Fp8Linear) and getattr(m, "packed", None) is None:  # o and down: read alone
+            m.packed = pack([m])
 
 
-def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+def _fuse(linears: list[nn.Module]) -> tuple[Tensor | Fp8Weight, Tensor | None]:
     """One weight (and bias) for several projections of the same input; each module's weight
-    (and bias) becomes a view of it."""
+    (and bias) becomes a view of it. FP8 projections stack into one Fp8Weight (no biases)."""
+    if all(isinstance(lin, Fp8Linear) for lin in linears):
+        return pack(linears), None
     fused = torch.cat([lin.weight.data for lin in linears])
     biased = all(lin.bias is not None for lin in linears)
     if not biased and any(lin.bias is not None for lin in linears):
@@ -103,4 +112,4 @@ def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
 
 
 def _has(obj, names: tuple[str, ...]) -> bool:
-    return all(isinstance(getattr(obj, name, None), nn.Linear) for name in names)
+    return all(isinstance(getattr(obj, name, None), (nn.Linear, Fp8Linear)) for name in names)

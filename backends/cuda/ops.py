@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftline.core.models.fp8 import Fp8Linear
 from draftline.core.models.ops import Forward, Partial
 
 from .embedding import embed_beside, normed_beside
+from .fp8 import Fp8Weight
 from .head import head_argmax
 from .linear import linear
 from .matvec import ArgmaxScratch
@@ -38,7 +40,9 @@ class CudaOps:
     def normed_beside(self, table: Tensor, ids: Tensor, norm_a: nn.Module, other: Tensor, norm_b: nn.Module) -> Tensor:
         return normed_beside(table, ids, norm_a, other, norm_b)
 
-    def linear(self, fwd: Forward, x: Tensor, module: nn.Linear) -> Partial:
+    def linear(self, fwd: Forward, x: Tensor, module: nn.Module) -> Partial:
+        if isinstance(module, Fp8Linear):
+            return self._product(fwd, x, module.packed, None)
         return self._product(fwd, x, module.weight, module.bias)
 
     def project(self, x: Tensor, module: nn.Linear) -> Tensor:
@@ -77,7 +81,9 @@ class CudaOps:
     def store_kv(self, fwd: Forward, layer: int, module: nn.Module, x: Tensor, rotary: nn.Module) -> None:
         view, rows = fwd.kv, module.num_heads * module.head_dim
         bias = None if module.fused_qkv_bias is None else module.fused_qkv_bias[rows:]
-        proj = self._product(fwd, x, module.fused_qkv[rows:], bias)  # [N*W, 2 Hkv D]: k rows, then v rows
+        weight = module.fused_qkv
+        weight = weight.rows_from(rows) if isinstance(weight, Fp8Weight) else weight[rows:]
+        proj = self._product(fwd, x, weight, bias)  # [N*W, 2 Hkv D]: k rows, then v rows
         project_heads(module, proj, fwd.positions, rotary, view.cache, layer, view.slots, view.kv_len, queries=False)
 
     def logits(self, head: nn.Linear, hidden: Tensor) -> Tensor:
@@ -90,7 +96,7 @@ class CudaOps:
         return block_window(last_token, start, fill, width)
 
     @staticmethod
-    def _product(fwd: Forward, x: Tensor, weight: Tensor, bias: Tensor | None) -> Partial:
+    def _product(fwd: Forward, x: Tensor, weight: Tensor | Fp8Weight, bias: Tensor | None) -> Partial:
         """x [..., K] @ weight.T: the matvec (maybe partial sums) where it applies; with a bias,
         whole values through the matrix library."""
         flat = x.reshape(-1, x.shape[-1])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig, RopeConfig
-from .fp8 import linear
+from .fp8 import Fp8Linear, linear, quantize_weight
 from .ops import Forward, Ops, Partial, Taps
 
 
@@ -154,12 +154,21 @@ def init_random(module: nn.Module, seed: int, std: float, device: torch.device |
     """Deterministic init: normal(std) for matrices, 1 ± 0.1 for norm weights, zero biases,
     drawn from a generator on ``device`` (the same seed gives other values on another kind)."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = next(module.parameters()).dtype
+    quantized = {f"{name}.weight": m for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
+    weights = dict(module.named_parameters()) | {name: m.weight for name, m in quantized.items()}
     with torch.no_grad():
-        for name, p in sorted(module.named_parameters()):
+        for name, p in sorted(weights.items()):
             if name.endswith("norm.weight"):
                 values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=device)
             elif name.endswith("bias"):
                 values = torch.zeros(p.shape, device=device)
             else:
                 values = std * torch.randn(p.shape, generator=gen, device=device)
-            p.copy_(values.to(p.dtype))
+            if name in quantized:  # the same draw as unquantized, rounded to the model's dtype, then by block
+                fp8 = quantized[name]
+                q, scale = quantize_weight(values.to(dtype), fp8.block)
+                fp8.weight.copy_(q)
+                fp8.weight_scale_inv.copy_(scale)
+            else:
+                p.copy_(values.to(p.dtype))

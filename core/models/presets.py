@@ -77,6 +77,10 @@ TARGET_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_TINY},
     "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_TINY},
     "qwen3-8b": _QWEN3_8B,
+    # Qwen3-8B-FP8's layout: decoder projections in e4m3 by 128 x 128 block (random_init quantizes
+    # the bf16 preset's draws for the same seed), norms, embeddings and LM head in bf16
+    "qwen3-8b-fp8": {**_QWEN3_8B, "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                          "quant_method": "fp8", "weight_block_size": [128, 128]}},
 }
 
 DRAFT_PRESETS: dict[str, dict[str, Any]] = {
@@ -143,7 +147,7 @@ def target_preset_raw(name: str) -> dict[str, Any]:
 
 
 def target_preset(name: str) -> ModelConfig:
-    return model_config(target_preset_raw(name))
+    return model_config(target_preset_raw(name), quantized=True)
 
 
 def draft_preset_raw(name: str) -> dict[str, Any]:
