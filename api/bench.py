@@ -211,11 +211,12 @@ def _report_pool(engine: Engine, mode: str) -> None:
 
 def _table(rows: list[dict], opts: Options) -> str:
     head = (f"{'drafting':>8} {'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT ms':>8} {'p50':>7} "
-            f"{'TPOT ms':>8} {'ITL p50':>8} {'gap x':>6} {'tau':>5} {'cached':>6} {'preempt':>7}"
+            f"{'TPOT ms':>8} {'ITL p50':>8} {'gap x':>6} {'merged':>6} {'tau':>5} {'cached':>6} {'preempt':>7}"
             + (f" {'long TTFT':>9} {'long gap x':>10}" if opts.long_prompt else ""))
     lines = [head] + [
         f"{r['drafting']:>8} {r['concurrency']:>5} {r['requests']:>5} {r['req_per_s']:>7} {r['out_tok_per_s']:>10} "
         f"{r['ttft_ms']:>8} {r['ttft_p50_ms']:>7} {r['tpot_ms']:>8} {r['itl_p50_ms']:>8} {r['gap_ratio']:>6} "
+        f"{r['merged_share']:>6} "
         f"{r['tau']:>5} {r['cached_share']:>6} {r['preemptions']:>7}"
         + (f" {r['long_ttft_ms']:>9} {r['long_gap_ratio']:>10}" if opts.long_prompt else "") for r in rows
     ]
@@ -225,6 +226,8 @@ def _table(rows: list[dict], opts: Options) -> str:
                         "greedy continuation, wrong at one position a round")
     notes = ["long gap x: the same over the gaps that overlap the long prompt's prefill (its send to its first token)"
              ] if opts.long_prompt else []
-    return "\n".join(lines + ["gap x: the worst request's longest gap between streamed chunks over its median gap; "
+    return "\n".join(lines + ["gap x: the worst request's longest gap between the reads that brought it tokens over "
+                               "its median gap; merged: the share of streamed chunks read together with an earlier "
+                               "one (the clients fell behind); "
                                "cached: the share of prompt tokens the prefix cache gave; preempt: requests' "
                                "preemptions for KV blocks (server.num_kv_blocks)"] + notes)

@@ -18,18 +18,34 @@ def measure(url: str, prompts: list, concurrency: int, count: int, max_new: int,
     return asyncio.run(level(url, prompts, concurrency, count, max_new, speculative, long_prompt))
 
 
+async def deliveries(resp: httpx.Response):
+    """(the time of a network read, the SSE data lines it completed), read by read: the events
+    one read brings arrive together, however far apart the server sent them."""
+    pending = ""
+    async for piece in resp.aiter_text():
+        now = time.perf_counter()
+        *lines, pending = (pending + piece).split("\n")
+        yield now, [line for line in lines if line.startswith("data: {")]
+
+
 async def one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, speculative: bool) -> dict:
+    """One streamed request. An arrival is a read that brought new tokens: events read together
+    count once (``merged`` counts the events beyond the first), so a client that falls behind
+    the stream is not mistaken for a server whose steps came microseconds apart."""
     body = {"stream": True, "speculative": speculative, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
     body |= {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
-    start, arrivals, last = time.perf_counter(), [], None
+    start, arrivals, last, events, merged = time.perf_counter(), [], None, 0, 0
     async with client.stream("POST", "/generate", json=body) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
+        async for now, lines in deliveries(resp):
+            fresh = 0
+            for line in lines:
                 chunk = json.loads(line[6:])
-                if chunk["output_ids"] and len(chunk["output_ids"]) > len((last or {}).get("output_ids", [])):
-                    arrivals.append(time.perf_counter())
+                fresh += len(chunk["output_ids"]) > len((last or {}).get("output_ids", []))
                 last = chunk
+            if fresh:
+                arrivals.append(now)
+                events, merged = events + fresh, merged + fresh - 1
     end = time.perf_counter()
     reason = (last or {}).get("meta_info", {}).get("finish_reason") or {}
     if not arrivals or reason.get("type") == "abort":  # a benchmark of failed requests measures nothing
@@ -37,7 +53,7 @@ async def one(client: httpx.AsyncClient, prompt: str | list[int], max_new: int, 
                            "the server's log names the cause")
     n = last["meta_info"]["completion_tokens"]
     return {"start": start, "arrivals": arrivals, "ttft": arrivals[0] - start,
-            "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n,
+            "tpot": (end - arrivals[0]) / max(1, n - 1), "tokens": n, "events": events, "merged": merged,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tau": last["meta_info"]["spec_accept_length"],
             "prompt": last["meta_info"]["prompt_tokens"], "cached": last["meta_info"]["cached_tokens"],
             "preemptions": last["meta_info"].get("preemptions", 0)}
@@ -86,6 +102,7 @@ async def level(url: str, prompts: list, concurrency: int, count: int, max_new: 
             "tpot_ms": round(1e3 * mean(r["tpot"] for r in results), 2),
             "itl_p50_ms": round(1e3 * median(gaps), 2) if gaps else 0.0,
             "gap_ratio": round((worst[1] - worst[0]) / worst[2], 2) if worst else 0.0,  # worst request: its longest gap / its median
+            "merged_share": round(sum(r["merged"] for r in results) / max(1, sum(r["events"] for r in results)), 3),
             "long_ttft_ms": round(1e3 * long[0]["ttft"], 1) if long else None,
             "long_gap_ratio": round(prefill_gaps(results, long[0]), 2) if long else None,
             "worst_gap": worst,

@@ -85,6 +85,37 @@ def test_the_long_prompts_gaps_are_those_its_prefill_overlaps():
     assert prefill_gaps([steady, late], {"start": 4.5, "arrivals": [8.0]}) == 5.0
 
 
+def test_chunks_read_together_arrive_once():
+    """A client that falls behind reads several streamed chunks at once: they count as one
+    arrival (and as merged), never as gaps of microseconds that would make the stream's median
+    gap tiny and its worst gap look like a stall of hundreds of steps."""
+    import asyncio
+
+    import httpx
+
+    from draftline.api.load import one
+
+    def event(n: int) -> bytes:
+        meta = {"completion_tokens": n, "spec_accept_length": 1.0, "prompt_tokens": 3, "cached_tokens": 0}
+        return f"data: {json.dumps({'output_ids': list(range(n)), 'meta_info': meta})}\n\n".encode()
+
+    reads = [event(1), event(2) + event(3) + event(4)[:20], event(4)[20:], event(5) + b"data: [DONE]\n\n"]
+
+    async def body():
+        for piece in reads:
+            await asyncio.sleep(0.01)
+            yield piece
+
+    async def run() -> dict:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await one(client, "x", 5, False)
+
+    got = asyncio.run(run())
+    assert (len(got["arrivals"]), got["events"], got["merged"], got["tokens"]) == (4, 5, 1, 5)
+    assert min(got["gaps"]) > 0.005  # each gap is a read's, not two events' of one read
+
+
 def test_the_round_trace_says_where_each_level_went(tmp_path):
     """--trace-rounds: every collected round (rows, width, wall and host time; the reference
     backend times no device) and prefill, each level's start marked; bench/trace_rounds.py reads it."""
