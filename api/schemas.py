@@ -18,6 +18,8 @@ from draftline.core.engine import RequestError
 from draftline.core.options import (LogitBias, NewTokens, Penalty, RepetitionPenalty, SamplingOptions, Seed, Temperature,
                           TokenId, TopK, TopLogprobs, TopP)
 
+from .structured import ResponseFormat, StructuredOutputs, native_constraint, openai_constraint
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -58,6 +60,9 @@ class NativeSampling(Strict):
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: LogitBias | None = None
     n: int = Field(1, ge=1)
+    json_schema: str | None = None  # structured output: a JSON schema's text, a regex or an EBNF grammar
+    regex: str | None = None
+    ebnf: str | None = None
 
     NAMES: ClassVar[dict[str, str]] = {k: k for k in (
         "temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
@@ -92,6 +97,8 @@ class GenerateRequest(Strict):
 
     def options(self, defaults: SamplingOptions) -> SamplingOptions:
         given = self.sampling_params.given(NativeSampling.NAMES)
+        sp = self.sampling_params
+        given["constraint"] = native_constraint(sp.json_schema, sp.regex, sp.ebnf)
         if self.return_logprob:
             given["logprobs"] = self.top_logprobs_num
             if self.logprob_start_len >= 0:
@@ -125,6 +132,13 @@ class OpenAIBase(Strict):
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* (one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     NAMES: ClassVar[dict[str, str]] = {k: k for k in (
         "temperature", "top_p", "top_k", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -134,6 +148,13 @@ class OpenAIBase(Strict):
     def unimplemented(self) -> list[str]:
         """The OpenAI fields this request sets that draftline does not implement."""
         return [k for k in self.UNIMPLEMENTED if getattr(self, k) not in (None, False, [], {})]
+
+    def given_sampling(self) -> dict[str, Any]:
+        """The sampling fields this request set, its constraint among them."""
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        return self.given(self.NAMES) | {"constraint": openai_constraint(self.response_format,
+                                                                         self.structured_outputs, guided)}
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -150,7 +171,7 @@ class CompletionRequest(OpenAIBase):
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ("suffix",)
 
     def options(self, defaults: SamplingOptions) -> SamplingOptions:
-        given = self.given(self.NAMES)
+        given = self.given_sampling()
         if self.logprobs is not None or self.choices > self.n:  # best_of ranks by the target's logprobs
             given["logprobs"] = self.logprobs or 0
         if self.echo and self.logprobs is not None:
@@ -222,7 +243,6 @@ class ChatRequest(OpenAIBase):
     parallel_tool_calls: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
-    response_format: Any = None
     service_tier: Any = None
     store: Any = None
     metadata: Any = None
@@ -233,17 +253,16 @@ class ChatRequest(OpenAIBase):
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
         "audio", "function_call", "functions", "modalities", "parallel_tool_calls", "prediction", "reasoning_effort",
-        "response_format", "service_tier", "store", "metadata", "tools", "tool_choice", "web_search_options",
-        "verbosity")
+        "service_tier", "store", "metadata", "tools", "tool_choice", "web_search_options", "verbosity")
     HARMLESS: ClassVar[dict[str, list[Any]]] = {
-        "modalities": [["text"]], "response_format": [{"type": "text"}], "service_tier": ["auto", "default"],
+        "modalities": [["text"]], "service_tier": ["auto", "default"],
         "tool_choice": ["none"], "parallel_tool_calls": [True]}
 
     def unimplemented(self) -> list[str]:
         return [k for k in super().unimplemented() if getattr(self, k) not in self.HARMLESS.get(k, [])]
 
     def options(self, defaults: SamplingOptions) -> SamplingOptions:
-        given = self.given(self.NAMES)
+        given = self.given_sampling()
         if "max_completion_tokens" in self.model_fields_set:
             given["max_new_tokens"] = self.max_completion_tokens
         if self.logprobs:

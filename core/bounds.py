@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, Strict, TypeAdapter, ValidationError
+from pydantic import Field, InstanceOf, Strict, TypeAdapter, ValidationError
 
 from .errors import RequestError
+from .grammar import Constraint
 
 MAX_SEED = 2**63 - 1
 MAX_NEW_TOKENS = 1 << 20  # a sanity bound; the real one is max_model_len, checked per request
@@ -41,6 +42,7 @@ _PARAMS = {
     "frequency_penalty": Penalty, "repetition_penalty": RepetitionPenalty,
     "logit_bias": tuple[tuple[TokenId, Bias], ...] | list[tuple[TokenId, Bias]],
     "logprobs": TopLogprobs | None, "prompt_logprobs": TopLogprobs | None,
+    "constraint": InstanceOf[Constraint] | None,
 }
 _ADAPTERS: dict[str, TypeAdapter] = {}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -17,6 +18,7 @@ from .blocks import BlockPool
 from .contract import Capacity
 from .detokenizer import TextStream
 from .errors import RequestError
+from .grammar import Grammars
 from .logprobs import TokenLogprob
 from .machine import Machine, Plan
 from .policy import DraftPolicy
@@ -224,7 +226,15 @@ class Engine:
             speculate=speculate,
             stop_strings=tuple(s for s in (*stop, *params.stop) if s),
         )
+        if params.constraint is not None:  # compiled here, so a bad one is the caller's RequestError
+            stops = sorted(req.stop_ids) or sorted(self.target.config.eos_token_ids)
+            req.grammar = self.grammars.matcher(params.constraint, self.plan.num_speculative_tokens, stops)
         return req
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Constraints compiled for the target's tokenizer (xgrammar), built on first use."""
+        return Grammars(self.tokenizer, self.target.config.vocab_size, sorted(self.target.config.eos_token_ids))
 
     def _check_params(self, params: SamplingParams) -> None:
         """A request the backend cannot run exactly is refused, never run differently."""
@@ -232,7 +242,8 @@ class Engine:
         if missing:
             raise RequestError(
                 f"the {self.backend_name} backend does not implement {', '.join(sorted(missing))} yet "
-                "(penalties: presence / frequency / repetition penalties, logit_bias, min_new_tokens); "
+                "(penalties: presence / frequency / repetition penalties, logit_bias, min_new_tokens; "
+                "structured: response_format, guided_* and other constraints); "
                 "drop those fields from the request, or serve a spec with backend: reference")
         vocab = self.target.config.vocab_size
         for name, ids in (("logit_bias", [i for i, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
@@ -285,6 +296,7 @@ class Engine:
             "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.prompt_ids),
             "cached_tokens": req.cached_tokens,  # prompt tokens whose KV the prefix cache gave
+            **({} if req.grammar is None else {"grammar_compile_ms": round(req.grammar.compile_ms, 3)}),
             "preemptions": req.preemptions,  # times its KV was dropped for blocks, and recomputed
             "completion_tokens": len(req.output_ids),
             "seed": req.params.seed,  # replay a sampled request with this seed

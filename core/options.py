@@ -12,11 +12,12 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, field_validator
 
 # the bounds live in .bounds (SamplingParams checks them too); the API imports them from here
 from .bounds import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, LogitBias, NewTokens, Penalty,  # noqa: F401
                      RepetitionPenalty, Seed, Temperature, TokenId, TopK, TopLogprobs, TopP)
+from .grammar import Constraint
 from .sampling import SamplingParams
 
 
@@ -47,6 +48,7 @@ class SamplingOptions(BaseModel):
     logit_bias: LogitBias = Field(default_factory=dict)  # token id -> added to its logit
     logprobs: TopLogprobs | None = None  # None: no logprobs; n: each output token's and its n top alternatives'
     prompt_logprobs: TopLogprobs | None = None  # the same for the prompt's tokens (echo)
+    constraint: InstanceOf[Constraint] | None = None  # structured output (a request's response_format and kin)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -61,11 +63,11 @@ class SamplingOptions(BaseModel):
         (max_new_tokens: the rest of the context; seed: a fresh one)."""
         keep_null = {"max_new_tokens", "seed", "logprobs", "prompt_logprobs"}
         given = {k: v for k, v in given.items() if v is not None or k in keep_null}
-        return SamplingOptions.model_validate({**self.model_dump(), **given})
+        return SamplingOptions.model_validate({**dict(self), **given})
 
     def params(self, **overrides: Any) -> SamplingParams:
         """The engine's parameters (overrides that are None keep these options' values)."""
-        fields = {**self.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+        fields = {**dict(self), **{k: v for k, v in overrides.items() if v is not None}}
         stops = fields.pop("stop")
         if fields["seed"] is None:
             fields["seed"] = fresh_seed()

@@ -87,6 +87,7 @@ class Request:
     # preempted: its KV dropped, and its generated tokens so far prefilled again with the prompt
     recomputed: int = 0  # output tokens the prefill covers (0: never preempted)
     preemptions: int = 0
+    grammar: Any = None  # core.grammar.Matcher while a constraint holds its tokens (None: unconstrained)
 
     @property
     def seq_len(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .bounds import MAX_SEED, check_params
+from .grammar import Constraint
 
 MASK32 = 0xFFFFFFFF
 
@@ -50,6 +51,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     logprobs: int | None = None  # top alternatives to report per output token; None: none
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    constraint: "Constraint | None" = None  # structured output the tokens must match (core/grammar.py)
 
     def __post_init__(self) -> None:
         check_params(self.__dict__)  # the spec's bounds: NaN, a negative temperature, top_p > 1 are refused
@@ -61,16 +63,18 @@ class SamplingParams:
     def features(self) -> set[str]:
         """What a backend must offer to run this request (Backend.features): "penalties"
         (presence / frequency / repetition penalties, logit_bias, min_new_tokens), "logprobs",
-        "prompt_logprobs"."""
+        "prompt_logprobs", "structured" (a constraint)."""
         need = {"penalties"} if self.adjusts_logits else set()
         return need | ({"logprobs"} if self.logprobs is not None else set()) | (
-            {"prompt_logprobs"} if self.prompt_logprobs is not None else set())
+            {"prompt_logprobs"} if self.prompt_logprobs is not None else set()) | (
+            {"structured"} if self.constraint is not None else set())
 
     @functools.cached_property
     def reads_logits(self) -> bool:
         """Whether a round must hand this request's logits to the host-side acceptance
         (filtering, adjusting or reporting them) rather than deciding it inside the graph."""
-        return self.top_k > 0 or self.top_p < 1 or self.adjusts_logits or self.logprobs is not None
+        return (self.top_k > 0 or self.top_p < 1 or self.adjusts_logits or self.logprobs is not None
+                or self.constraint is not None)
 
     @property
     def adjusts_logits(self) -> bool:

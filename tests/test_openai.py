@@ -166,7 +166,7 @@ def test_chat_streamed_equals_plain_with_logprobs(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("audio", {"voice": "alloy", "format": "wav"}), ("reasoning_effort", "high"),
     ("prediction", {"type": "content", "content": "x"}), ("function_call", "auto"), ("functions", [{"name": "f"}]),
     ("modalities", ["text", "audio"]), ("service_tier", "flex"), ("store", True), ("metadata", {"k": "v"}),

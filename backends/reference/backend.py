@@ -18,6 +18,7 @@ from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
+from draftline.core.grammar import advance, masked
 from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
@@ -40,7 +41,7 @@ class BlockKV:
 class ReferenceBackend:
     name = "reference"
     chunked_prefill = True  # a prompt may be prefilled in chunks over several steps
-    features = frozenset({"penalties", "logprobs", "prompt_logprobs"})  # everything SamplingParams asks
+    features = frozenset({"penalties", "logprobs", "prompt_logprobs", "structured"})  # everything SamplingParams asks
     max_depth = default_depth = 0  # synchronous: a round reads the request as the host booked it
     prefill_beside = False
 
@@ -98,10 +99,11 @@ class ReferenceBackend:
         """Each completed prompt's first token from the logits at its last position."""
         batch, logits = self._batch(reqs), torch.stack(last_logits)  # [N, V]
         finite = torch.isfinite(logits).all(dim=1).tolist()
-        adjusted = adjust_logits(logits[:, None], reqs, None)[:, 0]  # [N, V]
+        adjusted = masked(adjust_logits(logits[:, None], reqs, None), reqs, None)[:, 0]  # [N, V]
         probs = probs_from_logits(torch.nan_to_num(adjusted), batch)
         at = torch.tensor([r.prefill_len for r in reqs], device=self.device)
         tokens = sample(probs, batch.seed, at, Stream.SAMPLE)
+        advance(reqs, tokens[:, None], [int(ok) for ok in finite])  # a failed row is ended, its token unused
         for i, req in enumerate(reqs):
             if req.params.logprobs is not None:
                 logprobs.record(req.logprobs, req.seq_len, logits[i : i + 1], tokens[i : i + 1], req.params.logprobs)
@@ -218,10 +220,12 @@ class ReferenceBackend:
     @torch.inference_mode()
     def accept(self, reqs: list[Request], proposal: Proposal, verification: Verification) -> Verdict:
         batch = self._batch(reqs)
-        logits = adjust_logits(verification.logits, reqs, proposal.tokens)  # at each slot as plain decoding there
+        # penalties and grammars at each slot as plain decoding applies them there
+        logits = masked(adjust_logits(verification.logits, reqs, proposal.tokens), reqs, proposal.tokens)
         probs = probs_from_logits(logits, batch)  # [N, K+1, V]
         first = torch.tensor([r.seq_len for r in reqs], device=self.device)
         verdict = accept_drafts(probs, proposal.tokens, proposal.probs, batch.seed, first, batch.temperature == 0)
+        advance(reqs, verdict.tokens, [int(n) + 1 for n in verdict.num_accepted])
         for i, req in enumerate(reqs):
             accepted = int(verdict.num_accepted[i])
             if req.params.logprobs is not None:  # the raw target's, at the positions this round keeps

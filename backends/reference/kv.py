@@ -31,12 +31,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = N
     Without ``causal`` (a block over a context) a window keeps the last ``window`` context keys
     before the block, and ``block_causal`` makes the block itself causal; with ``per_query``
     (the z-lab DFlash sliding layer) each query sees instead the ``window`` keys ending at its
-    own position."""
+    own position. Scores, softmax and the weighted sum run in float64, rounded once: a query's
+    output then does not depend on how many queries or masked keys share the call (float32
+    sums round by the shape), so a verify window computes what plain decoding does."""
     hq, t, d = q.shape
     hkv, s, _ = k.shape
     k = k.repeat_interleave(hq // hkv, dim=0)  # grouped-query: each KV head serves hq/hkv heads
     v = v.repeat_interleave(hq // hkv, dim=0)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * d**-0.5  # [Hq, T, S]
+    scores = (q.double() @ k.double().transpose(-1, -2)) * d**-0.5  # [Hq, T, S]
     if causal:
         own = torch.arange(s - t, s, device=q.device)[:, None]  # [T, 1] key index of each query
         keys = torch.arange(s, device=q.device)[None, :]
@@ -54,7 +56,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None = N
         if block_causal or per_query:
             visible = visible & (keys <= own)
         scores = scores.masked_fill(~visible, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+    return (torch.softmax(scores, dim=-1) @ v.double()).to(q.dtype)
 
 
 @dataclass(frozen=True)

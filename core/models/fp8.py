@@ -5,7 +5,11 @@ A quantized linear's ``weight`` is float8 e4m3 [out, in] and ``weight_scale_inv`
 Activations are quantized at run time (``activation_scheme: dynamic``) per token in groups of
 128 inputs, each group's scale its largest magnitude over e4m3's largest value, as vLLM and
 SGLang run these checkpoints. The math here is the definition every faster product is held to:
-both sides dequantized in float32, multiplied in float32, the result in the input's dtype.
+both sides dequantized in float32, their products summed in float64 and rounded once, the result
+in the input's dtype. The float64 sum makes a row's value independent of the rows beside it
+(float32 sums round by the order a matrix routine picks for the shape), which matters more here
+than for bf16: the next layer's e4m3 rounding turns a last-bit difference into a step of 1/16,
+and a verify window would then compute other tokens than plain decoding.
 Norms, embeddings and the LM head stay in the checkpoint's bf16.
 """
 
@@ -92,7 +96,7 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, i
     """x [..., in] through the block-scaled weight -> [..., out] in x's dtype (the reference)."""
     q, scale = quantize_activations(x, block[1])
     xs = q.float() * _spread(scale, block[1], -1, x.shape[-1])
-    return (xs @ dequantize(weight, scale_inv, block).T).to(x.dtype)
+    return (xs.double() @ dequantize(weight, scale_inv, block).double().T).to(x.dtype)
 
 
 def quantize_weight(w: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:

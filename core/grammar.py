@@ -1,0 +1,189 @@
+"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a
+choice among strings, an EBNF grammar) compiled by xgrammar over the target's tokenizer, and
+the per-request matcher that masks logits.
+
+With drafting, a round's verify slot j is masked by the grammar's state after the request's
+tokens and drafts 0 .. j-1 (``mask_window``), exactly the mask plain decoding would apply there
+if those drafts are accepted; a draft the grammar forbids has probability 0 at its slot, so the
+acceptance rule rejects it as it rejects any token the target would not emit. The matcher walks
+the drafts to build the masks and rolls them back, then advances by the tokens the round keeps.
+Greedy output with drafting therefore equals constrained plain decoding, and sampled output
+keeps its law.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import RequestError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+CACHED = 256  # compiled grammars kept (a repeated schema costs nothing)
+EXTRA = "pip install 'draftline[structured]' (xgrammar)"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match: ``kind`` one of KINDS; ``source`` the schema as JSON
+    text, the regex, the choices as a JSON list of strings, or the EBNF grammar (empty for
+    json_object)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise RequestError(f"structured output kind {self.kind!r}: use one of {', '.join(KINDS)}")
+
+    @staticmethod
+    def choices(options: list[str]) -> "Constraint":
+        return Constraint("choice", json.dumps(options))
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise RequestError(f"structured outputs need xgrammar, which is not installed here: {EXTRA}") from None
+    return xgrammar
+
+
+def vocab_kind(tokenizer_json: dict[str, Any]) -> str:
+    """How the tokenizer writes bytes in its vocabulary (xgrammar's VocabType name):
+    byte-level (GPT-2 style), byte fallback (SentencePiece's <0x..> tokens) or raw."""
+    decoder = tokenizer_json.get("decoder") or {}
+    parts = [decoder, *decoder.get("decoders", [])]
+    if any(p.get("type") == "ByteLevel" for p in parts):
+        return "BYTE_LEVEL"
+    if any(p.get("type") == "ByteFallback" for p in parts):
+        return "BYTE_FALLBACK"
+    return "RAW"
+
+
+class Grammars:
+    """Compiles constraints for one target's tokenizer, keeping the last CACHED compiled."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        encoded = [""] * vocab_size
+        for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                encoded[i] = token
+        kind = getattr(xgr.VocabType, vocab_kind(json.loads(tokenizer.to_str())))
+        info = xgr.TokenizerInfo(encoded, kind, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self.lock = threading.Lock()  # requests are prepared on worker threads
+
+    def compile(self, c: Constraint) -> tuple[Any, float]:
+        """(the compiled grammar, ms spent compiling it: 0 when the cache had it), or a
+        RequestError naming what is wrong with the constraint."""
+        with self.lock:
+            if c in self.cache:
+                self.cache.move_to_end(c)
+                return self.cache[c], 0.0
+        start = time.perf_counter()
+        try:
+            compiled = self._compile(c)
+        except RequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (xgrammar raises RuntimeError / ValueError with its parser's message)
+            reason = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+            raise RequestError(f"{c.kind}: does not compile ({reason}); fix it or drop the constraint",
+                               param="response_format") from None
+        with self.lock:
+            self.cache[c] = compiled
+            if len(self.cache) > CACHED:
+                self.cache.popitem(last=False)
+        return compiled, 1e3 * (time.perf_counter() - start)
+
+    def _compile(self, c: Constraint):
+        if c.kind == "json_object":
+            return self.compiler.compile_builtin_json_grammar()
+        if c.kind == "json_schema":
+            return self.compiler.compile_json_schema(c.source, strict_mode=True)
+        if c.kind == "regex":
+            return self.compiler.compile_regex(c.source)
+        if c.kind == "grammar":
+            return self.compiler.compile_grammar(c.source)
+        options = json.loads(c.source)
+        if not options or not all(isinstance(o, str) for o in options):
+            raise RequestError("choice: give a non-empty list of strings", param="guided_choice")
+        return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+
+    def matcher(self, c: Constraint, lookahead: int, stop_ids: list[int]) -> "Matcher":
+        """A fresh matcher for one request, ending at one of ``stop_ids`` and able to roll back
+        ``lookahead`` tokens (a round's drafts)."""
+        compiled, ms = self.compile(c)
+        xgr = _xgrammar()
+        return Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids, max_rollback_tokens=lookahead + 1),
+                       self.vocab_size, ms)
+
+
+class Matcher:
+    """One request's grammar state: masks for a round's verify slots, advanced by kept tokens."""
+
+    def __init__(self, matcher, vocab_size: int, compile_ms: float):
+        self.matcher, self.vocab_size, self.compile_ms = matcher, vocab_size, compile_ms
+
+    def mask_window(self, x: Tensor, drafts: Tensor | None) -> Tensor:
+        """x [T, V] logits at a round's slots (slot j after drafts 0 .. j-1) -> masked (a float32
+        copy): slot j allows what the grammar allows after those drafts. Slots past the first
+        draft the grammar refuses are left as they are: the refused draft is rejected, so they
+        are never sampled from."""
+        xgr = _xgrammar()
+        t = x.shape[0]
+        bitmask = xgr.allocate_token_bitmask(t, self.vocab_size)  # all allowed
+        walked = 0
+        for j in range(t):
+            if self.matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
+                break
+            self.matcher.fill_next_token_bitmask(bitmask, j)
+            if j == t - 1 or drafts is None or not self.matcher.accept_token(int(drafts[j])):
+                break
+            walked += 1
+        if walked:
+            self.matcher.rollback(walked)
+        out = x.float().clone()
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=self.vocab_size)
+        return out
+
+    def advance(self, tokens: list[int]) -> None:
+        """The tokens a round keeps, each allowed by its slot's mask."""
+        for token in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"grammar: kept token {token} was not allowed by its mask")
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
+    """logits [N, T, V] with each constrained request's rows masked (mask_window); unchanged
+    when no request is constrained."""
+    if not any(r.grammar is not None for r in reqs):
+        return logits
+    out = logits.float().clone()
+    for i, req in enumerate(reqs):
+        if req.grammar is not None:
+            out[i] = req.grammar.mask_window(out[i], None if drafts is None else drafts[i]).to(out.device)
+    return out
+
+
+def advance(reqs, tokens: Tensor, kept: list[int]) -> None:
+    """Each constrained request's matcher past the tokens [N, >= kept] its round keeps."""
+    for i, req in enumerate(reqs):
+        if req.grammar is not None:
+            req.grammar.advance(tokens[i, : kept[i]].tolist())
