@@ -10,9 +10,9 @@ split (float32 partial sums that the next norm or q/k/v kernel adds), and the ga
 silu(gate) * up. A row's result depends on its own values alone, its groups summed in one order
 fixed by the weight's shape, whatever M is: the product is batch-invariant as the bf16 one.
 
-Rounding to e4m3 is written out (``_to_grid``) rather than left to a cast: Triton's interpreter
-rounds a value that carries into the next binade wrongly (1.95 -> 1), and CI runs this kernel
-there; a value already on the grid casts exactly everywhere.
+Under Triton's interpreter (CI) rounding to e4m3 is written out (``_to_grid``): its cast rounds
+a value that carries into the next binade wrongly (1.95 -> 1); the GPU's cast rounds to nearest
+even, as torch does.
 """
 
 from __future__ import annotations
@@ -85,20 +85,20 @@ class Fp8Tiling:
 
 
 def fp8_tiling(m: int, n: int, k: int, gated: bool, invariant: bool) -> Fp8Tiling:
-    """Decode rows stream the weight (matvec.py's shapes: 64 columns, 32 gated, K split until
-    about PROGRAMS programs); past MAX_ROWS rows, unless invariant, the wide tiles of an
+    """Decode rows stream the weight: 128 columns a program (32 gated), K split (up to 8) until
+    about PROGRAMS programs, deep pipelines (a sweep at the 8B's shapes on an H100); past MAX_ROWS rows, unless invariant, the wide tiles of an
     arithmetic-bound product. Invariant: 16-row tiles at any M. Under the interpreter wider
     column blocks: it runs programs one by one."""
     groups = triton.cdiv(k, GROUP)
     if m > MAX_ROWS and not invariant:
         return Fp8Tiling(128, 64 if gated else 128, 1, 8, 3)
-    block_n = 32 if gated else 64
+    block_n = 32 if gated else 128
     split = 1
-    while not gated and triton.cdiv(n, block_n) * split < PROGRAMS and split < 4 and groups % (2 * split) == 0:
+    while not gated and triton.cdiv(n, block_n) * split < PROGRAMS and split < 8 and groups % (2 * split) == 0:
         split *= 2
     if interpreted():
         block_n = max(block_n, min(256, triton.next_power_of_2(n)))
-    return Fp8Tiling(row_tile(m, 16 if invariant else MAX_ROWS), block_n, split, 4, 3)
+    return Fp8Tiling(row_tile(m, 16 if invariant else MAX_ROWS), block_n, split, 4, 6 if gated else 4)
 
 
 @triton.jit
@@ -113,12 +113,14 @@ def _to_grid(v):
 
 
 @triton.jit
-def _quantized(x, rm, rk, M, K):
+def _quantized(x, rm, rk, M, K, EXACT_CAST: tl.constexpr):
     """Rows rm x columns rk (one group) of x -> (e4m3 values, each row's float32 scale)."""
     xt = tl.load(x + rm[:, None].to(tl.int64) * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                  other=0.0).to(tl.float32)
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xt), axis=1), _MAX), _MIN_SCALE)
     q = tl.minimum(tl.maximum(tl.math.div_rn(xt, scale[:, None]), -_MAX), _MAX)
+    if EXACT_CAST:  # the GPU's conversion rounds to nearest even
+        return q.to(tl.float8e4nv), scale
     return _to_grid(q).to(tl.float8e4nv), scale
 
 
@@ -135,7 +137,7 @@ def _group(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g):
 @triton.jit
 def _fp8_rows(x, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
               GATED: tl.constexpr, SPLIT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
     """Program (row tile, column block, K split): BLOCK_N outputs of BLOCK_M rows over groups
     [pk * GROUPS_PER_SPLIT, +GROUPS_PER_SPLIT). Row tiles vary fastest: the programs reading one
     weight tile run side by side."""
@@ -148,7 +150,7 @@ def _fp8_rows(x, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
     first = pk * GROUPS_PER_SPLIT
     for g in range(first, first + GROUPS_PER_SPLIT):
         rk = g * 128 + tl.arange(0, 128)
-        q, sx = _quantized(x, rm, rk, M, K)
+        q, sx = _quantized(x, rm, rk, M, K, EXACT_CAST)
         acc_g += _group(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
         if GATED:  # the up rows sit N rows below the gate rows
             acc_u += _group(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
@@ -183,5 +185,6 @@ def fp8_product(x: Tensor, w: Fp8Weight, gated: bool = False, out_dtype: torch.d
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
     _fp8_rows[grid](x, w.weight, w.scale, out, m, n, k, w.scale.shape[1], groups // split,
                     GATED=gated, SPLIT=split, SCALE_ROWS=w.scale_rows, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                    EXACT_CAST=not interpreted(),
                     num_warps=t.warps, num_stages=t.stages, **overlap.launch(release=True))
     return out

@@ -127,8 +127,9 @@ class Fp8Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         device = fn(torch.empty(0, device=self.weight.device)).device  # where the module goes
-        self.weight = self.weight.to(device)
-        self.weight_scale_inv = self.weight_scale_inv.to(device)
+        for name in self.checkpoint_buffers:  # built on the meta device: storage, filled later
+            t = getattr(self, name)
+            setattr(self, name, torch.empty_like(t, device=device) if t.is_meta else t.to(device))
         return self
 
     def extra_repr(self) -> str:
