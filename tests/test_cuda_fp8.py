@@ -64,8 +64,12 @@ def test_activations_quantize_exactly_as_the_reference():
     x = _rows(9, k, 2)
     x[0, :128] = torch.tensor([1.95, 7.9, 0.49, -3.99] * 32, device=DEV, dtype=DTYPE) * 3  # values rounding up a binade
     q, scale = quantize_activations(x, 128)
-    want = (q.float() * scale.repeat_interleave(128, -1)).to(x.dtype)
-    assert torch.equal(_whole(fp8_product(x, eye), x.dtype), want)
+    want = q.float() * scale.repeat_interleave(128, -1)
+    got = _whole(fp8_product(x, eye), torch.float32).float()
+    # the kernel multiplies the scales in its own order (a float32 ulp) and may write the output
+    # dtype (a bf16 ulp); neighbouring e4m3 values lie at least 6% apart, so a wrong rounding fails
+    ulp = 2.0 ** -22 if x.dtype == torch.float32 else 2.0 ** -7
+    assert ((got - want).abs() <= ulp * want.abs()).all()
 
 
 def test_gated_and_stacked_projections_equal_their_parts():
@@ -97,20 +101,38 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k, n):
 PROMPTS = ["import os\nclass A:\n    def run(self, n):", "def add(a, b):\n    "]
 
 
-def test_the_fp8_pair_on_the_cuda_backend_accepts_the_reference_backends_drafts():
-    """The shipped tiny FP8 target with its bf16 DFlash drafter: the cuda backend's tokens and
-    accepted counts per round are the reference backend's (float32)."""
+def _agree_until_a_tie(got: list[int], ref: list[int], ref_logprobs) -> None:
+    """cuda's tokens equal the reference's up to the first position where the reference's two
+    best tokens are within TIE nats: there one activation rounded to the other side of an e4m3
+    step (float32 sums differ in their last bits) moves logits by about 0.1 and decides."""
+    for k, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            (_, best), (_, second) = ref_logprobs[k].top[:2]
+            assert best - second < TIE, f"position {k}: {a} != {b} with a margin of {best - second:.4f} nats"
+            return
+
+
+TIE = 0.05
+
+
+def test_the_fp8_pair_on_the_cuda_backend_accepts_drafts_and_follows_the_reference():
+    """The shipped tiny FP8 target with its bf16 DFlash drafter (float32): on the cuda backend,
+    drafting (with drafts accepted) gives plain decoding's tokens, and plain decoding gives the
+    reference backend's tokens except where the reference's choice is a near-tie."""
     spec = argmax_drafts(load_spec("specs/tiny-fp8-dflash.yaml"))
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    runs = []
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
+    runs = {}
     for backend in ("reference", "cuda"):
-        eng = Engine(respec(spec, backend, max_batch_size=4, device=DEV, dtype="float32", max_model_len=128),
-                     draft_policy="always")
-        runs.append(eng.generate(PROMPTS, params, trace=True))
-    ref, got = runs
-    assert sum(x.accepted for c in ref for x in c.rounds) >= 2  # drafts were accepted: the check has teeth
-    assert [c.output_ids for c in got] == [c.output_ids for c in ref]
-    assert [[x.accepted for x in c.rounds] for c in got] == [[x.accepted for x in c.rounds] for c in ref]
+        for policy in ("never", "always"):
+            eng = Engine(respec(spec, backend, max_batch_size=4, device=DEV, dtype="float32", max_model_len=128),
+                         draft_policy=policy)
+            runs[backend, policy] = eng.generate(PROMPTS, params, trace=True)
+    drafted = runs["cuda", "always"]
+    assert sum(x.accepted for c in drafted for x in c.rounds) >= 2  # drafts were accepted: the check has teeth
+    for backend in ("reference", "cuda"):
+        assert [c.output_ids for c in runs[backend, "always"]] == [c.output_ids for c in runs[backend, "never"]]
+    for got, ref in zip(runs["cuda", "never"], runs["reference", "never"]):
+        _agree_until_a_tie(got.output_ids, ref.output_ids, ref.logprobs)
 
 
 @gpu
