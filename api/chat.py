@@ -21,6 +21,13 @@ from .completions import check_sampling, finish_reason, refuse_unimplemented, us
 from .limits import Limits
 from .schemas import ChatRequest
 from .stream import sse
+from .tools import ToolPlan, ToolStream
+
+
+def _finish(c: Completion, called: bool) -> str | None:
+    """OpenAI's finish reason: ``tool_calls`` where a turn that ended by itself made calls."""
+    reason = finish_reason(c)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 class ChatRoute:
@@ -36,12 +43,14 @@ class ChatRoute:
                                "use /v1/completions, or add a template to the checkpoint folder", "messages")
         self.loop, self.body, self.limits = loop, body, limits
         self.tokenizer = loop.engine.tokenizer
+        self.plan = body.tool_plan()
         self.options = body.options(loop.engine.spec.sampling)
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": body.model or model}
 
     def _render(self) -> str:
         try:
-            return self.template.render(self.messages, **self.body.template_kwargs())
+            tools = {} if self.plan is None else {"tools": list(self.plan.tools)}
+            return self.template.render(self.messages, **(self.body.template_kwargs() | tools))
         except ChatTemplateError as exc:
             raise RequestError(str(exc), "messages") from None
 
@@ -67,11 +76,18 @@ class ChatRoute:
         choices = await self.start()
         done = await fanout.results(choices, client)
         logprobs = await asyncio.to_thread(lambda: [self._logprobs(c.output_ids, c.logprobs or []) for c in done])
-        out = [{"index": ch.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                "finish_reason": finish_reason(c), "seed": c.meta_info["seed"]}
+        out = [{"index": ch.index, **self._message(c), "logprobs": lp, "seed": c.meta_info["seed"]}
                for ch, c, lp in zip(choices, done, logprobs)]
         return self.head | {"object": "chat.completion", "choices": out,
                             "usage": usage(done[0].meta_info["prompt_tokens"], done, done[0].meta_info["cached_tokens"])}
+
+    def _message(self, c: Completion) -> dict[str, Any]:
+        """The assistant message and finish reason of a finished choice (its calls parsed)."""
+        content, calls = (c.text, []) if self.plan is None else self.plan.parse(c.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_dict() for call in calls]
+        return {"message": message, "finish_reason": _finish(c, bool(calls))}
 
     async def stream(self):
         choices = await self.start()
@@ -92,23 +108,23 @@ class ChatRoute:
     async def _chunks(self, choices: list[fanout.Choice]) -> AsyncIterator[dict[str, Any]]:
         for c in choices:  # OpenAI opens each choice with the role
             yield self._chunk(c, {"role": "assistant", "content": ""})
-        sent = {c.index: "" for c in choices}
         sent_ids = {c.index: 0 for c in choices}
+        tools = {c.index: ToolStream(self.plan or ToolPlan((), "none")) for c in choices}
         finished: list[Completion] = []
         async for choice, u in fanout.merged(choices):
             req, i = choice.handle.req, choice.index
             text = u.finished.text if u.finished else u.text
-            delta, sent[i] = text[len(sent[i]):], text
             new = u.output_ids[sent_ids[i]:]
             first = len(req.prompt_ids) + sent_ids[i]
             lp = self._logprobs(new, [req.logprobs.get(first + k) for k in range(len(new))])
             sent_ids[i] = len(u.output_ids)
             made = (len(req.prompt_ids), sent_ids[i])
-            if delta or lp:
-                yield self._chunk(choice, {"content": delta}, lp, made=made)
+            deltas, called = tools[i].finish(text) if u.finished else (tools[i].feed(text), False)
+            for k, delta in enumerate(deltas or ([{"content": ""}] if lp else [])):
+                yield self._chunk(choice, delta, lp if k == 0 else None, made=made)
             if u.finished is not None:
                 finished.append(u.finished)
-                yield self._chunk(choice, {}, None, finish_reason(u.finished), made)
+                yield self._chunk(choice, {}, None, _finish(u.finished, called), made)
         if self.body.include_usage():
             yield self.head | {"object": "chat.completion.chunk", "choices": [],
                                "usage": usage(finished[0].meta_info["prompt_tokens"], finished,

@@ -19,6 +19,7 @@ from draftline.core.options import (LogitBias, NewTokens, Penalty, RepetitionPen
                           TokenId, TopK, TopLogprobs, TopP)
 
 from .structured import ResponseFormat, StructuredOutputs, native_constraint, openai_constraint
+from .tools import Tool, ToolChoice, ToolPlan
 
 
 class Strict(BaseModel):
@@ -240,29 +241,37 @@ class ChatRequest(OpenAIBase):
     function_call: Any = None
     functions: Any = None
     modalities: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     prediction: Any = None
     reasoning_effort: Any = None
     service_tier: Any = None
     store: Any = None
     metadata: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     web_search_options: Any = None
     verbosity: Any = None
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "audio", "function_call", "functions", "modalities", "parallel_tool_calls", "prediction", "reasoning_effort",
-        "service_tier", "store", "metadata", "tools", "tool_choice", "web_search_options", "verbosity")
-    HARMLESS: ClassVar[dict[str, list[Any]]] = {
-        "modalities": [["text"]], "service_tier": ["auto", "default"],
-        "tool_choice": ["none"], "parallel_tool_calls": [True]}
+        "audio", "function_call", "functions", "modalities", "prediction", "reasoning_effort",
+        "service_tier", "store", "metadata", "web_search_options", "verbosity")
+    HARMLESS: ClassVar[dict[str, list[Any]]] = {"modalities": [["text"]], "service_tier": ["auto", "default"]}
 
     def unimplemented(self) -> list[str]:
         return [k for k in super().unimplemented() if getattr(self, k) not in self.HARMLESS.get(k, [])]
 
+    def tool_plan(self) -> ToolPlan | None:
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def options(self, defaults: SamplingOptions) -> SamplingOptions:
         given = self.given_sampling()
+        plan = self.tool_plan()
+        forced = None if plan is None else plan.constraint()
+        if forced is not None and given["constraint"] is not None:
+            raise RequestError("tool_choice (required or a named function) holds the output to the calls' schema; "
+                               "drop response_format / guided_* or set tool_choice to auto", "tool_choice")
+        if forced is not None:
+            given["constraint"] = forced
         if "max_completion_tokens" in self.model_fields_set:
             given["max_new_tokens"] = self.max_completion_tokens
         if self.logprobs:

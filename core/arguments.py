@@ -122,6 +122,9 @@ def _generation_commands(sub, handlers: dict[str, Handler]) -> None:
     ev.add_argument("--temperatures", type=flags.listed(TEMPERATURE), default="0,1.0",
                     help="comma-separated temperatures, each a separate run")
     ev.add_argument("--seed", type=SEED, default=0, help="seed of the sampled runs")
+    ev.add_argument("--json-schema", metavar="FILE",
+                    help="also run every dataset with outputs held to this JSON schema (structured outputs, needs "
+                         "xgrammar): tau with the grammar beside tau without, and the drafts the grammar refused")
     ev.add_argument("--plot", help="write a PNG of per-position acceptance and the tau distribution (needs matplotlib)")
     ev.add_argument("--json", action="store_true", help="print one JSON list of the runs")
     ev.set_defaults(func=handlers["eval"])

@@ -344,6 +344,18 @@ def _same_target(spec, base, path: str):
     return spec
 
 
+def _schema_file(path: str):
+    """The constraint of ``eval --json-schema``: a JSON schema file."""
+    from .grammar import Constraint
+
+    try:
+        return Constraint("json_schema", json.dumps(json.loads(Path(path).read_text())))
+    except OSError as exc:
+        raise ConfigError(f"--json-schema {path}: cannot read it ({exc.strerror}); give a JSON schema file") from None
+    except ValueError as exc:
+        raise ConfigError(f"--json-schema {path}: not JSON ({exc}); give a JSON schema file") from None
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from .datasets import Dataset, load_dataset
     from .engine import Engine
@@ -359,12 +371,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     sets = ([load_dataset(d, args.field) for d in args.dataset] if args.dataset else
             [Dataset(Path(args.prompts).stem, tuple(read_prompt_file(args.prompts)), args.prompts)])
     sets = [Dataset(d.name, d.prompts[: args.num_prompts], d.source) for d in sets]
+    constraints = [None] + ([] if args.json_schema is None else [_schema_file(args.json_schema)])
     results = []
     for path in args.spec:  # every method over the same prompts, each against its own interleaved `none`
         engine = Engine.from_spec(path, draft_policy=args.draft_policy)
         for data in sets:  # each run with a fresh draft policy: one run's measurements never steer another's
-            results += [evaluate(engine.with_method(engine.spec.speculative), data, t, args.max_new_tokens, args.seed)
-                        for t in args.temperatures]
+            results += [evaluate(engine.with_method(engine.spec.speculative), data, t, args.max_new_tokens, args.seed,
+                                 c) for c in constraints for t in args.temperatures]
             if not args.json:
                 print(f"{path}: {len(data.prompts)} prompts of {data.name} ({data.source}), {args.max_new_tokens} "
                       f"new tokens, batch 1, {engine.backend_name} backend on {engine.device}, draft policy "

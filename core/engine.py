@@ -228,13 +228,22 @@ class Engine:
         )
         if params.constraint is not None:  # compiled here, so a bad one is the caller's RequestError
             stops = sorted(req.stop_ids) or sorted(self.target.config.eos_token_ids)
-            req.grammar = self.grammars.matcher(params.constraint, self.plan.num_speculative_tokens, stops)
+            req.grammar = self.grammars.matcher(params.constraint, stops)
         return req
 
     @functools.cached_property
     def grammars(self) -> Grammars:
         """Constraints compiled for the target's tokenizer (xgrammar), built on first use."""
         return Grammars(self.tokenizer, self.target.config.vocab_size, sorted(self.target.config.eos_token_ids))
+
+    @staticmethod
+    def _grammar_meta(g) -> dict[str, Any]:
+        """A constrained request's grammar costs: compile time (0 from the cache), host time for
+        masks per round, the drafts the grammar forbade (rejected at their slot) and those it
+        replaced by the one token it allowed there."""
+        per_round = 1e3 * g.mask_s / g.rounds if g.rounds else 0.0
+        return {"grammar_compile_ms": round(g.compile_ms, 3), "grammar_mask_ms_per_round": round(per_round, 4),
+                "grammar_refused_drafts": g.refused, "grammar_forced_drafts": g.forced}
 
     def _check_params(self, params: SamplingParams) -> None:
         """A request the backend cannot run exactly is refused, never run differently."""
@@ -296,7 +305,7 @@ class Engine:
             "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.prompt_ids),
             "cached_tokens": req.cached_tokens,  # prompt tokens whose KV the prefix cache gave
-            **({} if req.grammar is None else {"grammar_compile_ms": round(req.grammar.compile_ms, 3)}),
+            **({} if req.grammar is None else self._grammar_meta(req.grammar)),
             "preemptions": req.preemptions,  # times its KV was dropped for blocks, and recomputed
             "completion_tokens": len(req.output_ids),
             "seed": req.params.seed,  # replay a sampled request with this seed

@@ -8,12 +8,14 @@ and temperature with a policy of its own, so what one run measured does not stee
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .datasets import Dataset
 from .engine import Completion, Engine
+from .grammar import Constraint
 from .sampling import SamplingParams
 
 
@@ -69,25 +71,31 @@ def _timed(engine: Engine, prompt: str, params: SamplingParams) -> tuple[Complet
     return out, time.perf_counter() - start
 
 
-def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_tokens: int, seed: int) -> dict:
-    """One method over ``dataset`` at one temperature, against `none` on the same prompts.
-    ``engine`` should be fresh: its draft policy learns from this run only."""
+def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_tokens: int, seed: int,
+             constraint: Constraint | None = None) -> dict:
+    """One method over ``dataset`` at one temperature, against `none` on the same prompts, both
+    held to ``constraint`` when one is given. ``engine`` should be fresh: its draft policy
+    learns from this run only."""
     prompts = dataset.prompts
     baseline = engine.with_method({"method": "none"})
     warm = SamplingParams(max_new_tokens=4)
     engine.generate(list(prompts[:1]), warm), baseline.generate(list(prompts[:1]), warm)
     spec, base = Tally(engine.plan.num_speculative_tokens), Tally(0)
-    identical = 0
+    identical = refused = parsed = 0
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i,
+                                constraint=constraint)
         a, ta = _timed(engine, prompt, params)
         b, tb = _timed(baseline, prompt, params)
         spec.add(a, ta)
         base.add(b, tb)
         identical += a.output_ids == b.output_ids
+        refused += a.meta_info.get("grammar_refused_drafts", 0)
+        parsed += _parses(a.text)
     s, n = spec.summary(), base.summary()
     return {
-        "dataset": dataset.name,
+        "dataset": dataset.name if constraint is None else f"{dataset.name}+{constraint.kind}",
+        **({} if constraint is None else {"grammar_refused_drafts": refused, "json_parses": parsed}),
         "temperature": temperature,
         "method": engine.plan.method,
         "draft_policy": str(engine.policy.limit),
@@ -99,6 +107,14 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
         "lossless_check": "n/a (sampled)" if temperature > 0 else f"{identical}/{len(prompts)} identical",
         "round_lengths": spec.round_lengths,
     }
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def lossy(results: list[dict]) -> list[dict]:
@@ -117,7 +133,9 @@ def format_table(results: list[dict]) -> str:
             f"{r['speedup']:>7.2f}x  {r['lossless_check']}"
         )
         pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
-        rows.append(f"{'':>12} per-position acceptance: {pos}")
+        grammar = (f"; the grammar refused {r['grammar_refused_drafts']} drafts; {r['json_parses']}/{r['prompts']} "
+                   "outputs parse as JSON" if "grammar_refused_drafts" in r else "")
+        rows.append(f"{'':>12} per-position acceptance: {pos}{grammar}")
     return "\n".join(rows)
 
 

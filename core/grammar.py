@@ -107,10 +107,11 @@ class Grammars:
         return compiled, 1e3 * (time.perf_counter() - start)
 
     def _compile(self, c: Constraint):
+        # JSON on one line with json.dumps' separators: free whitespace lets a model pad forever
         if c.kind == "json_object":
-            return self.compiler.compile_builtin_json_grammar()
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if c.kind == "json_schema":
-            return self.compiler.compile_json_schema(c.source, strict_mode=True)
+            return self.compiler.compile_json_schema(c.source, any_whitespace=False, strict_mode=True)
         if c.kind == "regex":
             return self.compiler.compile_regex(c.source)
         if c.kind == "grammar":
@@ -120,13 +121,11 @@ class Grammars:
             raise RequestError("choice: give a non-empty list of strings", param="guided_choice")
         return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
 
-    def matcher(self, c: Constraint, lookahead: int, stop_ids: list[int]) -> "Matcher":
-        """A fresh matcher for one request, ending at one of ``stop_ids`` and able to roll back
-        ``lookahead`` tokens (a round's drafts)."""
+    def matcher(self, c: Constraint, stop_ids: list[int]) -> "Matcher":
+        """A fresh matcher for one request, ending at one of ``stop_ids``."""
         compiled, ms = self.compile(c)
         xgr = _xgrammar()
-        return Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids, max_rollback_tokens=lookahead + 1),
-                       self.vocab_size, ms)
+        return Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids), self.vocab_size, ms)
 
 
 class Matcher:
@@ -134,13 +133,17 @@ class Matcher:
 
     def __init__(self, matcher, vocab_size: int, compile_ms: float):
         self.matcher, self.vocab_size, self.compile_ms = matcher, vocab_size, compile_ms
+        self.mask_s = 0.0  # host time spent building and applying masks
+        self.rounds = 0  # mask windows built (one per round, plain or drafted)
+        self.refused = 0  # drafts the grammar forbade (each rejected at its slot, a wasted draft)
+        self.forced = 0  # forbidden drafts replaced by the one token the grammar allowed there
 
     def mask_window(self, x: Tensor, drafts: Tensor | None) -> Tensor:
         """x [T, V] logits at a round's slots (slot j after drafts 0 .. j-1) -> masked (a float32
         copy): slot j allows what the grammar allows after those drafts. Slots past the first
         draft the grammar refuses are left as they are: the refused draft is rejected, so they
         are never sampled from."""
-        xgr = _xgrammar()
+        start, xgr = time.perf_counter(), _xgrammar()
         t = x.shape[0]
         bitmask = xgr.allocate_token_bitmask(t, self.vocab_size)  # all allowed
         walked = 0
@@ -148,14 +151,41 @@ class Matcher:
             if self.matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
                 break
             self.matcher.fill_next_token_bitmask(bitmask, j)
-            if j == t - 1 or drafts is None or not self.matcher.accept_token(int(drafts[j])):
+            if j == t - 1 or drafts is None:
+                break
+            if not self.matcher.accept_token(int(drafts[j])):
+                self.refused += 1
                 break
             walked += 1
         if walked:
             self.matcher.rollback(walked)
         out = x.float().clone()
         xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=self.vocab_size)
+        self.mask_s += time.perf_counter() - start
+        self.rounds += 1
         return out
+
+    def steer(self, drafts: list[int]) -> tuple[list[int], list[int]]:
+        """(the drafts with each one the grammar forbids replaced by the token the grammar forces
+        there, if it forces one: a JSON key's quotes, colon, the rest of an enum; the slots
+        replaced). Walks the drafts and rolls back."""
+        xgr, out, forced, walked = _xgrammar(), list(drafts), [], 0
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        for j, token in enumerate(drafts):
+            if self.matcher.is_terminated():
+                break
+            if not self.matcher.accept_token(token):
+                self.matcher.fill_next_token_bitmask(bitmask, 0)
+                only = _only_token(bitmask[0])
+                if only is None or not self.matcher.accept_token(only):
+                    break
+                out[j] = only
+                forced.append(j)
+            walked += 1
+        if walked:
+            self.matcher.rollback(walked)
+        self.forced += len(forced)
+        return out, forced
 
     def advance(self, tokens: list[int]) -> None:
         """The tokens a round keeps, each allowed by its slot's mask."""
@@ -168,6 +198,35 @@ class Matcher:
     @property
     def done(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def _only_token(words: Tensor) -> int | None:
+    """The one token a bitmask row [ceil(V / 32)] int32 allows, or None if it allows more."""
+    set_words = torch.nonzero(words).flatten()
+    if set_words.numel() != 1:
+        return None
+    i = int(set_words[0])
+    bits = int(words[i]) & 0xFFFFFFFF
+    return 32 * i + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
+
+
+def steered(reqs, proposal):
+    """The round's proposal with each constrained row's forbidden drafts replaced where the
+    grammar forces a token (Matcher.steer); such a slot's q becomes one-hot on it, so the
+    acceptance rule stays exact for sampled drafts (the masked target gives it probability 1)."""
+    if proposal.tokens.shape[1] == 0 or not any(r.grammar is not None for r in reqs):
+        return proposal
+    tokens, probs = proposal.tokens.clone(), None if proposal.probs is None else proposal.probs.clone()
+    for i, req in enumerate(reqs):
+        if req.grammar is None:
+            continue
+        new, forced = req.grammar.steer(tokens[i].tolist())
+        for j in forced:
+            tokens[i, j] = new[j]
+            if probs is not None:
+                probs[i, j] = 0
+                probs[i, j, new[j]] = 1
+    return type(proposal)(tokens, probs)
 
 
 def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:

@@ -166,11 +166,10 @@ def test_chat_streamed_equals_plain_with_logprobs(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("audio", {"voice": "alloy", "format": "wav"}), ("reasoning_effort", "high"),
     ("prediction", {"type": "content", "content": "x"}), ("function_call", "auto"), ("functions", [{"name": "f"}]),
     ("modalities", ["text", "audio"]), ("service_tier", "flex"), ("store", True), ("metadata", {"k": "v"}),
-    ("tool_choice", "auto"), ("web_search_options", {"search_context_size": "low"}), ("verbosity", "low"),
+    ("web_search_options", {"search_context_size": "low"}), ("verbosity", "low"),
 ])
 def test_unimplemented_chat_fields_are_a_400_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:

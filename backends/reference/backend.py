@@ -18,7 +18,7 @@ from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
 from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
-from draftline.core.grammar import advance, masked
+from draftline.core.grammar import advance, masked, steered
 from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
@@ -174,7 +174,8 @@ class ReferenceBackend:
         """K drafts a row, or the first ``drafts`` (a narrower verify)."""
         if self.drafter is None:
             return self.skip_draft(reqs)
-        return self.drafter.propose(reqs, self.draft_rows(reqs, drafts)).first(drafts or self.plan.num_speculative_tokens)
+        proposal = self.drafter.propose(reqs, self.draft_rows(reqs, drafts)).first(drafts or self.plan.num_speculative_tokens)
+        return steered(reqs, proposal)  # drafts a grammar forbids, replaced where it forces a token
 
     def draft_rows(self, reqs: list[Request], drafts: int = 0) -> DraftRows:
         return DraftRows(

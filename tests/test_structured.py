@@ -1,0 +1,180 @@
+"""Structured outputs (core/grammar.py on xgrammar) with drafting on: greedy output equals
+constrained plain decoding token for token for every method, sampled output keeps the masked
+target's law (chi-square), the matcher rolls back what a round does not keep, and each bad
+constraint is a RequestError naming it."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from conftest import full_forward, respec
+from draftline.core.engine import Engine, RequestError
+from draftline.core.grammar import Constraint
+from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits
+from draftline.core.spec import load_spec
+from stats import chi_square_p
+
+pytest.importorskip("xgrammar", reason="structured outputs need the `structured` extra (xgrammar)")
+
+SPECS = Path(__file__).parent.parent / "specs"
+METHODS = ["tiny-dflash.yaml", "tiny-eagle3.yaml", "tiny-gemma4-mtp.yaml"]
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:\n", "# a user record as JSON\n"]
+SCHEMA = {  # nested objects, arrays, enums, required fields
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"admin": {"type": "boolean"}}, "required": ["admin"],
+                  "additionalProperties": False},
+    },
+    "required": ["name", "kind", "tags", "owner"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return Engine(load_spec(SPECS / "tiny-none.yaml"))
+
+
+def _json(**kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=160, constraint=Constraint("json_schema", json.dumps(SCHEMA)), **kw)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_json_with_drafting_equals_constrained_plain_decoding(plain, method):
+    drafted = Engine(load_spec(SPECS / method), plain.target, plain.tokenizer, draft_policy="always")
+    params = [_json()] * len(PROMPTS)
+    want = plain.generate(PROMPTS, params)
+    got = drafted.generate(PROMPTS, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    for c in got:
+        assert c.meta_info["finish_reason"]["type"] == "stop", c.text  # the grammar closed the object, then eos
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert sum(c.meta_info["spec_accepted_tokens"] for c in got) > 0  # drafts were kept under the mask
+    assert all(c.meta_info["grammar_mask_ms_per_round"] > 0 for c in got)
+
+
+@pytest.mark.parametrize("constraint", [Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"),
+                                        Constraint.choices(["yes", "no", "maybe later"]),
+                                        Constraint("grammar", 'root ::= "x = " [0-9]+ ("." [0-9]+)?'),
+                                        Constraint("json_object")])
+def test_every_kind_with_drafting_equals_constrained_plain_decoding(plain, constraint):
+    drafted = Engine(load_spec(SPECS / "tiny-dflash.yaml"), plain.target, plain.tokenizer, draft_policy="always")
+    params = SamplingParams(max_new_tokens=24, constraint=constraint)
+    want = [c.output_ids for c in plain.generate(PROMPTS[:2], params)]
+    assert [c.output_ids for c in drafted.generate(PROMPTS[:2], params)] == want
+    if constraint.kind == "choice":
+        assert {plain.tokenizer.decode(ids) for ids in want} <= {"yes", "no", "maybe later"}
+
+
+def test_the_matcher_rolls_back_what_a_round_does_not_keep(plain):
+    """mask_window walks a round's drafts and returns to where it was; advancing by a partial
+    acceptance leaves it where a matcher fed those tokens one by one would be."""
+    c = Constraint.choices(["alpha beta", "alpine"])
+    tok = plain.tokenizer
+    ids = tok.encode("alpha beta").ids
+    stops = sorted(plain.target.config.eos_token_ids)
+    m = plain.grammars.matcher(c, stops)
+    vocab = plain.target.config.vocab_size
+    x = torch.zeros(len(ids) + 1, vocab)
+    drafts = torch.tensor(ids)
+    first = m.mask_window(x, drafts)
+    assert m.mask_window(x[:1], None).equal(first[:1])  # nothing was consumed
+    for j in range(1, len(ids) + 1):  # slot j is masked as a matcher fed drafts 0 .. j-1
+        fresh = plain.grammars.matcher(c, stops)
+        fresh.advance(ids[:j])
+        assert fresh.mask_window(x[:1], None)[0].equal(first[j])
+    forbidden = int(torch.nonzero(first[1] == float("-inf"))[0])
+    m.mask_window(x[:3], torch.tensor([ids[0], forbidden]))  # the second draft is refused
+    assert m.refused == 1
+    m.advance(ids[:1])  # the round kept one token
+    fresh = plain.grammars.matcher(c, stops)
+    fresh.advance(ids[:1])
+    assert m.mask_window(x[:1], None).equal(fresh.mask_window(x[:1], None))
+
+
+def _second_token_law(engine, prompt_ids, params):
+    """The masked target's exact law of the 2nd token: sum_t1 p(t1) p(t2 | t1), each step's
+    logits masked by the grammar after the tokens before it."""
+    one = SamplingBatch.of([params])
+    stops = sorted(engine.target.config.eos_token_ids)
+
+    def mask(x, before):
+        m = engine.grammars.matcher(params.constraint, stops)
+        m.advance(before)
+        return m.mask_window(x[None], None)[0]
+
+    with torch.no_grad():
+        hidden, _ = full_forward(engine.target, torch.tensor([prompt_ids]))
+        p1 = probs_from_logits(mask(engine.target.logits(hidden[0, -1]).float(), [])[None], one)[0]
+        support = torch.nonzero(p1).flatten().tolist()
+        hidden, _ = full_forward(engine.target, torch.tensor([prompt_ids + [t] for t in support]))
+        logits = engine.target.logits(hidden[:, -1]).float()
+        masked = torch.stack([mask(logits[i], [t]) for i, t in enumerate(support)])
+        p2 = probs_from_logits(masked, SamplingBatch.of([params] * len(support)))
+    return (p1[support, None] * p2).sum(0)
+
+
+def test_sampled_tokens_follow_the_masked_target(plain):
+    """Chi-square at temperature 1 with probabilistic drafts: the 2nd token (decided by the
+    first accept/reject round, its slots masked) follows the masked target's law."""
+    spec = load_spec(SPECS / "tiny-eagle3.yaml")
+    spec = spec.with_method({**spec.speculative.model_dump(mode="python"), "num_speculative_tokens": 2,
+                             "draft_sample_method": "probabilistic"})
+    engine = Engine(respec(spec, "reference", max_batch_size=512), plain.target, plain.tokenizer, draft_policy="always")
+    prompt = engine.encode("def ")
+    n, constraint = 1500, Constraint("regex", r"[a-k][a-z_]*\(.*")
+    params = [SamplingParams(temperature=1.0, top_k=8, max_new_tokens=2, seed=s, ignore_eos=True,
+                             constraint=constraint) for s in range(n)]
+    out = engine.generate([prompt] * n, params)
+    second = torch.tensor([c.output_ids[1] for c in out])
+    law = _second_token_law(engine, prompt, params[0])
+    rate = sum(c.meta_info["spec_accept_rate"] for c in out) / n
+    assert 0.02 < rate < 0.98  # both the accept and the reject path were exercised
+    assert chi_square_p(torch.bincount(second, minlength=law.numel()), law) > 1e-3
+
+
+@pytest.mark.parametrize("constraint, named", [
+    (Constraint("json_schema", '{"type": "object", "properties": {"a": {"type": "strang"}}}'), "json_schema"),
+    (Constraint("regex", "([a-z"), "regex"),
+    (Constraint("grammar", "root ::= undefined_rule"), "grammar"),
+    (Constraint("choice", "[]"), "choice"),
+])
+def test_a_bad_constraint_is_a_request_error_naming_it(plain, constraint, named):
+    with pytest.raises(RequestError, match=named):
+        plain.generate(["x"], SamplingParams(max_new_tokens=4, constraint=constraint))
+
+
+def test_a_repeated_constraint_compiles_once(plain):
+    c = Constraint("regex", r"[0-9]{3}-[0-9]{4}")
+    first = plain.generate(["call "], SamplingParams(max_new_tokens=12, constraint=c))[0]
+    again = plain.generate(["call "], SamplingParams(max_new_tokens=12, constraint=c))[0]
+    assert first.meta_info["grammar_compile_ms"] > 0 and again.meta_info["grammar_compile_ms"] == 0
+    assert first.output_ids == again.output_ids
+
+
+def test_a_draft_the_grammar_forbids_becomes_the_token_it_forces(plain):
+    """Where the grammar allows one token only (a key's quotes and colon), a wrong draft is
+    replaced by it, and the walk rolls back."""
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+    ids = plain.generate(["# json\n"], SamplingParams(max_new_tokens=160, constraint=c))[0].output_ids[:12]
+    stops = sorted(plain.target.config.eos_token_ids)
+    vocab = plain.target.config.vocab_size
+
+    def allowed(before):
+        m = plain.grammars.matcher(c, stops)
+        m.advance(before)
+        return torch.isfinite(m.mask_window(torch.zeros(1, vocab), None)[0]).sum().item()
+
+    forced = [j for j in range(len(ids)) if allowed(ids[:j]) == 1]
+    assert forced  # the object's opening and first key are forced
+    m = plain.grammars.matcher(c, stops)
+    wrong = [(t + 1) % vocab if j in forced else t for j, t in enumerate(ids)]
+    steered, replaced = m.steer(wrong)
+    assert steered == ids and replaced == forced
+    assert allowed([]) == torch.isfinite(m.mask_window(torch.zeros(1, vocab), None)[0]).sum().item()  # rolled back
