@@ -91,11 +91,11 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
         base.add(b, tb)
         identical += a.output_ids == b.output_ids
         refused += a.meta_info.get("grammar_refused_drafts", 0)
-        parsed += _parses(a.text)
+        parsed += constraint is not None and _valid(a.text, constraint)
     s, n = spec.summary(), base.summary()
     return {
         "dataset": dataset.name if constraint is None else f"{dataset.name}+{constraint.kind}",
-        **({} if constraint is None else {"grammar_refused_drafts": refused, "json_parses": parsed}),
+        **({} if constraint is None else {"grammar_refused_drafts": refused, "json_valid": parsed}),
         "temperature": temperature,
         "method": engine.plan.method,
         "draft_policy": str(engine.policy.limit),
@@ -109,10 +109,19 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
     }
 
 
-def _parses(text: str) -> bool:
+def _valid(text: str, constraint: Constraint) -> bool:
+    """The output is JSON, and valid for the constraint's schema where jsonschema is installed."""
     try:
-        json.loads(text)
+        value = json.loads(text)
     except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return True
+    try:
+        jsonschema.validate(value, json.loads(constraint.source) if constraint.kind == "json_schema" else {})
+    except jsonschema.ValidationError:
         return False
     return True
 
@@ -133,8 +142,8 @@ def format_table(results: list[dict]) -> str:
             f"{r['speedup']:>7.2f}x  {r['lossless_check']}"
         )
         pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
-        grammar = (f"; the grammar refused {r['grammar_refused_drafts']} drafts; {r['json_parses']}/{r['prompts']} "
-                   "outputs parse as JSON" if "grammar_refused_drafts" in r else "")
+        grammar = (f"; the grammar refused {r['grammar_refused_drafts']} drafts; {r['json_valid']}/{r['prompts']} "
+                   "outputs valid JSON" if "grammar_refused_drafts" in r else "")
         rows.append(f"{'':>12} per-position acceptance: {pos}{grammar}")
     return "\n".join(rows)
 

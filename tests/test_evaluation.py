@@ -96,3 +96,23 @@ def test_shipped_checkpoints_fit_the_size_budget():
     files = [p for p in (ROOT / "specs" / "tiny").rglob("*") if p.is_file()]
     assert all(p.stat().st_size < 15 * 2**20 for p in files)
     assert sum(p.stat().st_size for p in files) < 48 * 2**20  # the tiny target (bf16 and fp8), three drafters
+
+
+def test_eval_with_a_json_schema_runs_each_dataset_free_and_held(capsys):
+    pytest.importorskip("xgrammar", reason="structured outputs need the `structured` extra (xgrammar)")
+    argv = ["eval", DFLASH, "--dataset", str(FIXTURES / "code.jsonl"), "--field", "text", "--max-new-tokens", "160",
+            "--temperatures", "0", "--num-prompts", "2", "--draft-policy", "always", "--json",
+            "--json-schema", str(ROOT / "specs" / "tiny" / "eval_schema.json")]
+    assert main(argv) == 0
+    free, held = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert free["dataset"] == "code" and "grammar_refused_drafts" not in free
+    assert held["dataset"] == "code+json_schema" and held["identical"] == 2 and held["json_valid"] == 2
+    assert held["grammar_refused_drafts"] >= 0 and held["tau"] >= 1.0
+
+
+def test_eval_json_schema_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["eval", DFLASH, "--json-schema", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"--json-schema {bad}: not JSON" in err and "give a JSON schema file" in err
