@@ -82,6 +82,7 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
     engine.generate(list(prompts[:1]), warm), baseline.generate(list(prompts[:1]), warm)
     spec, base = Tally(engine.plan.num_speculative_tokens), Tally(0)
     identical = refused = parsed = 0
+    mask_ms = []  # host ms a round spent on grammar masks, per prompt
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i,
                                 constraint=constraint)
@@ -91,11 +92,13 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
         base.add(b, tb)
         identical += a.output_ids == b.output_ids
         refused += a.meta_info.get("grammar_refused_drafts", 0)
+        mask_ms.append(a.meta_info.get("grammar_mask_ms_per_round", 0.0))
         parsed += constraint is not None and _valid(a.text, constraint)
     s, n = spec.summary(), base.summary()
     return {
         "dataset": dataset.name if constraint is None else f"{dataset.name}+{constraint.kind}",
-        **({} if constraint is None else {"grammar_refused_drafts": refused, "json_valid": parsed}),
+        **({} if constraint is None else {"grammar_refused_drafts": refused, "json_valid": parsed,
+                                         "grammar_mask_ms_per_round": round(sum(mask_ms) / len(mask_ms), 4)}),
         "temperature": temperature,
         "method": engine.plan.method,
         "draft_policy": str(engine.policy.limit),
@@ -142,8 +145,9 @@ def format_table(results: list[dict]) -> str:
             f"{r['speedup']:>7.2f}x  {r['lossless_check']}"
         )
         pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
-        grammar = (f"; the grammar refused {r['grammar_refused_drafts']} drafts; {r['json_valid']}/{r['prompts']} "
-                   "outputs valid JSON" if "grammar_refused_drafts" in r else "")
+        grammar = "" if "grammar_refused_drafts" not in r else (
+            f"; the grammar refused {r['grammar_refused_drafts']} drafts; {r['json_valid']}/{r['prompts']} outputs "
+            f"valid JSON; masks {r['grammar_mask_ms_per_round']:.3f} ms a round")
         rows.append(f"{'':>12} per-position acceptance: {pos}{grammar}")
     return "\n".join(rows)
 
