@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import traceback
 from pathlib import Path
@@ -86,8 +87,15 @@ def _run(engine: Any, prompt: str, params: Any, trace: bool) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from . import parallel
     from .engine import Engine
+    from .spec import load_spec
 
+    size = load_spec(args.spec).model.tensor_parallel_size
+    if size > 1 and not parallel.in_rank():  # one process per rank, each running this command
+        if args.seed is None:
+            args.seed = load_spec(args.spec).sampling.seed or random.getrandbits(62)  # one seed for every rank
+        return parallel.launch(size, cmd_generate, args)
     engine = Engine.from_spec(args.spec, draft_policy="always")  # show the method itself, every round
     params = _sampling(engine, args)
     baseline = engine.with_method({"method": "none"}) if args.compare else None
@@ -99,6 +107,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result["baseline"] = _run(baseline, args.prompt, params, False)
         base_tps = result["baseline"]["meta_info"]["tokens_per_s"]
         result["speedup"] = round(result["meta_info"]["tokens_per_s"] / base_tps, 3) if base_tps else None
+    if parallel.rank() != 0:
+        return 0
     if args.json:
         print(json.dumps(result))
     else:

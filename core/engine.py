@@ -19,6 +19,8 @@ from .contract import Capacity
 from .detokenizer import TextStream
 from .errors import RequestError
 from .grammar import Grammars
+from .models.shard import ShardedTarget
+from .parallel import current_shard
 from .logprobs import TokenLogprob
 from .machine import Machine, Plan
 from .policy import DraftPolicy
@@ -125,6 +127,10 @@ class Engine:
         if target is None:
             target, tokenizer = build_target(spec, self.device, self.dtype)
             place(target, self.device, self.dtype)
+        if spec.model.tensor_parallel_size > 1 and not isinstance(target, ShardedTarget):
+            target = ShardedTarget(target, current_shard(spec.model.tensor_parallel_size))
+            log.info("tensor_parallel.shard", rank=target.shard.rank, size=target.shard.size,
+                     target_bytes=sum(t.numel() * t.element_size() for t in target.state_dict().values()))
         self.target, self.tokenizer = target, tokenizer
         self.chat_template = load_chat_template(spec.model.tokenizer or spec.model.path)  # None: the checkpoint has none
         method = METHODS.get(spec.speculative.method)(spec.speculative)

@@ -64,6 +64,9 @@ class ModelSpec(Strict):
     # required (start-up refuses a window that does not fit); false: off (2-4% faster at batch 1
     # on an 8B model, docs/RESULTS.md).
     batch_invariant: bool | None = None
+    # ranks the target is split over (heads, KV heads and the MLP width each divided by it); one
+    # process per rank on torch.distributed, started by draftline.core.parallel (reference backend)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _source(self) -> "ModelSpec":

@@ -125,6 +125,9 @@ class CudaBackend:
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity):
+        if getattr(target, "shard", None) is not None:
+            raise ConfigError("model.tensor_parallel_size > 1 runs on the reference backend for now (gloo); set "
+                              "backend: reference, or tensor_parallel_size: 1 on the cuda backend")
         cfg, width = target.config, plan.num_speculative_tokens + 1
         self.target, self.plan, self.device, self.width = target, plan, device, width
         self.capacity = capacity

@@ -16,7 +16,9 @@ from draftline.core import logprobs
 from draftline.core.contract import Capacity, DraftRows, Proposal, RoundResult, Verification, narrowing_widths
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter, Method
+from draftline.core.models.eager import EAGER
 from draftline.core.models.ops import Forward
+from draftline.core.models.shard import ops_for
 from draftline.core.models.target import TargetModel
 from draftline.core.grammar import advance, masked, steered
 from draftline.core.penalties import adjust_logits
@@ -48,7 +50,7 @@ class ReferenceBackend:
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity | None = None):  # contiguous per-request caches grow as needed
         self.target, self.plan, self.device = target, plan, device
-        self.kv = ReferenceKV()
+        self.kv = ReferenceKV(ops_for(target, EAGER))  # a tensor-parallel shard's ops all-reduce
         self.drafter: Drafter | None = method.build_drafter(plan, target, self.kv, device, dtype)
         self._last_features: dict[int, torch.Tensor] = {}  # rid -> [taps*H] at its last verified position
         self._chunks: dict[int, list[torch.Tensor]] = {}  # rid -> features of its prompt's chunks so far
@@ -183,7 +185,7 @@ class ReferenceBackend:
             start=torch.tensor([r.seq_len - 1 for r in reqs], device=self.device),
             batch=self._batch(reqs),
             caches=[r.draft_state for r in reqs],
-            target_kv=FrozenTargetKV([r.kv for r in reqs]),
+            target_kv=FrozenTargetKV([r.kv for r in reqs], getattr(self.kv.ops, "gather_heads", None)),
             features=torch.stack([self._last_features[r.rid] for r in reqs]) if self._reads_last() else None,
             drafts=drafts,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,8 +99,10 @@ class ReferenceKV:
     """The KVStore the reference backend lends to drafters (and uses for the target): per-request
     handles that grow as keys are appended, and the eager operations."""
 
-    ops = EAGER
     positional = False
+
+    def __init__(self, ops=EAGER):
+        self.ops = ops  # the eager operations (a tensor-parallel shard's all-reduce its row-parallel linears)
 
     def new(self, num_layers: int) -> KVCache:
         return KVCache(k=[None] * num_layers, v=[None] * num_layers)
@@ -135,10 +138,13 @@ class FrozenTargetKV:
     hold exactly the verified positions)."""
 
     caches: list[KVCache]
+    gather: Callable[[Tensor], Tensor] | None = None  # a shard's KV heads -> every rank's (tensor parallel)
 
     def read(self, layer: int, q: Tensor) -> Tensor:
         """q [N, Hq, T, D] over each row's cached keys of ``layer``, unmasked -> [N, Hq, T, D]."""
-        return torch.stack([attend(q[b], c.k[layer], c.v[layer], causal=False) for b, c in enumerate(self.caches)])
+        whole = self.gather or (lambda t: t)
+        return torch.stack([attend(q[b], whole(c.k[layer]), whole(c.v[layer]), causal=False)
+                            for b, c in enumerate(self.caches)])
 
     def forward(self, positions: Tensor, layer: int) -> Forward:
         return Forward(positions, lambda own, q, k, v: self.read(layer, q))

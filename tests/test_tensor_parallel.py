@@ -1,0 +1,92 @@
+"""Tensor parallelism on the CPU: two gloo processes, each with its shard of the shipped tiny
+target (heads, KV heads and the MLP width split; o_proj and down_proj all-reduced). The sharded
+forward computes the whole one's logits, and the engine at TP = 2 emits TP = 1's tokens for
+every method, drafting included; a rank that dies is named."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftline.core import parallel
+from draftline.core.engine import Engine
+from draftline.core.models.config import ConfigError
+from draftline.core.models.eager import EAGER
+from draftline.core.models.layers import causal_attention
+from draftline.core.models.loader import load_target
+from draftline.core.models.ops import Forward
+from draftline.core.models.shard import ShardedOps, ShardedTarget
+from draftline.core.sampling import SamplingParams
+from draftline.core.spec import load_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = ROOT / "specs" / "tiny" / "target"
+IDS = [[5, 120, 33, 87, 400, 12, 9, 250, 61, 7]]
+PROMPTS = ["def fibonacci(n):", "import os\nclass A:\n"]
+
+
+def _logits(ids: list[list[int]], rank_shard: bool) -> torch.Tensor:
+    from draftline.core.parallel import current_shard
+
+    target = load_target(TARGET).float()
+    ops = None  # the whole target's: eager
+    if rank_shard:
+        target = ShardedTarget(target, current_shard(2))
+        ops = ShardedOps(target.reduced)
+    x = torch.tensor(ids)
+    positions = torch.arange(x.shape[1])[None].expand_as(x)
+    fwd = Forward(positions, causal_attention)
+    with torch.no_grad():
+        hidden, _ = target.run(ops or EAGER, fwd, x)
+        return target.logits(hidden)
+
+
+def test_the_sharded_forward_computes_the_whole_targets_logits():
+    whole = _logits(IDS, False)
+    sharded = parallel.launch(2, _logits, IDS, True)
+    assert torch.allclose(sharded, whole, atol=1e-4, rtol=1e-4)
+    assert torch.equal(sharded.argmax(-1), whole.argmax(-1))
+
+
+def _spec(name: str, size: int):
+    spec = load_spec(ROOT / "specs" / name)
+    data = spec.model_dump(mode="json")
+    data["model"]["tensor_parallel_size"] = size
+    return type(spec).model_validate(data)
+
+
+@pytest.mark.parametrize("name", ["tiny-dflash.yaml", "tiny-eagle3.yaml", "tiny-gemma4-mtp.yaml"])
+def test_tp2_emits_tp1s_tokens_with_drafting(name):
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True), SamplingParams(max_new_tokens=24, temperature=0.8,
+                                                                                  seed=7, ignore_eos=True)]
+    want = Engine(_spec(name, 1), draft_policy="always").generate(PROMPTS, params)
+    got = parallel.generate(_spec(name, 2), PROMPTS, params, draft_policy="always")
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    assert sum(c.meta_info["spec_accepted_tokens"] for c in got) > 0  # drafts were kept at TP = 2
+
+
+def _die(code: int) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(code)
+    dist.barrier()  # rank 0 waits on the dead rank in a collective
+
+
+def test_a_rank_that_dies_is_named_and_the_run_ends():
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        parallel.launch(2, _die, 3)
+
+
+def test_sizes_that_do_not_divide_and_an_engine_outside_a_launch_are_config_errors():
+    with pytest.raises(ConfigError, match="start the engine through draftline.core.parallel"):
+        Engine(_spec("tiny-none.yaml", 2))
+    with pytest.raises(ConfigError, match=r"attention heads \(8\) do not divide by it"):
+        parallel.launch(3, _engine, _spec("tiny-none.yaml", 3).model_dump(mode="json"))
+
+
+def _engine(data: dict) -> None:
+    from draftline.core.spec import parse_spec
+
+    Engine(parse_spec(data))
