@@ -91,13 +91,19 @@ def resolve_dtype(spec: Spec, backend: str, device: torch.device) -> torch.dtype
 
 def build_target(spec: Spec, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> tuple[TargetModel, Tokenizer]:
+    """The spec's target (at model.tensor_parallel_size > 1, this rank's shard) and tokenizer."""
     m = spec.model
+    shard = current_shard(m.tensor_parallel_size) if m.tensor_parallel_size > 1 else None
     if m.random_init is not None:
         target = random_target(m.random_init.preset, m.random_init.seed, device, dtype)
+        target = target if shard is None else ShardedTarget.from_whole(target, shard)
         tokenizer = load_tokenizer(m.tokenizer) if m.tokenizer else byte_tokenizer(target.config.vocab_size)
     else:
-        target = load_target(m.path)
+        target = load_target(m.path) if shard is None else ShardedTarget.load(m.path, shard)
         tokenizer = load_tokenizer(m.tokenizer or m.path)
+    if shard is not None:
+        log.info("tensor_parallel.shard", rank=shard.rank, size=shard.size,
+                 target_bytes=sum(t.numel() * t.element_size() for t in target.state_dict().values()))
     return target, tokenizer
 
 
@@ -128,9 +134,8 @@ class Engine:
             target, tokenizer = build_target(spec, self.device, self.dtype)
             place(target, self.device, self.dtype)
         if spec.model.tensor_parallel_size > 1 and not isinstance(target, ShardedTarget):
-            target = ShardedTarget(target, current_shard(spec.model.tensor_parallel_size))
-            log.info("tensor_parallel.shard", rank=target.shard.rank, size=target.shard.size,
-                     target_bytes=sum(t.numel() * t.element_size() for t in target.state_dict().values()))
+            raise ConfigError("model.tensor_parallel_size > 1: pass no target (each rank builds its shard), or a "
+                              "ShardedTarget")
         self.target, self.tokenizer = target, tokenizer
         self.chat_template = load_chat_template(spec.model.tokenizer or spec.model.path)  # None: the checkpoint has none
         method = METHODS.get(spec.speculative.method)(spec.speculative)

@@ -29,16 +29,16 @@ PROMPTS = ["def fibonacci(n):", "import os\nclass A:\n"]
 def _logits(ids: list[list[int]], rank_shard: bool) -> torch.Tensor:
     from draftline.core.parallel import current_shard
 
-    target = load_target(TARGET).float()
-    ops = None  # the whole target's: eager
-    if rank_shard:
-        target = ShardedTarget(target, current_shard(2))
+    if rank_shard:  # this rank's slices only, each tensor sliced as it is read
+        target = ShardedTarget.load(TARGET, current_shard(2)).float()
         ops = ShardedOps(target.reduced)
+    else:
+        target, ops = load_target(TARGET).float(), EAGER
     x = torch.tensor(ids)
     positions = torch.arange(x.shape[1])[None].expand_as(x)
     fwd = Forward(positions, causal_attention)
     with torch.no_grad():
-        hidden, _ = target.run(ops or EAGER, fwd, x)
+        hidden, _ = target.run(ops, fwd, x)
         return target.logits(hidden)
 
 
@@ -47,6 +47,22 @@ def test_the_sharded_forward_computes_the_whole_targets_logits():
     sharded = parallel.launch(2, _logits, IDS, True)
     assert torch.allclose(sharded, whole, atol=1e-4, rtol=1e-4)
     assert torch.equal(sharded.argmax(-1), whole.argmax(-1))
+
+
+def _shard_sizes() -> dict[str, list[int]]:
+    from draftline.core.parallel import current_shard
+
+    return {n: list(t.shape) for n, t in ShardedTarget.load(TARGET, current_shard(2)).state_dict().items()}
+
+
+def test_a_rank_holds_its_slices():
+    sizes = parallel.launch(2, _shard_sizes)
+    whole = {n: list(t.shape) for n, t in load_target(TARGET).state_dict().items()}
+    assert sizes["model.layers.0.self_attn.q_proj.weight"] == [whole["model.layers.0.self_attn.q_proj.weight"][0] // 2,
+                                                                256]
+    assert sizes["model.layers.0.self_attn.k_proj.weight"][0] == whole["model.layers.0.self_attn.k_proj.weight"][0] // 2
+    assert sizes["model.layers.0.mlp.down_proj.weight"] == [256, 384]
+    assert sizes["lm_head.weight"] == whole["lm_head.weight"]  # replicated
 
 
 def _spec(name: str, size: int):

@@ -56,12 +56,15 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
 
 
 def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...] = (),
-                 names: dict[str, str] | None = None) -> list[str]:
+                 names: dict[str, str] | None = None, read=None) -> list[str]:
     """Copy every parameter of ``module`` from the folder's tensors; return the unused names.
 
     ``optional`` names may be absent (e.g. a tied ``lm_head.weight``). ``names`` maps a
     parameter's name to its tensor's name where a checkpoint dialect spells it otherwise.
+    ``read(handle, name)`` reads a tensor from an open file (default: whole; a tensor-parallel
+    shard reads its slice).
     """
+    read = read or (lambda f, name: f.get_tensor(name))
     files = tensor_files(folder)
     params = {(names or {}).get(n, n): p for n, p in module.named_parameters()}
     for prefix, m in module.named_modules():  # quantized layers keep their checkpoint tensors as buffers
@@ -79,7 +82,7 @@ def load_weights(module: nn.Module, folder: str | Path, optional: tuple[str, ...
         for path, names in by_file.items():
             with open_tensors(path) as f:
                 for name in names:
-                    _copy(params[name], f.get_tensor(name), name, path)
+                    _copy(params[name], read(f, name), name, path)
     return sorted(set(files) - set(params))
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .config import ConfigError, ModelConfig
+from .checkpoint import load_weights
+from .config import ConfigError, ModelConfig, read_model_config
 from .eager import EagerOps
 from .ops import Forward, Partial
 from .target import TargetModel
@@ -51,41 +53,55 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // size)
 
 
-def _rows(w: Tensor, rank: int, size: int) -> Tensor:
-    return w.chunk(size, dim=0)[rank].clone()
+COLUMN_PARALLEL = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")  # output rows split (and bias)
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")  # input columns split
 
 
-def _columns(w: Tensor, rank: int, size: int) -> Tensor:
-    return w.chunk(size, dim=-1)[rank].clone()
+def take(name: str, src, shape: list[int], shard: Shard) -> Tensor:
+    """This rank's part of tensor ``name`` of ``shape``: ``src`` a tensor or a safetensors slice
+    (read as sliced: a rank never holds the whole tensor)."""
+    r, s = shard.rank, shard.size
+    if any(p in name for p in COLUMN_PARALLEL):
+        n = shape[0] // s
+        return src[r * n:(r + 1) * n]
+    if any(p in name for p in ROW_PARALLEL):
+        n = shape[-1] // s
+        return src[:, r * n:(r + 1) * n]
+    if name.endswith(("o_proj.bias", "down_proj.bias")) and r:
+        return torch.zeros_like(src[:])  # the all-reduce adds rank 0's once
+    return src[:]  # norms, embedding, LM head: replicated
 
 
 class ShardedTarget(TargetModel):
-    """A target's shard (TargetModel with the local head counts), with the row-parallel modules
-    whose outputs ShardedOps all-reduces."""
+    """A target's shard: TargetModel with this rank's head counts and MLP width, its ``config``
+    the whole model's (what drafters and the engine read), and the row-parallel modules whose
+    outputs ShardedOps all-reduces."""
 
-    def __init__(self, full: TargetModel, shard: Shard):
-        super().__init__(local_config(full.config, shard.size))
-        self.config = dataclasses.replace(full.config)  # what drafters and the engine read: the whole model's
-        self.shard = shard
-        self.load_state_dict(_sharded_state(full, shard))
+    def __init__(self, cfg: ModelConfig, shard: Shard):
+        super().__init__(local_config(cfg, shard.size))
+        self.config, self.shard = cfg, shard
         self.reduced = frozenset(id(m) for layer in self.model.layers for m in (layer.self_attn.o_proj,
                                                                                     layer.mlp.down_proj))
-        self.local = local_config(full.config, shard.size)
 
+    @classmethod
+    def from_whole(cls, full: TargetModel, shard: Shard) -> "ShardedTarget":
+        """The shard of a target built whole (a random-init preset: the same draws as one rank's)."""
+        model = cls(full.config, shard)
+        model.load_state_dict({n: take(n, t, list(t.shape), shard).clone() for n, t in full.state_dict().items()})
+        return model.eval()
 
-def _sharded_state(full: TargetModel, shard: Shard) -> dict[str, Tensor]:
-    r, s = shard.rank, shard.size
-    out = {}
-    for name, t in full.state_dict().items():
-        if any(p in name for p in ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")):
-            out[name] = _rows(t, r, s)  # column-parallel: output rows (and their bias)
-        elif any(p in name for p in ("o_proj.weight", "down_proj.weight")):
-            out[name] = _columns(t, r, s)  # row-parallel: input columns
-        elif name.endswith("o_proj.bias"):
-            out[name] = t.clone() if r == 0 else torch.zeros_like(t)  # added once by the all-reduce
-        else:
-            out[name] = t.clone()  # norms, embedding, LM head: replicated
-    return out
+    @classmethod
+    def load(cls, folder: str | Path, shard: Shard) -> "ShardedTarget":
+        """The shard read from a checkpoint folder, each tensor sliced as it is read."""
+        model = cls(read_model_config(folder), shard)
+        tied = ("lm_head.weight",) if model.config.tie_word_embeddings else ()
+
+        def read(f, name: str) -> Tensor:
+            part = f.get_slice(name)
+            return take(name, part, part.get_shape(), shard)
+
+        load_weights(model, folder, optional=tied, read=read)
+        return model.eval()
 
 
 class ShardedOps(EagerOps):
