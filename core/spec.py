@@ -225,7 +225,8 @@ class Spec(Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> "Spec":
-        problems = self.speculative.check(self.model.config(read_files=False), read_files=False)
+        target = self.model.config(read_files=False)
+        problems = self.speculative.check(target, read_files=False) + _parallel_problems(self, target)
         if problems:
             raise ValueError("\n".join(problems))  # format_errors gives each its own line
         return self
@@ -295,12 +296,30 @@ def check_files(spec: Spec) -> list[str]:
         target = spec.model.config(read_files=True)
     except ConfigError as exc:
         return [f"model.path: {exc}"] + device_problems(spec)
-    problems = spec.speculative.check(target, read_files=True)
+    problems = spec.speculative.check(target, read_files=True) + _parallel_problems(spec, target)
     draft = getattr(spec.speculative, "draft", None)
     for field, folder in (("model.path", spec.model.path), ("speculative.draft.path", getattr(draft, "path", None))):
         if folder is not None and (Path(folder) / "config.json").is_file():  # a missing one is reported already
             problems += _weights_problems(field, folder)
     return problems + device_problems(spec)
+
+
+def _parallel_problems(spec: "Spec", target: ModelConfig | None) -> list[str]:
+    """model.tensor_parallel_size against the backend and the target's heads (when known)."""
+    size = spec.model.tensor_parallel_size
+    if size == 1:
+        return []
+    if spec.backend == "cuda":
+        return [f"model.tensor_parallel_size {size}: runs on the reference backend for now (gloo); set backend: "
+                "reference or tensor_parallel_size: 1"]
+    from .models.shard import check_divisible
+
+    try:
+        if target is not None:
+            check_divisible(target, size)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
 
 def _weights_problems(field: str, folder: Path) -> list[str]:

@@ -106,3 +106,13 @@ def _engine(data: dict) -> None:
     from draftline.core.spec import parse_spec
 
     Engine(parse_spec(data))
+
+
+def test_a_spec_names_a_size_that_does_not_divide_and_the_cuda_backend():
+    from draftline.core.spec import check_files
+
+    assert any("attention heads (8) do not divide" in p for p in check_files(_spec("tiny-none.yaml", 3)))
+    assert check_files(_spec("tiny-none.yaml", 2)) == []
+    data = _spec("tiny-none.yaml", 2).model_dump(mode="json") | {"backend": "cuda"}
+    with pytest.raises(ValueError, match="runs on the reference backend"):
+        type(_spec("tiny-none.yaml", 1)).model_validate(data)
