@@ -14,6 +14,7 @@ keeps its law.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -97,7 +98,8 @@ class Grammars:
         except RequestError:
             raise
         except Exception as exc:  # noqa: BLE001 (xgrammar raises RuntimeError / ValueError with its parser's message)
-            reason = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:200]  # the compiler's log prefix: time, source line
             raise RequestError(f"{c.kind}: does not compile ({reason}); fix it or drop the constraint",
                                param="response_format") from None
         with self.lock:

@@ -96,6 +96,29 @@ def hand_list() -> list[tuple[str, str]]:
                ("/v1/completions", json.dumps({"prompt": [[1, 2]] * 2000})),
                ("/v1/completions", json.dumps({"prompt": "x", "model": "gpt-4o"})),
                ("/generate", json.dumps({"input_ids": [10**12]}))]
+    return bodies + structured_list()
+
+
+def structured_list() -> list[tuple[str, str]]:
+    """Constraints and tools built to hurt a grammar compiler: deep nesting, a recursive $ref,
+    a backtracking regex, a left-recursive grammar, huge enums and choices, many tools."""
+    deep: dict = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
+    schemas = [deep, {"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}},
+               {"enum": [f"v{i}" for i in range(20_000)]}, {"type": "string", "pattern": "(a+)+$"},
+               {"type": "object", "properties": {"x": {"type": "nonsense"}}}, {"$ref": "#/missing"}]
+    bodies = [("/v1/chat/completions", json.dumps(chat | {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})) for schema in schemas]
+    bodies += [("/v1/chat/completions", json.dumps(chat | {"guided_regex": "(a|aa)*(b|bb)*" * 50})),
+               ("/v1/chat/completions", json.dumps(chat | {"guided_grammar": "root ::= root \"a\" | \"b\""})),
+               ("/v1/chat/completions", json.dumps(chat | {"guided_choice": [str(i) for i in range(20_000)]})),
+               ("/v1/chat/completions", json.dumps(chat | {"tools": [{"type": "function", "function": {
+                   "name": f"f{i}", "parameters": {"type": "object"}}} for i in range(2_000)],
+                   "tool_choice": "required"})),
+               ("/generate", json.dumps({"text": "x", "sampling_params": {"json_schema": "{not json"}})),
+               ("/generate", json.dumps({"text": "x", "sampling_params": {"ebnf": "root ::= (" * 1000}}))]
     return bodies
 
 
