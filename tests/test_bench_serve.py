@@ -75,7 +75,7 @@ def test_a_small_kv_pool_preempts_through_http_and_every_request_completes():
 
 
 def test_the_long_prompts_gaps_are_those_its_prefill_overlaps():
-    """The issue's measure: a running request's gaps that overlap the long prompt's prefill
+    """The long-prompt measure: a running request's gaps that overlap the long prompt's prefill
     window, over that request's own median gap; gaps outside the window do not count."""
     from draftline.api.load import prefill_gaps
 
