@@ -20,16 +20,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from draftline.core.engine import RequestError
 from draftline.core.grammar import Constraint
 
+from .structured import Strict
+
 ANY_OBJECT = {"type": "object"}  # a function without a parameters schema takes any object
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class FunctionDef(Strict):

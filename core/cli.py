@@ -91,12 +91,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .spec import load_spec
 
-    size = load_spec(args.spec).model.tensor_parallel_size
+    spec = load_spec(args.spec)
+    size = spec.model.tensor_parallel_size
     if size > 1 and not parallel.in_rank():  # one process per rank, each running this command
         if args.seed is None:
-            args.seed = load_spec(args.spec).sampling.seed or random.getrandbits(62)  # one seed for every rank
+            args.seed = spec.sampling.seed or random.getrandbits(62)  # one seed for every rank
         return parallel.launch(size, cmd_generate, args)
-    engine = Engine.from_spec(args.spec, draft_policy="always")  # show the method itself, every round
+    engine = Engine.from_spec(spec, draft_policy="always")  # show the method itself, every round
     params = _sampling(engine, args)
     baseline = engine.with_method({"method": "none"}) if args.compare else None
     if baseline is not None:  # warm both up so one-time costs stay out of the comparison

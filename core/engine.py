@@ -99,7 +99,7 @@ def build_target(spec: Spec, device: torch.device | str = "cpu",
         target = target if shard is None else ShardedTarget.from_whole(target, shard)
         tokenizer = load_tokenizer(m.tokenizer) if m.tokenizer else byte_tokenizer(target.config.vocab_size)
     else:
-        target = load_target(m.path) if shard is None else ShardedTarget.load(m.path, shard)
+        target = load_target(m.path, shard)
         tokenizer = load_tokenizer(m.tokenizer or m.path)
     if shard is not None:
         log.info("tensor_parallel.shard", rank=shard.rank, size=shard.size,

@@ -32,7 +32,7 @@ TIMEOUT_S = 120  # a collective waiting longer than this on a silent rank raises
 def current_shard(size: int) -> Shard:
     """This process's Shard in the running group of ``size`` ranks, or a ConfigError naming how
     to start one."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not in_rank():
         raise ConfigError(f"model.tensor_parallel_size {size}: start the engine through draftline.core.parallel "
                           "(parallel.generate, or `draftline generate`), which runs one process per rank")
     if dist.get_world_size() != size:

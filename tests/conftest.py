@@ -57,6 +57,31 @@ def argmax_drafts(spec):
     return spec.with_method({**spec.speculative.model_dump(mode="python"), "draft_sample_method": "greedy"})
 
 
+@pytest.fixture(scope="module")
+def engine(request):
+    """The test module's SPEC as an engine (a module's own ``engine`` fixture takes precedence)."""
+    from draftline.core.engine import Engine
+
+    return Engine(request.module.SPEC)
+
+
+@pytest.fixture(scope="module")
+def url(request, engine):
+    """A server on a loopback port serving the module's SPEC with ``engine``."""
+    from draftline.api.server import background
+
+    with background(request.module.SPEC, engine) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    """The real openai client against ``url``."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def full_forward(target, ids: torch.Tensor, taps=()):
     """Uncached causal forward over whole sequences ids [B, T] (the plainest oracle)."""
     kv = ReferenceKV()

@@ -9,7 +9,6 @@ import torch
 
 from draftline.api.server import background
 from conftest import full_forward
-from draftline.core.engine import Engine
 from draftline.core.spec import load_spec
 
 SPECS = Path(__file__).parent.parent / "specs"
@@ -22,22 +21,6 @@ _DATA["server"]["served_model_name"] = ["tiny-code", "m"]  # requests below name
 # and however many rounds draft (sampled drafts are lossless in law, not token for token)
 _DATA["speculative"]["draft_sample_method"] = "greedy"
 SPEC = type(SPEC).model_validate(_DATA | {"sampling": {"max_new_tokens": 9, "ignore_eos": True}})
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(SPEC)
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with background(SPEC, engine) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_spec_defaults_apply_and_unseeded_requests_differ(client, url):

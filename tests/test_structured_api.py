@@ -7,10 +7,8 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from draftline.api.server import background
 from draftline.api.tools import ToolPlan, ToolStream, hermes
 from draftline.core.engine import Engine
 from draftline.core.grammar import Constraint
@@ -44,22 +42,6 @@ TIME = {"type": "function", "function": {
                                                                               "minimum": -12}},
                                        "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(SPEC)
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with background(SPEC, engine) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_json_schema_validates_and_equals_constrained_plain_decoding(client, engine):

@@ -16,7 +16,7 @@ from draftline.core.models.eager import EAGER
 from draftline.core.models.layers import causal_attention
 from draftline.core.models.loader import load_target
 from draftline.core.models.ops import Forward
-from draftline.core.models.shard import ShardedOps, ShardedTarget
+from draftline.core.models.shard import ShardedOps
 from draftline.core.sampling import SamplingParams
 from draftline.core.spec import load_spec
 
@@ -30,7 +30,7 @@ def _logits(ids: list[list[int]], rank_shard: bool) -> torch.Tensor:
     from draftline.core.parallel import current_shard
 
     if rank_shard:  # this rank's slices only, each tensor sliced as it is read
-        target = ShardedTarget.load(TARGET, current_shard(2)).float()
+        target = load_target(TARGET, current_shard(2)).float()
         ops = ShardedOps(target.reduced)
     else:
         target, ops = load_target(TARGET).float(), EAGER
@@ -52,7 +52,7 @@ def test_the_sharded_forward_computes_the_whole_targets_logits():
 def _shard_sizes() -> dict[str, list[int]]:
     from draftline.core.parallel import current_shard
 
-    return {n: list(t.shape) for n, t in ShardedTarget.load(TARGET, current_shard(2)).state_dict().items()}
+    return {n: list(t.shape) for n, t in load_target(TARGET, current_shard(2)).state_dict().items()}
 
 
 def test_a_rank_holds_its_slices():

@@ -12,14 +12,18 @@ from .dflash import DFlashDraftModel
 from .dialect import DFLASH_DIALECT
 from .layers import Rotary, init_random
 from .presets import dflash_preset, target_preset
+from .shard import Shard, ShardedTarget, shard_reader
 from .speculators_dflash import SPECULATORS_DFLASH
 from .target import TargetModel
 
 
-def load_target(folder: str | Path) -> TargetModel:
-    model = TargetModel(read_model_config(folder))
+def load_target(folder: str | Path, shard: Shard | None = None) -> TargetModel:
+    """The target in a checkpoint folder; with ``shard``, that rank's ShardedTarget, each
+    tensor sliced as it is read (a rank never holds the whole target)."""
+    cfg = read_model_config(folder)
+    model = TargetModel(cfg) if shard is None else ShardedTarget(cfg, shard)
     tied = ("lm_head.weight",) if model.config.tie_word_embeddings else ()
-    unused = load_weights(model, folder, optional=tied)
+    unused = load_weights(model, folder, optional=tied, read=None if shard is None else shard_reader(shard))
     scales = [n for n in unused if n.endswith("weight_scale_inv")]
     if scales:  # their weights would have loaded unscaled
         raise CheckpointError(f"{folder}: tensor(s) {', '.join(scales[:3])} scale fp8 weights, but config.json has "

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .checkpoint import load_weights
-from .config import ConfigError, ModelConfig, read_model_config
+from .config import ConfigError, ModelConfig
 from .eager import EagerOps
 from .ops import Forward, Partial
 from .target import TargetModel
@@ -90,18 +88,14 @@ class ShardedTarget(TargetModel):
         model.load_state_dict({n: take(n, t, list(t.shape), shard).clone() for n, t in full.state_dict().items()})
         return model.eval()
 
-    @classmethod
-    def load(cls, folder: str | Path, shard: Shard) -> "ShardedTarget":
-        """The shard read from a checkpoint folder, each tensor sliced as it is read."""
-        model = cls(read_model_config(folder), shard)
-        tied = ("lm_head.weight",) if model.config.tie_word_embeddings else ()
 
-        def read(f, name: str) -> Tensor:
-            part = f.get_slice(name)
-            return take(name, part, part.get_shape(), shard)
+def shard_reader(shard: Shard):
+    """load_weights' reader for a shard: this rank's slice of each tensor, read as sliced."""
+    def read(f, name: str) -> Tensor:
+        part = f.get_slice(name)
+        return take(name, part, part.get_shape(), shard)
 
-        load_weights(model, folder, optional=tied, read=read)
-        return model.eval()
+    return read
 
 
 class ShardedOps(EagerOps):
