@@ -131,9 +131,14 @@ def row_key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
 def uniform(key: Tensor, cols: int | None = None) -> Tensor:
     """Uniform floats in (0, 1) from keys [N]: [N], or [N, cols] (one per column) when cols given."""
     if cols is not None:
-        col = torch.arange(cols, dtype=torch.int64, device=key.device)
-        key = hash32(key[:, None] ^ hash32(col[None, :] + 0x9E3779B9))
+        key = hash32(key[:, None] ^ column_keys(cols, key.device)[None, :])
     return unit_interval(hash32(key))
+
+
+@functools.lru_cache(maxsize=8)
+def column_keys(cols: int, device: torch.device) -> Tensor:
+    """Each column's own hash [cols], the same for every row and draw: made once per width."""
+    return hash32(torch.arange(cols, dtype=torch.int64, device=device) + 0x9E3779B9)
 
 
 def unit_interval(h: Tensor) -> Tensor:
