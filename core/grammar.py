@@ -241,10 +241,3 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
         if req.grammar is not None:
             out[i] = req.grammar.mask_window(out[i], None if drafts is None else drafts[i]).to(out.device)
     return out
-
-
-def advance(reqs, tokens: Tensor, kept: list[int]) -> None:
-    """Each constrained request's matcher past the tokens [N, >= kept] its round keeps."""
-    for i, req in enumerate(reqs):
-        if req.grammar is not None:
-            req.grammar.advance(tokens[i, : kept[i]].tolist())

@@ -191,7 +191,8 @@ class Machine:
         the device has finished from waiting behind launches: a long prompt's chunk keeps its
         row in flight step after step, so by rows alone the machine would launch on, queue
         ever more work ahead of the streams' tokens and stall them."""
-        return max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
+        return (max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
+                or any(r.grammar is not None for r in flight.reqs))  # its next round waits for this one
 
     def _preempt(self) -> None:
         """When the running requests' next rounds need more KV blocks than the pool has, the
@@ -238,6 +239,8 @@ class Machine:
                 continue
             if not result.tokens[i]:  # a chunk short of the prompt's end: no token yet
                 continue
+            if req.grammar is not None:
+                req.grammar.advance(result.tokens[i])
             self.stops.apply(req, result.tokens[i])
             advance(req, Phase.FINISHED if req.finish_reason else Phase.DRAFT)
             if req.in_flight and req.phase is Phase.DRAFT:  # its first round already runs
@@ -248,7 +251,8 @@ class Machine:
         (that may still need one): those that may draft, then the others. A request behind the
         rest (just prefilled) joins the same round and catches up a round a step, so a batch
         stays one round instead of splitting into groups that never merge again."""
-        ready = [r for r in running if r.in_flight <= self.depth and not r.cancelled]
+        # a constrained request's next masks read its grammar after its last round: never ahead
+        ready = [r for r in running if r.in_flight <= (0 if r.grammar is not None else self.depth) and not r.cancelled]
         rows = [r for r in ready if not self.stops.done_in_flight(r, r.in_flight)]
         if not rows:
             return False
@@ -317,6 +321,8 @@ class Machine:
         start = req.seq_len
         advance(req, Phase.ACCEPT)
         req.stats.record(accepted, len(drafted))
+        if req.grammar is not None:  # each token was allowed by its slot's mask
+            req.grammar.advance(tokens)
         kept = self.stops.apply(req, tokens)
         if req.rounds is not None:
             req.rounds.append(Round(position=start, drafted=tuple(drafted), accepted=accepted, emitted=tuple(kept)))

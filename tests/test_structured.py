@@ -1,21 +1,26 @@
 """Structured outputs (core/grammar.py on xgrammar) with drafting on: greedy output equals
 constrained plain decoding token for token for every method, sampled output keeps the masked
 target's law (chi-square), the matcher rolls back what a round does not keep, and each bad
-constraint is a RequestError naming it."""
+constraint is a RequestError naming it; the cuda backend (Triton's interpreter on a CPU)
+masks as the reference does."""
 
 import json
+import os
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
-from conftest import full_forward, respec
-from draftline.core.engine import Engine, RequestError
-from draftline.core.grammar import Constraint
-from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits
-from draftline.core.spec import load_spec
-from stats import chi_square_p
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+from conftest import full_forward, respec  # noqa: E402
+from draftline.core.engine import Engine, RequestError  # noqa: E402
+from draftline.core.grammar import Constraint  # noqa: E402
+from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits  # noqa: E402
+from draftline.core.spec import load_spec  # noqa: E402
+from stats import chi_square_p  # noqa: E402
 
 pytest.importorskip("xgrammar", reason="structured outputs need the `structured` extra (xgrammar)")
 
@@ -178,3 +183,20 @@ def test_a_draft_the_grammar_forbids_becomes_the_token_it_forces(plain):
     steered, replaced = m.steer(wrong)
     assert steered == ids and replaced == forced
     assert allowed([]) == torch.isfinite(m.mask_window(torch.zeros(1, vocab), None)[0]).sum().item()  # rolled back
+
+
+@pytest.mark.parametrize("method", ["tiny-dflash.yaml", "tiny-gemma4-mtp.yaml"])
+def test_the_cuda_backend_masks_as_the_reference(plain, method):
+    """On the cuda backend a constrained request's first token is masked in the prefill, its
+    drafts are read (and steered) on the host and every verify slot masked, its rounds
+    synchronous while an unconstrained request beside it keeps its rounds in flight: each
+    request's tokens equal the reference's plain decoding under the same constraint (or none)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=2, device=dev, dtype="float32", max_model_len=96)
+    drafted = Engine(spec, draft_policy="always")
+    regex = SamplingParams(max_new_tokens=16, constraint=Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"))
+    free = SamplingParams(max_new_tokens=16)
+    want = [plain.generate([PROMPTS[0]], regex)[0].output_ids, plain.generate([PROMPTS[1]], free)[0].output_ids]
+    got = drafted.generate(PROMPTS[:2], [regex, free])
+    assert [c.output_ids for c in got] == want
+    assert got[0].meta_info["spec_accepted_tokens"] > 0 and got[0].meta_info["grammar_mask_ms_per_round"] > 0

@@ -37,6 +37,7 @@ from draftline.core.models.config import ConfigError
 from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
+from draftline.core.grammar import masked, steered
 from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
 
 from . import events
@@ -121,7 +122,7 @@ class CudaBackend:
     default_depth = 2
     max_depth = MAX_DEPTH
     # everything SamplingParams asks; rounds whose rows use none keep the graph-decided path
-    features = frozenset({"penalties", "logprobs", "prompt_logprobs"})
+    features = frozenset({"penalties", "logprobs", "prompt_logprobs", "structured"})
 
     def __init__(self, target: TargetModel, method: Method, plan: Plan, device: torch.device, dtype: torch.dtype,
                  capacity: Capacity):
@@ -342,17 +343,21 @@ class CudaBackend:
         # drafts drawn from the drafter's q (rows that sample, where the spec drafts so) are accepted
         # eagerly, q and all; greedy rows' drafts are its argmax, drafted inside the round's graph
         sampled = width > 1 and self.plan.draft_sample_method != "greedy" and any(r.params.temperature > 0 for r in reqs)
+        # a grammar reads the drafts on the host before the verify (drafts it forbids where it forces a token are replaced)
+        steer = width > 1 and any(r.grammar is not None for r in reqs)
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
         decide = not any(r.params.reads_logits for r in reqs) and not sampled
         if width > 1 and (not decide or width not in self.verify_widths(n)):
             width = self.width  # logits read on the host: the full window's graph
-        inside = width > 1 and not sampled
+        inside = width > 1 and not (sampled or steer)
         probs = None
-        if sampled:  # their q goes to acceptance
+        if sampled or steer:  # drafted here: their q goes to acceptance, a grammar sees them
             self.bufs.gather(bucket)
-            proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1)).first(width - 1)
-            self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens[:n])
-            probs = None if proposal.probs is None else proposal.probs[:n]
+            proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1, greedy=not sampled)).first(width - 1)
+            proposal = steered(reqs, type(proposal)(proposal.tokens[:n], None if proposal.probs is None
+                                                    else proposal.probs[:n]))
+            self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
+            probs = proposal.probs
         logits, packed = self._replay(bucket, width, decide, inside)
         reported = []
         if packed is None:
@@ -482,6 +487,7 @@ class CudaBackend:
         first = start + 1  # position of the first draft
         drafts = b.drafts[:n, : width - 1]
         adjusted = self.penalties.adjust(logits, reqs, start, drafts)  # each slot as plain decoding there
+        adjusted = masked(adjusted, reqs, drafts)  # and each constrained row's grammar after the drafts before
         if probs is not None:
             p = probs_from_logits(adjusted, batch, Filters.of([r.params for r in reqs]))  # no wait on the device
             num, tokens = kernels.accept_rejection(p, probs, drafts, batch.seed, first)

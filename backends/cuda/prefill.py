@@ -24,6 +24,7 @@ import triton
 from torch import Tensor
 
 from draftline.core.contract import Capacity, DraftOverride, DraftRows
+from draftline.core.grammar import masked
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter
 from draftline.core.models.ops import Forward
@@ -401,7 +402,8 @@ class Prefiller:
         ``at`` [n], placed in their slots -> (packed [n, 3], logprobs pending)."""
         finite = torch.isfinite(logits).all(dim=1)
         self.penalties.admit(reqs)
-        adjusted = self.penalties.adjust(logits[:, None], reqs, at - 1, None)[:, 0]  # as the reference: then nan_to_num
+        adjusted = self.penalties.adjust(logits[:, None], reqs, at - 1, None)  # as the reference: then nan_to_num
+        adjusted = masked(adjusted, reqs, None)[:, 0]
         scores, inv_temp = draw_scores(torch.nan_to_num(adjusted), reqs, batch)
         tokens = kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
         self.bufs.place(slots, tokens, at)

@@ -20,7 +20,7 @@ from draftline.core.models.eager import EAGER
 from draftline.core.models.ops import Forward
 from draftline.core.models.shard import ops_for
 from draftline.core.models.target import TargetModel
-from draftline.core.grammar import advance, masked, steered
+from draftline.core.grammar import masked, steered
 from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
@@ -105,7 +105,6 @@ class ReferenceBackend:
         probs = probs_from_logits(torch.nan_to_num(adjusted), batch)
         at = torch.tensor([r.prefill_len for r in reqs], device=self.device)
         tokens = sample(probs, batch.seed, at, Stream.SAMPLE)
-        advance(reqs, tokens[:, None], [int(ok) for ok in finite])  # a failed row is ended, its token unused
         for i, req in enumerate(reqs):
             if req.params.logprobs is not None:
                 logprobs.record(req.logprobs, req.seq_len, logits[i : i + 1], tokens[i : i + 1], req.params.logprobs)
@@ -228,7 +227,6 @@ class ReferenceBackend:
         probs = probs_from_logits(logits, batch)  # [N, K+1, V]
         first = torch.tensor([r.seq_len for r in reqs], device=self.device)
         verdict = accept_drafts(probs, proposal.tokens, proposal.probs, batch.seed, first, batch.temperature == 0)
-        advance(reqs, verdict.tokens, [int(n) + 1 for n in verdict.num_accepted])
         for i, req in enumerate(reqs):
             accepted = int(verdict.num_accepted[i])
             if req.params.logprobs is not None:  # the raw target's, at the positions this round keeps
