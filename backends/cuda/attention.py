@@ -274,8 +274,8 @@ def invariant_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Spli
     Each (row, kv head) launches one program a split up to INVARIANT_PROGRAMS over the batch's
     ``rows``, fewer past it, each taking every so-many of the row's splits. At 64 rows over the
     8B specs' 4,144-position cache (17 splits), 17 programs a (row, kv head), of which a
-    256-key row used one, took 83 µs a layer (2.96 of a plain step's 8.3 ms on an H200); two
-    take 25. Which program takes a split changes no bit. A long row among many short ones
+    256-key row used one, took about a third of a plain step's time on an H200; two take under
+    a third of that. Which program takes a split changes no bit. A long row among many short ones
     now runs its splits two programs deep (not measured)."""
     if interpreted():
         return Splits(1, triton.next_power_of_2(max_len), merge=True, rows=INVARIANT_QUERY_ROWS)
@@ -306,8 +306,8 @@ def device_split_plan(max_len: int, rows: int = 1, kv_heads: int = 8) -> Splits:
 def _combine_warps(elements: int, query_rows: int) -> int:
     """Warps for a combine program merging ``elements`` partial values of one query row, with
     ``query_rows`` such programs per (row, kv head). Many short programs (a 16-token window)
-    finish sooner with 2 warps: DFlash b1 graphs 13 µs a round faster on an H200; one token
-    (4 query rows) keeps 4, where 2 had been 10 µs slower (docs/RESULTS.md)."""
+    finish sooner with 2 warps (DFlash's batch-1 rounds on an H200); one token (4 query rows)
+    keeps 4, where 2 had been slower."""
     if elements > 8192:
         return 8
     return 2 if query_rows > 4 else 4

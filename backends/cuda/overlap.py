@@ -9,7 +9,7 @@ writes are visible (the hardware's grid dependency wait, so correctness never re
 a kernel lets the next one launch). Kernels whose successor gains from launching early then
 release it at once: the matvecs, the norms and the q/k/v kernel. Attention and its combine do
 not: on an H200 a combine launched beside attention's splits, or an output matvec beside the
-combine, made the DFlash round 0.3 ms slower (docs/RESULTS.md). The one read before a gate
+combine, made the DFlash round slower. The one read before a gate
 is attention's L2 prefetch of its split's cached keys: it trusts nothing it read there.
 
 Off in the Triton interpreter (no such hardware) and before Hopper; ``DRAFTLINE_PDL=0``

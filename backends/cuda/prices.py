@@ -2,9 +2,9 @@
 prompts is split among those graphs at least cost.
 
 A prefill group's rows are padded to a batch bucket (1, 2, 4, ... rows) so that it replays a
-graph, and padding rows cost what real ones do: on the 8B shape a 128-token prompt costs about
-4.5 ms a row once the forward is bound by arithmetic, so 17 prompts padded to 32 rows took 135
-ms where 8, 8 and 1 take about 84. A small model's forward is bound by its launches instead
+graph, and padding rows cost what real ones do: on the 8B shape, once the forward is bound by
+arithmetic, 17 prompts padded to 32 rows take about as long as 32 do, far longer than groups of
+8, 8 and 1 (docs/RESULTS.md, prefill rows). A small model's forward is bound by its launches instead
 (a 16-row graph costs what a 2-row one does), where splitting would only add launches. So the
 choice is made from each graph's measured device time, not from a rule about padding.
 """
@@ -16,7 +16,7 @@ from typing import Callable, Hashable
 
 from .graphs import Graphs
 
-LAUNCH_MS = 1.0  # the host's work for one more prefill launch (0.8 to 1.2 ms measured on an H200's host)
+LAUNCH_MS = 1.0  # the host's work for one more prefill launch, as measured on an H200's host
 SPLIT_GAIN = 0.9  # a split must save a tenth of the one padded forward: no splitting on the timings' noise
 
 
