@@ -145,15 +145,25 @@ class Matcher:
         copy): slot j allows what the grammar allows after those drafts. Slots past the first
         draft the grammar refuses are left as they are: the refused draft is rejected, so they
         are never sampled from."""
-        start, xgr = time.perf_counter(), _xgrammar()
-        t = x.shape[0]
-        bitmask = xgr.allocate_token_bitmask(t, self.vocab_size)  # all allowed
-        walked = 0
-        for j in range(t):
+        xgr = _xgrammar()
+        bitmask = xgr.allocate_token_bitmask(x.shape[0], self.vocab_size)  # all allowed
+        self.fill_window(bitmask, None if drafts is None else drafts.tolist())
+        start = time.perf_counter()
+        out = x.float().clone()
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=self.vocab_size)
+        self.mask_s += time.perf_counter() - start
+        return out
+
+    def fill_window(self, bitmask: Tensor, drafts: list[int] | None) -> None:
+        """The masks of a round's slots into bitmask [T, ceil(V / 32)] int32 (a host tensor, all
+        allowed on entry; slot j after drafts 0 .. j-1), as mask_window applies them; the
+        matcher walks the drafts and rolls back."""
+        start, walked = time.perf_counter(), 0
+        for j in range(bitmask.shape[0]):
             if self.matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
                 break
             self.matcher.fill_next_token_bitmask(bitmask, j)
-            if j == t - 1 or drafts is None:
+            if j == bitmask.shape[0] - 1 or drafts is None:
                 break
             if not self.matcher.accept_token(int(drafts[j])):
                 self.refused += 1
@@ -161,11 +171,8 @@ class Matcher:
             walked += 1
         if walked:
             self.matcher.rollback(walked)
-        out = x.float().clone()
-        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=self.vocab_size)
         self.mask_s += time.perf_counter() - start
         self.rounds += 1
-        return out
 
     def steer(self, drafts: list[int]) -> tuple[list[int], list[int]]:
         """(the drafts with each one the grammar forbids replaced by the token the grammar forces
@@ -241,3 +248,12 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
         if req.grammar is not None:
             out[i] = req.grammar.mask_window(out[i], None if drafts is None else drafts[i]).to(out.device)
     return out
+
+
+def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor) -> None:
+    """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
+    (Matcher.fill_window after its drafts), every other row all allowed."""
+    bitmask.fill_(-1)
+    for i, req in enumerate(reqs):
+        if req.grammar is not None:
+            req.grammar.fill_window(bitmask[i], None if drafts is None else drafts[i])

@@ -76,6 +76,11 @@ class SamplingParams:
         return (self.top_k > 0 or self.top_p < 1 or self.adjusts_logits or self.logprobs is not None
                 or self.constraint is not None)
 
+    @functools.cached_property
+    def reads_logits_beyond_masks(self) -> bool:
+        """reads_logits for anything but a constraint, whose token masks a graph can apply."""
+        return self.top_k > 0 or self.top_p < 1 or self.adjusts_logits or self.logprobs is not None
+
     @property
     def adjusts_logits(self) -> bool:
         """Whether logits are changed before sampling (draftline.core.penalties) for this request."""

@@ -185,18 +185,40 @@ def test_a_draft_the_grammar_forbids_becomes_the_token_it_forces(plain):
     assert allowed([]) == torch.isfinite(m.mask_window(torch.zeros(1, vocab), None)[0]).sum().item()  # rolled back
 
 
-@pytest.mark.parametrize("method", ["tiny-dflash.yaml", "tiny-gemma4-mtp.yaml"])
-def test_the_cuda_backend_masks_as_the_reference(plain, method):
+@pytest.mark.parametrize("method, logprobs", [("tiny-dflash.yaml", None), ("tiny-gemma4-mtp.yaml", 2)])
+def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     """On the cuda backend a constrained request's first token is masked in the prefill, its
-    drafts are read (and steered) on the host and every verify slot masked, its rounds
-    synchronous while an unconstrained request beside it keeps its rounds in flight: each
-    request's tokens equal the reference's plain decoding under the same constraint (or none)."""
+    drafts are read (and steered) on the host and every verify slot masked: inside the round's
+    graph, or in the eager acceptance where the request also reads its logits (logprobs). Its
+    rounds are synchronous while an unconstrained request beside it keeps its rounds in flight:
+    each request's tokens equal the reference's plain decoding under the same constraint (or none)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=2, device=dev, dtype="float32", max_model_len=96)
     drafted = Engine(spec, draft_policy="always")
-    regex = SamplingParams(max_new_tokens=16, constraint=Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"))
+    regex = SamplingParams(max_new_tokens=16, logprobs=logprobs,
+                           constraint=Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"))
     free = SamplingParams(max_new_tokens=16)
     want = [plain.generate([PROMPTS[0]], regex)[0].output_ids, plain.generate([PROMPTS[1]], free)[0].output_ids]
     got = drafted.generate(PROMPTS[:2], [regex, free])
     assert [c.output_ids for c in got] == want
     assert got[0].meta_info["spec_accepted_tokens"] > 0 and got[0].meta_info["grammar_mask_ms_per_round"] > 0
+
+
+def test_the_mask_kernel_masks_as_xgrammar():
+    """apply_masks (the cuda backend's, in its graphs) against xgrammar's own apply, on a
+    vocabulary that does not fill its last 32-bit word."""
+    import xgrammar as xgr
+
+    from draftline.backends.cuda.masks import apply_masks
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 100, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 3, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1, 2] = -1  # a slot allowing everything
+    want = logits.clone().view(6, 100)
+    xgr.apply_token_bitmask_inplace(want, bitmask.view(6, 4), vocab_size=100)
+    got = logits.to(dev)
+    apply_masks(got, bitmask.to(dev))
+    assert torch.equal(got.cpu().view(6, 100), want)
+    assert torch.isinf(want).any() and torch.equal(want[5], logits[1, 2])

@@ -52,6 +52,7 @@ from .linear import fuse
 from .graphs import Graphs
 from .landing import Landing, Launch
 from .kv import FrozenTargetKV, Rows, StaticKV, StaticStore, cache_splits
+from .masks import TokenMasks, apply_masks
 from .matvec import MAX_ROWS, ArgmaxScratch, Draw, take_draws
 from .ops import CudaOps
 from .memory import GIB, KVBudget, size_pool
@@ -164,6 +165,7 @@ class CudaBackend:
                               "not the device's rows), and the cuda backend runs rounds ahead of the host; "
                               "use backend: reference for this method")
         self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device, self.ops.scratch)
+        self.masks = TokenMasks(capacity.max_batch, width, cfg.vocab_size, device)  # constrained rows' grammars
         self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
         if self.drafter is not None and self.drafter.reads_last_features:
             self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)
@@ -303,8 +305,9 @@ class CudaBackend:
         greedy draft step inside the graph, or drafted eagerly when drafts are sampled);
         deciding on the device, or leaving logits for eager acceptance (top-k / top-p), which
         takes the full width. Narrower widths decide on the device."""
-        keys = [(bucket, 1, True, False), (bucket, 1, False, False)]
+        keys = [(bucket, 1, True, False), (bucket, 1, False, False), (bucket, 1, True, False, True)]
         if self.width > 1:
+            keys += [(bucket, self.width, True, False, True)]  # a grammar's masks: drafts read on the host first
             keys += [(bucket, self.width, False, True), (bucket, self.width, True, True)]
             keys += [(bucket, self.width, False, False)] if self.plan.draft_sample_method != "greedy" else []
             keys += [(bucket, w, True, True) for w in self.narrow[bucket]]
@@ -343,28 +346,36 @@ class CudaBackend:
         # drafts drawn from the drafter's q (rows that sample, where the spec drafts so) are accepted
         # eagerly, q and all; greedy rows' drafts are its argmax, drafted inside the round's graph
         sampled = width > 1 and self.plan.draft_sample_method != "greedy" and any(r.params.temperature > 0 for r in reqs)
-        # a grammar reads the drafts on the host before the verify (drafts it forbids where it forces a token are replaced)
-        steer = width > 1 and any(r.grammar is not None for r in reqs)
+        constrained = any(r.grammar is not None for r in reqs)  # its masks read the drafts before the verify
         # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
-        decide = not any(r.params.reads_logits for r in reqs) and not sampled
-        if width > 1 and (not decide or width not in self.verify_widths(n)):
-            width = self.width  # logits read on the host: the full window's graph
-        inside = width > 1 and not (sampled or steer)
-        probs = None
-        if sampled or steer:  # drafted here: their q goes to acceptance, a grammar sees them
-            self.bufs.gather(bucket)
-            proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1, greedy=not sampled)).first(width - 1)
-            proposal = steered(reqs, type(proposal)(proposal.tokens[:n], None if proposal.probs is None
-                                                    else proposal.probs[:n]))
-            self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
-            probs = proposal.probs
-        logits, packed = self._replay(bucket, width, decide, inside)
+        decide = not any(r.params.reads_logits_beyond_masks for r in reqs) and not sampled
+        if width > 1 and (not decide or constrained or width not in self.verify_widths(n)):
+            width = self.width  # logits read on the host, or masked: the full window's graph
+        eager = width > 1 and (sampled or constrained)
+        probs, drafts = self._eager_drafts(reqs, bucket, width, sampled) if eager else (None, None)
+        if constrained and decide:  # the graph masks the verify's logits, then decides
+            self.masks.load(reqs, drafts, bucket, width)
+        logits, packed = self._replay(bucket, width, decide, width > 1 and not eager, constrained and decide)
         reported = []
         if packed is None:
             packed = self._accept(reqs, width, logits[:n], probs)
             first = self.bufs.row(START, n) + 1  # this round's (the next launch gathers anew)
             reported = target_logprobs.pending(reqs, logits[:n], packed[:, 2 : 2 + width], first)
         return self.landing.land(packed[:n], width, reported, started)
+
+    def _eager_drafts(self, reqs: list[Request], bucket: int, width: int, sampled: bool
+                      ) -> tuple[Tensor | None, list[list[int]] | None]:
+        """A round's drafts proposed outside its graph: drawn from q (``sampled``: q goes to the
+        acceptance) or read by a grammar, which replaces those it forbids where it forces a
+        token -> (q [n, W - 1, V] or None, the drafts on the host where a row is constrained)."""
+        n = len(reqs)
+        self.bufs.gather(bucket)
+        proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1, greedy=not sampled)).first(width - 1)
+        proposal = steered(reqs, type(proposal)(proposal.tokens[:n], None if proposal.probs is None
+                                                else proposal.probs[:n]))
+        self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
+        host = proposal.tokens.tolist() if any(r.grammar is not None for r in reqs) else None
+        return proposal.probs, host
 
     def attention_bandwidth(self, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float, float]]:
         """The verify attention kernel alone over the target's KV geometry (attention.attention_bandwidth)."""
@@ -381,17 +392,20 @@ class CudaBackend:
     def timeline(self, spans: list | None) -> None:
         self.landing.timeline = spans
 
-    def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
-        return self.graphs.run(("round", bucket, width, decide, inside),
-                               lambda: self._round_step(bucket, width, decide, inside))
+    def _replay(self, bucket: int, width: int, decide: bool, inside: bool, masked: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        return self.graphs.run(("round", bucket, width, decide, inside) + ((True,) if masked else ()),
+                               lambda: self._round_step(bucket, width, decide, inside, masked))
 
-    def _round_step(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
+    def _round_step(self, bucket: int, width: int, decide: bool, inside: bool, masked: bool = False
+                    ) -> tuple[Tensor, Tensor | None]:
         """One round's device work from the rows' slot state; idempotent (capture runs it for
-        real): it reads ``state`` and writes it only at the end, and only for live rows."""
+        real): it reads ``state`` and writes it only at the end, and only for live rows.
+        ``masked``: the verify's logits masked by ``masks`` before the round is decided."""
         self.bufs.gather(bucket)
         if inside:
             self._draft_step(bucket, width)
-        logits, packed = self._verify_step(bucket, width, decide)
+        logits, packed = self._verify_step(bucket, width, decide, masked)
         return logits, packed
 
     def collect(self, handle: Launch) -> RoundResult:
@@ -421,7 +435,8 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ verify
 
-    def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None]:
+    def _verify_step(self, bucket: int, width: int, decide: bool, masked: bool = False
+                     ) -> tuple[Tensor, Tensor | None]:
         """Target forward over each row's [last token, drafts]; with ``decide`` the round's
         acceptance too (packed, and the rows' new state), else only the logits."""
         b = self.bufs
@@ -441,13 +456,16 @@ class CudaBackend:
         if self.ring is not None:
             self.ring.write(b.row(SLOT, bucket), b.row(START, bucket), features)
         logits = None
-        if decide:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
+        if decide and not masked:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
             draw = Draw(b.row(SEED, bucket), b.row(START, bucket), b.fmeta[INV_TEMP, :bucket], width, shift=1)
             logits = head_draw(self.target.lm_head, hidden, b.argmax, draw, self.cache.invariant)
         drawn = logits is not None
         if not drawn:  # [bucket, W, V] float32, as target.logits
             logits = lm_logits(self.target.lm_head, hidden, self.cache.invariant)
-        packed = self._decide(bucket, width, logits, drawn) if decide else None
+        if masked:
+            packed = self._decide_masked(bucket, width, logits)
+        else:
+            packed = self._decide(bucket, width, logits, drawn) if decide else None
         self.branch.join()
         return logits, packed
 
@@ -464,6 +482,16 @@ class CudaBackend:
                                               b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket],
                                               bad=bad, shift=1)
         return self._settle(bucket, width, num, tokens, bad, real, chunks, False)
+
+    def _decide_masked(self, bucket: int, width: int, logits: Tensor) -> Tensor:
+        """_decide over logits masked by each constrained row's grammar (all allowed elsewhere);
+        a row fails on non-finite raw logits, not on the -inf its mask writes."""
+        b = self.bufs
+        bad = (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(bucket * width, 1)  # [bucket * W, 1]
+        apply_masks(logits, self.masks.view(bucket, width))
+        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
+                                              b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket], shift=1)
+        return self._settle(bucket, width, num, tokens, bad, 1, 1, False)
 
     def _settle(self, rows: int, width: int, num: Tensor, tokens: Tensor, bad: Tensor, real: int, chunks: int,
                 drawn: bool) -> Tensor:

@@ -1,0 +1,64 @@
+"""Token masks on the device: each constrained row's grammar as a bitmask per verify slot (bit
+t % 32 of word t // 32 set: token t allowed), applied to the verify's logits inside the round's
+graph, before the graph decides the round. The host fills the masks (core.grammar.fill_masks:
+slot j after the drafts before it) into a pinned buffer and copies them, without waiting, into
+the persistent one the graphs read."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from draftline.core.grammar import fill_masks
+from draftline.core.request import Request
+
+BLOCK = 1024  # vocabulary columns a program masks
+
+
+@triton.jit
+def _mask_kernel(logits, bitmask, V, WORDS, BLOCK: tl.constexpr):
+    """Program (row-slot, column block): its forbidden columns' logits set to -inf."""
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < V
+    words = tl.load(bitmask + r * WORDS + cols // 32, mask=inside, other=-1)
+    allowed = ((words >> (cols % 32)) & 1) != 0  # an arithmetic shift leaves bit k at 0 all the same
+    tl.store(logits + r * V + cols, tl.full((BLOCK,), float("-inf"), tl.float32), mask=inside & ~allowed)
+
+
+def apply_masks(logits: Tensor, bitmask: Tensor) -> None:
+    """logits [N, W, V] float32 (contiguous), masked in place by bitmask [N, W, ceil(V / 32)] int32."""
+    n, w, v = logits.shape
+    if not logits.is_contiguous() or logits.dtype != torch.float32 or bitmask.shape != (n, w, triton.cdiv(v, 32)):
+        raise ValueError(f"apply_masks: logits {tuple(logits.shape)} {logits.dtype} against a bitmask "
+                         f"{tuple(bitmask.shape)}: want contiguous float32 logits and [N, W, ceil(V / 32)] words")
+    _mask_kernel[(n * w, triton.cdiv(v, BLOCK))](logits, bitmask.contiguous(), v, bitmask.shape[-1], BLOCK=BLOCK)
+
+
+class TokenMasks:
+    """The masks a graph reads: ``device`` [max_batch, W, words] int32, all allowed until a
+    constrained round loads its rows'."""
+
+    def __init__(self, max_batch: int, width: int, vocab: int, device: torch.device):
+        shape = (max_batch, width, triton.cdiv(vocab, 32))
+        self.device = torch.full(shape, -1, dtype=torch.int32, device=device)
+        pinned = device.type == "cuda"
+        self._host = torch.full(shape, -1, dtype=torch.int32, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None  # the last copy has read the host buffer
+
+    def load(self, reqs: list[Request], drafts: list[list[int]] | None, bucket: int, width: int) -> Tensor:
+        """The rows' masks for a round of ``width`` slots (``drafts`` [n][width - 1] on the host,
+        None for a plain round), padding rows up to ``bucket`` all allowed -> the device view
+        [bucket, width, words] the round's graph reads."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        fill_masks(reqs, drafts, self._host[:bucket, :width])
+        self.device[:bucket].copy_(self._host[:bucket], non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+        return self.view(bucket, width)
+
+    def view(self, bucket: int, width: int) -> Tensor:
+        return self.device[:bucket, :width]
