@@ -82,6 +82,7 @@ class Fp8Tiling:
     split: int  # programs the K range is split over (float32 partial sums past 1)
     warps: int
     stages: int
+    swap: bool = False  # weight rows on the matrix units' wide side (acc [BLOCK_N, BLOCK_M])
 
 
 def fp8_tiling(m: int, n: int, k: int, gated: bool, invariant: bool) -> Fp8Tiling:
@@ -92,13 +93,12 @@ def fp8_tiling(m: int, n: int, k: int, gated: bool, invariant: bool) -> Fp8Tilin
     groups = triton.cdiv(k, GROUP)
     if m > MAX_ROWS and not invariant:
         return Fp8Tiling(128, 64 if gated else 128, 1, 8, 3)
-    block_n = 32 if gated else 128
-    split = 1
+    block_n, split = 128, 1
     while not gated and triton.cdiv(n, block_n) * split < PROGRAMS and split < 8 and groups % (2 * split) == 0:
         split *= 2
     if interpreted():
         block_n = max(block_n, min(256, triton.next_power_of_2(n)))
-    return Fp8Tiling(row_tile(m, 16 if invariant else MAX_ROWS), block_n, split, 4, 6 if gated else 4)
+    return Fp8Tiling(row_tile(m, 16 if invariant else MAX_ROWS), block_n, split, 8, 4, swap=True)
 
 
 @triton.jit
@@ -125,35 +125,48 @@ def _quantized(x, rm, rk, M, K, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
-def _group(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g):
-    """One group's scaled product: q [BM, GROUP] e4m3 against weight rows ``rows`` -> float32
-    [BM, BN] (rows from END on read as zero)."""
+def _group(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g, SWAP: tl.constexpr):
+    """One group's scaled product: q [BM, GROUP] e4m3 against weight rows ``rows`` (rows from END
+    on read as zero) -> float32 [BM, BN]; with SWAP [BN, BM], the weight's rows on the matrix
+    units' wide side and the few activation rows on the narrow one."""
     wt = tl.load(w + rows[:, None].to(tl.int64) * K + rk[None, :], mask=(rows[:, None] < END) & (rk[None, :] < K),
                  other=0.0)
     sw = tl.load(s + (rows // SCALE_ROWS) * G + g, mask=rows < END, other=0.0)
-    return tl.dot(q, tl.trans(wt)) * sx[:, None] * sw[None, :]
+    if SWAP:
+        part = tl.dot(wt, tl.trans(q)) * sw[:, None] * sx[None, :]
+    else:
+        part = tl.dot(q, tl.trans(wt)) * sx[:, None] * sw[None, :]
+    return part
 
 
 @triton.jit
-def _fp8_rows(x, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
+def _fp8_rows(x, w, s, out, M, XM, N, K, G, GROUPS_PER_SPLIT,
               GATED: tl.constexpr, SPLIT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
+              SWAP: tl.constexpr):
     """Program (row tile, column block, K split): BLOCK_N outputs of BLOCK_M rows over groups
-    [pk * GROUPS_PER_SPLIT, +GROUPS_PER_SPLIT). Row tiles vary fastest: the programs reading one
-    weight tile run side by side."""
+    [pk * GROUPS_PER_SPLIT, +GROUPS_PER_SPLIT) of x's first XM rows (M of them real). Row tiles
+    vary fastest: the programs reading one weight tile run side by side."""
     pm, pn, pk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     overlap.gate(PDL)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP:  # accumulated transposed: [BLOCK_N, BLOCK_M]
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     first = pk * GROUPS_PER_SPLIT
     for g in range(first, first + GROUPS_PER_SPLIT):
         rk = g * 128 + tl.arange(0, 128)
-        q, sx = _quantized(x, rm, rk, M, K, EXACT_CAST)
-        acc_g += _group(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
+        q, sx = _quantized(x, rm, rk, XM, K, EXACT_CAST)
+        acc_g += _group(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g, SWAP)
         if GATED:  # the up rows sit N rows below the gate rows
-            acc_u += _group(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
+            acc_u += _group(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g, SWAP)
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     _epilogue(acc_g, acc_u, out, out, out, out, out, out, out, out, rm, rn, M, N, 1, 0, pk,
               x.dtype.element_ty, GATED, SPLIT, False, False)
 
@@ -178,13 +191,15 @@ def fp8_product(x: Tensor, w: Fp8Weight, gated: bool = False, out_dtype: torch.d
     if groups % split or (gated and split > 1):
         raise ValueError(f"fp8_product: {groups} groups of K do not split into {split} (gated: whole sums only)")
     x = x.contiguous()
+    if t.swap and m % t.block_m:  # x's last row tile whole (zero rows change no row's sums): its loads unmasked
+        x = torch.cat([x, x.new_zeros(t.block_m - m % t.block_m, k)])
     if split == 1:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
-    _fp8_rows[grid](x, w.weight, w.scale, out, m, n, k, w.scale.shape[1], groups // split,
+    _fp8_rows[grid](x, w.weight, w.scale, out, m, x.shape[0], n, k, w.scale.shape[1], groups // split,
                     GATED=gated, SPLIT=split, SCALE_ROWS=w.scale_rows, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                    EXACT_CAST=not interpreted(),
+                    EXACT_CAST=not interpreted(), SWAP=t.swap,
                     num_warps=t.warps, num_stages=t.stages, **overlap.launch(release=True))
     return out
