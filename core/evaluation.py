@@ -78,7 +78,7 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
     learns from this run only."""
     prompts = dataset.prompts
     baseline = engine.with_method({"method": "none"})
-    warm = SamplingParams(max_new_tokens=4)
+    warm = SamplingParams(max_new_tokens=4, constraint=constraint)  # a constraint compiled before timing
     engine.generate(list(prompts[:1]), warm), baseline.generate(list(prompts[:1]), warm)
     spec, base = Tally(engine.plan.num_speculative_tokens), Tally(0)
     identical = refused = parsed = 0

@@ -114,15 +114,16 @@ def _second_token_law(engine, prompt_ids, params):
         m.advance(before)
         return m.mask_window(x[None], None)[0]
 
+    dev = engine.target.model.embed_tokens.weight.device
     with torch.no_grad():
-        hidden, _ = full_forward(engine.target, torch.tensor([prompt_ids]))
+        hidden, _ = full_forward(engine.target, torch.tensor([prompt_ids], device=dev))
         p1 = probs_from_logits(mask(engine.target.logits(hidden[0, -1]).float(), [])[None], one)[0]
         support = torch.nonzero(p1).flatten().tolist()
-        hidden, _ = full_forward(engine.target, torch.tensor([prompt_ids + [t] for t in support]))
+        hidden, _ = full_forward(engine.target, torch.tensor([prompt_ids + [t] for t in support], device=dev))
         logits = engine.target.logits(hidden[:, -1]).float()
         masked = torch.stack([mask(logits[i], [t]) for i, t in enumerate(support)])
         p2 = probs_from_logits(masked, SamplingBatch.of([params] * len(support)))
-    return (p1[support, None] * p2).sum(0)
+    return (p1[support, None] * p2).sum(0).cpu()
 
 
 def test_sampled_tokens_follow_the_masked_target(plain):
