@@ -191,7 +191,7 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     """On the cuda backend a constrained request's first token is masked in the prefill, its
     drafts are read (and steered) on the host and every verify slot masked: inside the round's
     graph, or in the eager acceptance where the request also reads its logits (logprobs). Its
-    rounds are synchronous while an unconstrained request beside it keeps its rounds in flight:
+    rounds are synchronous, beside an unconstrained request on a backend that pipelines rounds:
     each request's tokens equal the reference's plain decoding under the same constraint (or none)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=2, device=dev, dtype="float32", max_model_len=96)
