@@ -198,7 +198,7 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     drafted = Engine(spec, draft_policy="always")
     regex = SamplingParams(max_new_tokens=16, logprobs=logprobs,
                            constraint=Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"))
-    free = SamplingParams(max_new_tokens=16)
+    free = SamplingParams(max_new_tokens=10)
     want = [plain.generate([PROMPTS[0]], regex)[0].output_ids, plain.generate([PROMPTS[1]], free)[0].output_ids]
     got = drafted.generate(PROMPTS[:2], [regex, free])
     assert [c.output_ids for c in got] == want
