@@ -300,11 +300,12 @@ class CudaBackend:
                         max_model_len=self.capacity.max_model_len, stats=SpecStats(self.plan.num_speculative_tokens))
                 for _ in range(n)]
 
-    def _graph_keys(self, bucket: int) -> list[tuple[int, int, bool, bool]]:
+    def _graph_keys(self, bucket: int) -> list[tuple]:
         """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
         greedy draft step inside the graph, or drafted eagerly when drafts are sampled);
         deciding on the device, or leaving logits for eager acceptance (top-k / top-p), which
-        takes the full width. Narrower widths decide on the device."""
+        takes the full width. Narrower widths decide on the device. A fifth field, True: the
+        verify's logits masked by a grammar before the device decides (plain and full width)."""
         keys = [(bucket, 1, True, False), (bucket, 1, False, False), (bucket, 1, True, False, True)]
         if self.width > 1:
             keys += [(bucket, self.width, True, False, True)]  # a grammar's masks: drafts read on the host first
