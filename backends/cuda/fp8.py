@@ -125,18 +125,23 @@ def _quantized(x, rm, rk, M, K, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
-def _group(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g, SWAP: tl.constexpr):
-    """One group's scaled product: q [BM, GROUP] e4m3 against weight rows ``rows`` (rows from END
-    on read as zero) -> float32 [BM, BN]; with SWAP [BN, BM], the weight's rows on the matrix
-    units' wide side and the few activation rows on the narrow one."""
+def _group(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g):
+    """One group's scaled product: q [BM, GROUP] e4m3 against weight rows ``rows`` -> float32
+    [BM, BN] (rows from END on read as zero)."""
     wt = tl.load(w + rows[:, None].to(tl.int64) * K + rk[None, :], mask=(rows[:, None] < END) & (rk[None, :] < K),
                  other=0.0)
     sw = tl.load(s + (rows // SCALE_ROWS) * G + g, mask=rows < END, other=0.0)
-    if SWAP:
-        part = tl.dot(wt, tl.trans(q)) * sw[:, None] * sx[None, :]
-    else:
-        part = tl.dot(q, tl.trans(wt)) * sx[:, None] * sw[None, :]
-    return part
+    return tl.dot(q, tl.trans(wt)) * sx[:, None] * sw[None, :]
+
+
+@triton.jit
+def _group_swapped(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g):
+    """_group with the operands swapped: weight rows ``rows`` against q -> float32 [BN, BM], so
+    the weight's rows fill the matrix units' wide side and the few activation rows the narrow one."""
+    wt = tl.load(w + rows[:, None].to(tl.int64) * K + rk[None, :], mask=(rows[:, None] < END) & (rk[None, :] < K),
+                 other=0.0)
+    sw = tl.load(s + (rows // SCALE_ROWS) * G + g, mask=rows < END, other=0.0)
+    return tl.dot(wt, tl.trans(q)) * sw[:, None] * sx[None, :]
 
 
 @triton.jit
@@ -146,27 +151,33 @@ def _fp8_rows(x, w, s, out, M, XM, N, K, G, GROUPS_PER_SPLIT,
               SWAP: tl.constexpr):
     """Program (row tile, column block, K split): BLOCK_N outputs of BLOCK_M rows over groups
     [pk * GROUPS_PER_SPLIT, +GROUPS_PER_SPLIT) of x's first XM rows (M of them real). Row tiles
-    vary fastest: the programs reading one weight tile run side by side."""
+    vary fastest: the programs reading one weight tile run side by side. The two orientations
+    keep a loop each (their accumulators differ in shape)."""
     pm, pn, pk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     overlap.gate(PDL)
+    first = pk * GROUPS_PER_SPLIT
     if SWAP:  # accumulated transposed: [BLOCK_N, BLOCK_M]
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_gt = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_ut = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for g in range(first, first + GROUPS_PER_SPLIT):
+            rk = g * 128 + tl.arange(0, 128)
+            q, sx = _quantized(x, rm, rk, XM, K, EXACT_CAST)
+            acc_gt += _group_swapped(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
+            if GATED:
+                acc_ut += _group_swapped(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    first = pk * GROUPS_PER_SPLIT
-    for g in range(first, first + GROUPS_PER_SPLIT):
-        rk = g * 128 + tl.arange(0, 128)
-        q, sx = _quantized(x, rm, rk, XM, K, EXACT_CAST)
-        acc_g += _group(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g, SWAP)
-        if GATED:  # the up rows sit N rows below the gate rows
-            acc_u += _group(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g, SWAP)
-    if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
+        for g in range(first, first + GROUPS_PER_SPLIT):
+            rk = g * 128 + tl.arange(0, 128)
+            q, sx = _quantized(x, rm, rk, XM, K, EXACT_CAST)
+            acc_g += _group(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
+            if GATED:  # the up rows sit N rows below the gate rows
+                acc_u += _group(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
     _epilogue(acc_g, acc_u, out, out, out, out, out, out, out, out, rm, rn, M, N, 1, 0, pk,
               x.dtype.element_ty, GATED, SPLIT, False, False)
 
