@@ -86,10 +86,11 @@ class Fp8Tiling:
 
 
 def fp8_tiling(m: int, n: int, k: int, gated: bool, invariant: bool) -> Fp8Tiling:
-    """Decode rows stream the weight: 128 columns a program (32 gated), K split (up to 8) until
-    about PROGRAMS programs, deep pipelines (a sweep at the 8B's shapes on an H100); past MAX_ROWS rows, unless invariant, the wide tiles of an
-    arithmetic-bound product. Invariant: 16-row tiles at any M. Under the interpreter wider
-    column blocks: it runs programs one by one."""
+    """Decode and verify rows stream the weight with its rows on the matrix units' wide side
+    (``swap``): 128 columns a program, 8 warps, K split (up to 8, not gated) until about
+    PROGRAMS programs (from a sweep at the 8B's shapes on an H200); past MAX_ROWS rows, unless
+    invariant, the wide tiles of an arithmetic-bound product. Invariant: 16-row tiles at any M.
+    Under the interpreter wider column blocks: it runs programs one by one."""
     groups = triton.cdiv(k, GROUP)
     if m > MAX_ROWS and not invariant:
         return Fp8Tiling(128, 64 if gated else 128, 1, 8, 3)
