@@ -146,14 +146,14 @@ def _group_swapped(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g
 
 
 @triton.jit
-def _fp8_rows(x, w, s, out, M, XM, N, K, G, GROUPS_PER_SPLIT,
+def _fp8_rows(x, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
               GATED: tl.constexpr, SPLIT: tl.constexpr, SCALE_ROWS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
               SWAP: tl.constexpr):
     """Program (row tile, column block, K split): BLOCK_N outputs of BLOCK_M rows over groups
-    [pk * GROUPS_PER_SPLIT, +GROUPS_PER_SPLIT) of x's first XM rows (M of them real). Row tiles
-    vary fastest: the programs reading one weight tile run side by side. The two orientations
-    keep a loop each (their accumulators differ in shape)."""
+    [pk * GROUPS_PER_SPLIT, +GROUPS_PER_SPLIT). Row tiles vary fastest: the programs reading one
+    weight tile run side by side. The two orientations keep a loop each (their accumulators
+    differ in shape)."""
     pm, pn, pk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,7 +164,7 @@ def _fp8_rows(x, w, s, out, M, XM, N, K, G, GROUPS_PER_SPLIT,
         acc_ut = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for g in range(first, first + GROUPS_PER_SPLIT):
             rk = g * 128 + tl.arange(0, 128)
-            q, sx = _quantized(x, rm, rk, XM, K, EXACT_CAST)
+            q, sx = _quantized(x, rm, rk, M, K, EXACT_CAST)
             acc_gt += _group_swapped(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
             if GATED:
                 acc_ut += _group_swapped(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
@@ -175,7 +175,7 @@ def _fp8_rows(x, w, s, out, M, XM, N, K, G, GROUPS_PER_SPLIT,
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for g in range(first, first + GROUPS_PER_SPLIT):
             rk = g * 128 + tl.arange(0, 128)
-            q, sx = _quantized(x, rm, rk, XM, K, EXACT_CAST)
+            q, sx = _quantized(x, rm, rk, M, K, EXACT_CAST)
             acc_g += _group(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
             if GATED:  # the up rows sit N rows below the gate rows
                 acc_u += _group(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
@@ -203,14 +203,12 @@ def fp8_product(x: Tensor, w: Fp8Weight, gated: bool = False, out_dtype: torch.d
     if groups % split or (gated and split > 1):
         raise ValueError(f"fp8_product: {groups} groups of K do not split into {split} (gated: whole sums only)")
     x = x.contiguous()
-    if t.swap and m % t.block_m:  # x's last row tile whole (zero rows change no row's sums): its loads unmasked
-        x = torch.cat([x, x.new_zeros(t.block_m - m % t.block_m, k)])
     if split == 1:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
-    _fp8_rows[grid](x, w.weight, w.scale, out, m, x.shape[0], n, k, w.scale.shape[1], groups // split,
+    _fp8_rows[grid](x, w.weight, w.scale, out, m, n, k, w.scale.shape[1], groups // split,
                     GATED=gated, SPLIT=split, SCALE_ROWS=w.scale_rows, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                     EXACT_CAST=not interpreted(), SWAP=t.swap,
                     num_warps=t.warps, num_stages=t.stages, **overlap.launch(release=True))
