@@ -72,9 +72,8 @@ class SamplingParams:
     @functools.cached_property
     def reads_logits(self) -> bool:
         """Whether a round must hand this request's logits to the host-side acceptance
-        (filtering, adjusting or reporting them) rather than deciding it inside the graph."""
-        return (self.top_k > 0 or self.top_p < 1 or self.adjusts_logits or self.logprobs is not None
-                or self.constraint is not None)
+        (filtering, adjusting, masking or reporting them) rather than deciding it inside the graph."""
+        return self.reads_logits_beyond_masks or self.constraint is not None
 
     @functools.cached_property
     def reads_logits_beyond_masks(self) -> bool:

@@ -353,7 +353,7 @@ class CudaBackend:
         if width > 1 and (not decide or constrained or width not in self.verify_widths(n)):
             width = self.width  # logits read on the host, or masked: the full window's graph
         eager = width > 1 and (sampled or constrained)
-        probs, drafts = self._eager_drafts(reqs, bucket, width, sampled) if eager else (None, None)
+        probs, drafts = self._eager_drafts(reqs, bucket, width, sampled, constrained) if eager else (None, None)
         if constrained and decide:  # the graph masks the verify's logits, then decides
             self.masks.load(reqs, drafts, bucket, width)
         logits, packed = self._replay(bucket, width, decide, width > 1 and not eager, constrained and decide)
@@ -364,7 +364,7 @@ class CudaBackend:
             reported = target_logprobs.pending(reqs, logits[:n], packed[:, 2 : 2 + width], first)
         return self.landing.land(packed[:n], width, reported, started)
 
-    def _eager_drafts(self, reqs: list[Request], bucket: int, width: int, sampled: bool
+    def _eager_drafts(self, reqs: list[Request], bucket: int, width: int, sampled: bool, constrained: bool
                       ) -> tuple[Tensor | None, list[list[int]] | None]:
         """A round's drafts proposed outside its graph: drawn from q (``sampled``: q goes to the
         acceptance) or read by a grammar, which replaces those it forbids where it forces a
@@ -375,8 +375,7 @@ class CudaBackend:
         proposal = steered(reqs, type(proposal)(proposal.tokens[:n], None if proposal.probs is None
                                                 else proposal.probs[:n]))
         self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
-        host = proposal.tokens.tolist() if any(r.grammar is not None for r in reqs) else None
-        return proposal.probs, host
+        return proposal.probs, proposal.tokens.tolist() if constrained else None
 
     def attention_bandwidth(self, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float, float]]:
         """The verify attention kernel alone over the target's KV geometry (attention.attention_bandwidth)."""
@@ -488,7 +487,7 @@ class CudaBackend:
         """_decide over logits masked by each constrained row's grammar (all allowed elsewhere);
         a row fails on non-finite raw logits, not on the -inf its mask writes."""
         b = self.bufs
-        bad = (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(bucket * width, 1)  # [bucket * W, 1]
+        bad = _nonfinite(logits)  # the raw logits'
         apply_masks(logits, self.masks.view(bucket, width))
         num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
                                               b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket], shift=1)
@@ -523,7 +522,7 @@ class CudaBackend:
         else:
             scores, inv_temp = draw_scores(adjusted, reqs, batch)
             num, tokens = kernels.accept_matching(scores, drafts, batch.seed, first, inv_temp=inv_temp)
-        bad = (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(n * width, 1)  # [n * W, 1], of the raw logits
+        bad = _nonfinite(logits)  # of the raw logits
         packed = self._settle(n, width, num, tokens, bad, 1, 1, False)
         self.penalties.count(reqs, packed[:, 2 : 2 + width], packed[:, 1])
         return packed
@@ -540,6 +539,11 @@ class CudaBackend:
             if req.draft_state is not None and hasattr(req.draft_state, "index"):
                 self.kv.release(req.draft_state)
             self.drafter.release(req)
+
+
+def _nonfinite(logits: Tensor) -> Tensor:
+    """logits [N, W, V] -> each row-slot's count of non-finite values [N * W, 1] int32, as _settle reads them."""
+    return (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(-1, 1)
 
 
 def _invariant(capacity: Capacity, cfg, width: int) -> bool:
