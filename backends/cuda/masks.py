@@ -38,14 +38,16 @@ def apply_masks(logits: Tensor, bitmask: Tensor) -> None:
 
 
 class TokenMasks:
-    """The masks a graph reads: ``device`` [max_batch, W, words] int32, all allowed until a
-    constrained round loads its rows'."""
+    """The masks a graph reads: a round of ``bucket`` rows and ``width`` slots reads the first
+    bucket * width * words int32 of ``device`` as [bucket, width, words] (contiguous, so a
+    round moves and masks only its own), all allowed until a constrained round loads its rows'."""
 
     def __init__(self, max_batch: int, width: int, vocab: int, device: torch.device):
-        shape = (max_batch, width, triton.cdiv(vocab, 32))
-        self.device = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.words = triton.cdiv(vocab, 32)
+        size = max_batch * width * self.words
+        self.device = torch.full((size,), -1, dtype=torch.int32, device=device)
         pinned = device.type == "cuda"
-        self._host = torch.full(shape, -1, dtype=torch.int32, pin_memory=pinned)
+        self._host = torch.full((size,), -1, dtype=torch.int32, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None  # the last copy has read the host buffer
 
     def load(self, reqs: list[Request], drafts: list[list[int]] | None, bucket: int, width: int) -> Tensor:
@@ -54,11 +56,12 @@ class TokenMasks:
         [bucket, width, words] the round's graph reads."""
         if self._copied is not None:
             self._copied.synchronize()
-        fill_masks(reqs, drafts, self._host[:bucket, :width])
-        self.device[:bucket].copy_(self._host[:bucket], non_blocking=self._copied is not None)
+        size = bucket * width * self.words
+        fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words))
+        self.device[:size].copy_(self._host[:size], non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
         return self.view(bucket, width)
 
     def view(self, bucket: int, width: int) -> Tensor:
-        return self.device[:bucket, :width]
+        return self.device[: bucket * width * self.words].view(bucket, width, self.words)
