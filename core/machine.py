@@ -161,7 +161,9 @@ class Machine:
         if prefills:
             self._prefill(prefills)
         launched = self._launch(self._rows(running, prefills))
-        while self.flights and (not launched or self._due(self.flights[0])):
+        # a constrained request's next masks read this round's tokens: every flight up to its own is collected
+        constrained = any(r.grammar is not None for f in self.flights for r in f.reqs)
+        while self.flights and (not launched or constrained or self._due(self.flights[0])):
             self._collect(self.flights.popleft())
             launched = True  # one collect is progress enough when nothing could be launched
         while self.flights and all(r.phase is Phase.FINISHED for r in self.flights[0].reqs):
@@ -191,8 +193,7 @@ class Machine:
         the device has finished from waiting behind launches: a long prompt's chunk keeps its
         row in flight step after step, so by rows alone the machine would launch on, queue
         ever more work ahead of the streams' tokens and stall them."""
-        return (max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
-                or any(r.grammar is not None for r in flight.reqs))  # its next round waits for this one
+        return max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
 
     def _preempt(self) -> None:
         """When the running requests' next rounds need more KV blocks than the pool has, the

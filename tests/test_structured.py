@@ -189,13 +189,20 @@ def test_a_draft_the_grammar_forbids_becomes_the_token_it_forces(plain):
 @pytest.mark.parametrize("method, logprobs", [("tiny-dflash.yaml", None), ("tiny-gemma4-mtp.yaml", 2)])
 def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     """On the cuda backend a constrained request's first token is masked in the prefill, its
-    drafts are read (and steered) on the host and every verify slot masked: inside the round's
-    graph, or in the eager acceptance where the request also reads its logits (logprobs). Its
-    rounds are synchronous, beside an unconstrained request on a backend that pipelines rounds:
-    each request's tokens equal the reference's plain decoding under the same constraint (or none)."""
+    drafts are read on the host and every verify slot masked: in the decision's graph, or in
+    the eager acceptance where the request also reads its logits (logprobs). Its rounds are
+    synchronous, beside an unconstrained request on a backend that pipelines rounds: each
+    request's tokens equal the reference's plain decoding under the same constraint (or none).
+    In the graphs' case the next round's draft step and verify forward run ahead, launched
+    behind each round for the same rows: the next launch takes them, unless the rows changed
+    (the free request ended), when they are dropped and run anew."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=2, device=dev, dtype="float32", max_model_len=96)
     drafted = Engine(spec, draft_policy="always")
+    rounds, calls = drafted.backend.constrained, {"launch": 0, "unmasked": 0}
+    launch, unmasked = rounds.launch, rounds._unmasked
+    rounds.launch = lambda *a: calls.__setitem__("launch", calls["launch"] + 1) or launch(*a)
+    rounds._unmasked = lambda *a: calls.__setitem__("unmasked", calls["unmasked"] + 1) or unmasked(*a)
     regex = SamplingParams(max_new_tokens=16, logprobs=logprobs,
                            constraint=Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"))
     free = SamplingParams(max_new_tokens=10)
@@ -203,6 +210,8 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     got = drafted.generate(PROMPTS[:2], [regex, free])
     assert [c.output_ids for c in got] == want
     assert got[0].meta_info["spec_accepted_tokens"] > 0 and got[0].meta_info["grammar_mask_ms_per_round"] > 0
+    run_anew = calls["unmasked"] - calls["launch"]  # each launch also runs the next round's part ahead
+    assert 0 < run_anew < calls["launch"] if logprobs is None else calls["launch"] == 0
 
 
 def test_the_mask_kernel_masks_as_xgrammar():
@@ -223,3 +232,4 @@ def test_the_mask_kernel_masks_as_xgrammar():
     apply_masks(got, bitmask.to(dev))
     assert torch.equal(got.cpu().view(6, 100), want)
     assert torch.isinf(want).any() and torch.equal(want[5], logits[1, 2])
+

@@ -12,7 +12,9 @@ before the host reads them.
 Every graph the spec can use is captured by ``prepare`` at start-up, over padding rows only.
 A round with rows that filter (top-k / top-p), adjust logits (penalties, logit_bias,
 min_new_tokens: penalties.py) or report logprobs (logprobs.py) replays the graph that leaves
-the verify logits, and accepts eagerly over them; other rounds never take that path.
+the verify logits, and accepts eagerly over them; other rounds never take that path. A round
+under a grammar's masks runs its draft step, verify forward and masked decision as graphs apart,
+the first two ahead of the host (constrained.py).
 Without a GPU the same code runs eagerly through the Triton interpreter (TRITON_INTERPRET=1),
 which is how CI holds it to the reference backend.
 """
@@ -41,6 +43,7 @@ from draftline.core.grammar import masked, steered
 from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
 
 from . import events
+from .constrained import ConstrainedRounds
 from . import logprobs as target_logprobs
 from . import overlap
 from . import sampling as kernels
@@ -52,7 +55,6 @@ from .linear import fuse
 from .graphs import Graphs
 from .landing import Landing, Launch
 from .kv import FrozenTargetKV, Rows, StaticKV, StaticStore, cache_splits
-from .masks import TokenMasks, apply_masks
 from .matvec import MAX_ROWS, ArgmaxScratch, Draw, take_draws
 from .ops import CudaOps
 from .memory import GIB, KVBudget, size_pool
@@ -165,7 +167,6 @@ class CudaBackend:
                               "not the device's rows), and the cuda backend runs rounds ahead of the host; "
                               "use backend: reference for this method")
         self.bufs = Buffers(capacity.max_batch, plan.num_speculative_tokens, self.cache.scratch, device, self.ops.scratch)
-        self.masks = TokenMasks(capacity.max_batch, width, cfg.vocab_size, device)  # constrained rows' grammars
         self.ring: FeatureRing | None = None  # the last verified features, for drafters that read them
         if self.drafter is not None and self.drafter.reads_last_features:
             self.ring = FeatureRing(capacity.max_batch, 2 * width + 1, taps, dtype, device)
@@ -176,6 +177,7 @@ class CudaBackend:
         self.branch = overlap.Branch(device)  # the drafter's context update, beside the verify step's LM head
         self.landing = Landing(device, capacity.max_batch)  # where rounds' results come back to the host
         self.draft_override: DraftOverride | None = None  # bench --acceptance (set_draft_override)
+        self.constrained = ConstrainedRounds(self)  # rounds under a grammar's masks
         self.penalties = SlotPenalties(self.cache.scratch, cfg.vocab_size, device, self._put)
         # short prefills' graphs (DRAFTLINE_PREFILL_GRAPHS=0 prefills eagerly, for comparison)
         self.prefiller = Prefiller(target, plan, capacity, self.cache, self.kv, self.drafter, self.ring, self.ops,
@@ -219,12 +221,14 @@ class CudaBackend:
                       pool=None if self.prefill_beside else self.graphs)
 
     def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> Launch:
+        self.constrained.drop()  # a prefill moves the round buffers a constrained round's ahead part read
         return self.prefiller.prefill(reqs, ends)
 
     def set_draft_override(self, override: "DraftOverride | None") -> dict:
         """Rewrite every greedy draft step's drafts (draftline.core.simulated, for bench --acceptance);
         the graphs are captured again with it inside."""
         self.draft_override = self.prefiller.draft_override = override
+        self.constrained.drop()  # its forward ran in the graphs replaced here
         self.graphs = Graphs(enabled=self.graphs.enabled)
         self.prefiller.graphs = self._prefill_graphs()
         if self.graphs.enabled:  # the old graphs' pool back to the device before the new ones' captures
@@ -260,6 +264,7 @@ class CudaBackend:
         for bucket in self.buckets:
             for key in self._graph_keys(bucket):
                 self._replay(*key)
+            self.constrained.capture(bucket)  # a grammar's rounds: draft, forward, masked decision apart
         sampled = self.drafter is not None and self.width > 1 and self.plan.draft_sample_method != "greedy"
         for bucket in self.buckets if sampled else ():
             self._warm_sampled(min(bucket, self.capacity.max_batch))
@@ -304,13 +309,12 @@ class CudaBackend:
         """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
         greedy draft step inside the graph, or drafted eagerly when drafts are sampled);
         deciding on the device, or leaving logits for eager acceptance (top-k / top-p), which
-        takes the full width. Narrower widths decide on the device. A fifth field, True: the
-        verify's logits masked by a grammar before the device decides (plain and full width)."""
-        keys = [(bucket, 1, True, False), (bucket, 1, False, False), (bucket, 1, True, False, True)]
+        takes the full width; a window drafted apart (sampled drafts, a grammar's rounds) leaves
+        its logits too. Narrower widths decide on the device."""
+        keys = [(bucket, 1, True, False), (bucket, 1, False, False)]
         if self.width > 1:
-            keys += [(bucket, self.width, True, False, True)]  # a grammar's masks: drafts read on the host first
             keys += [(bucket, self.width, False, True), (bucket, self.width, True, True)]
-            keys += [(bucket, self.width, False, False)] if self.plan.draft_sample_method != "greedy" else []
+            keys += [(bucket, self.width, False, False)]
             keys += [(bucket, w, True, True) for w in self.narrow[bucket]]
         return keys
 
@@ -338,12 +342,10 @@ class CudaBackend:
         n, bucket = len(reqs), self.bucket(len(reqs))
         width = min(width, self.width) if self.drafter is not None else 1
         self.beside.join(reqs)  # rows whose prefill runs beside: their first round waits for it
-        started = self.landing.started()
         if self.cache.pager is not None:  # paged KV: pages for the positions this round and those in flight write
             for r in reqs:
                 self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
             self.cache.flush()
-        self.bufs.load(reqs, bucket)
         # drafts drawn from the drafter's q (rows that sample, where the spec drafts so) are accepted
         # eagerly, q and all; greedy rows' drafts are its argmax, drafted inside the round's graph
         sampled = width > 1 and self.plan.draft_sample_method != "greedy" and any(r.params.temperature > 0 for r in reqs)
@@ -352,11 +354,14 @@ class CudaBackend:
         decide = not any(r.params.reads_logits_beyond_masks for r in reqs) and not sampled
         if width > 1 and (not decide or constrained or width not in self.verify_widths(n)):
             width = self.width  # logits read on the host, or masked: the full window's graph
+        if constrained and decide:  # the graphs mask the verify's logits, then decide (constrained.py)
+            return self.constrained.launch(reqs, bucket, width)
+        self.constrained.drop()
+        started = self.landing.started()
+        self.bufs.load(reqs, bucket)
         eager = width > 1 and (sampled or constrained)
-        probs, drafts = self._eager_drafts(reqs, bucket, width, sampled, constrained) if eager else (None, None)
-        if constrained and decide:  # the graph masks the verify's logits, then decides
-            self.masks.load(reqs, drafts, bucket, width)
-        logits, packed = self._replay(bucket, width, decide, width > 1 and not eager, constrained and decide)
+        probs = self._eager_drafts(reqs, bucket, width, sampled) if eager else None
+        logits, packed = self._replay(bucket, width, decide, width > 1 and not eager)
         reported = []
         if packed is None:
             packed = self._accept(reqs, width, logits[:n], probs)
@@ -364,18 +369,17 @@ class CudaBackend:
             reported = target_logprobs.pending(reqs, logits[:n], packed[:, 2 : 2 + width], first)
         return self.landing.land(packed[:n], width, reported, started)
 
-    def _eager_drafts(self, reqs: list[Request], bucket: int, width: int, sampled: bool, constrained: bool
-                      ) -> tuple[Tensor | None, list[list[int]] | None]:
+    def _eager_drafts(self, reqs: list[Request], bucket: int, width: int, sampled: bool) -> Tensor | None:
         """A round's drafts proposed outside its graph: drawn from q (``sampled``: q goes to the
-        acceptance) or read by a grammar, which replaces those it forbids where it forces a
-        token -> (q [n, W - 1, V] or None, the drafts on the host where a row is constrained)."""
+        acceptance), or for rows that read their logits beside a grammar, which replaces those it
+        forbids where it forces a token -> q [n, W - 1, V], or None."""
         n = len(reqs)
         self.bufs.gather(bucket)
         proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1, greedy=not sampled)).first(width - 1)
         proposal = steered(reqs, type(proposal)(proposal.tokens[:n], None if proposal.probs is None
                                                 else proposal.probs[:n]))
         self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
-        return proposal.probs, proposal.tokens.tolist() if constrained else None
+        return proposal.probs
 
     def attention_bandwidth(self, contexts: list[int], batch: int, width: int) -> list[tuple[int, float, float, float]]:
         """The verify attention kernel alone over the target's KV geometry (attention.attention_bandwidth)."""
@@ -392,21 +396,23 @@ class CudaBackend:
     def timeline(self, spans: list | None) -> None:
         self.landing.timeline = spans
 
-    def _replay(self, bucket: int, width: int, decide: bool, inside: bool, masked: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
-        return self.graphs.run(("round", bucket, width, decide, inside) + ((True,) if masked else ()),
-                               lambda: self._round_step(bucket, width, decide, inside, masked))
+    def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
+        return self.graphs.run(("round", bucket, width, decide, inside),
+                               lambda: self._round_step(bucket, width, decide, inside))
 
-    def _round_step(self, bucket: int, width: int, decide: bool, inside: bool, masked: bool = False
-                    ) -> tuple[Tensor, Tensor | None]:
+    def _round_step(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
         """One round's device work from the rows' slot state; idempotent (capture runs it for
-        real): it reads ``state`` and writes it only at the end, and only for live rows.
-        ``masked``: the verify's logits masked by ``masks`` before the round is decided."""
+        real): it reads ``state`` and writes it only at the end, and only for live rows."""
         self.bufs.gather(bucket)
         if inside:
             self._draft_step(bucket, width)
-        logits, packed = self._verify_step(bucket, width, decide, masked)
-        return logits, packed
+        return self._verify_step(bucket, width, decide)
+
+    def _draft_round(self, bucket: int, width: int) -> None:
+        """A round's draft step alone, from the rows' slot state (a constrained round's, whose
+        host reads the drafts before it masks the verify: constrained.py)."""
+        self.bufs.gather(bucket)
+        self._draft_step(bucket, width)
 
     def collect(self, handle: Launch) -> RoundResult:
         return self.landing.collect(handle)
@@ -435,8 +441,7 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ verify
 
-    def _verify_step(self, bucket: int, width: int, decide: bool, masked: bool = False
-                     ) -> tuple[Tensor, Tensor | None]:
+    def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None]:
         """Target forward over each row's [last token, drafts]; with ``decide`` the round's
         acceptance too (packed, and the rows' new state), else only the logits."""
         b = self.bufs
@@ -456,16 +461,13 @@ class CudaBackend:
         if self.ring is not None:
             self.ring.write(b.row(SLOT, bucket), b.row(START, bucket), features)
         logits = None
-        if decide and not masked:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
+        if decide:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
             draw = Draw(b.row(SEED, bucket), b.row(START, bucket), b.fmeta[INV_TEMP, :bucket], width, shift=1)
             logits = head_draw(self.target.lm_head, hidden, b.argmax, draw, self.cache.invariant)
         drawn = logits is not None
         if not drawn:  # [bucket, W, V] float32, as target.logits
             logits = lm_logits(self.target.lm_head, hidden, self.cache.invariant)
-        if masked:
-            packed = self._decide_masked(bucket, width, logits)
-        else:
-            packed = self._decide(bucket, width, logits, drawn) if decide else None
+        packed = self._decide(bucket, width, logits, drawn) if decide else None
         self.branch.join()
         return logits, packed
 
@@ -482,16 +484,6 @@ class CudaBackend:
                                               b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket],
                                               bad=bad, shift=1)
         return self._settle(bucket, width, num, tokens, bad, real, chunks, False)
-
-    def _decide_masked(self, bucket: int, width: int, logits: Tensor) -> Tensor:
-        """_decide over logits masked by each constrained row's grammar (all allowed elsewhere);
-        a row fails on non-finite raw logits, not on the -inf its mask writes."""
-        b = self.bufs
-        bad = _nonfinite(logits)  # the raw logits'
-        apply_masks(logits, self.masks.view(bucket, width))
-        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
-                                              b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket], shift=1)
-        return self._settle(bucket, width, num, tokens, bad, 1, 1, False)
 
     def _settle(self, rows: int, width: int, num: Tensor, tokens: Tensor, bad: Tensor, real: int, chunks: int,
                 drawn: bool) -> Tensor:
@@ -522,12 +514,13 @@ class CudaBackend:
         else:
             scores, inv_temp = draw_scores(adjusted, reqs, batch)
             num, tokens = kernels.accept_matching(scores, drafts, batch.seed, first, inv_temp=inv_temp)
-        bad = _nonfinite(logits)  # of the raw logits
+        bad = kernels.nonfinite(logits)  # of the raw logits
         packed = self._settle(n, width, num, tokens, bad, 1, 1, False)
         self.penalties.count(reqs, packed[:, 2 : 2 + width], packed[:, 1])
         return packed
 
     def free(self, req: Request) -> None:
+        self.constrained.drop()
         self.bufs.forget()  # a preempted request comes back under its id in other slots
         self.beside.forget(req.kv)
         self.prefiller.release(req)
@@ -539,11 +532,6 @@ class CudaBackend:
             if req.draft_state is not None and hasattr(req.draft_state, "index"):
                 self.kv.release(req.draft_state)
             self.drafter.release(req)
-
-
-def _nonfinite(logits: Tensor) -> Tensor:
-    """logits [N, W, V] -> each row-slot's count of non-finite values [N * W, 1] int32, as _settle reads them."""
-    return (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(-1, 1)
 
 
 def _invariant(capacity: Capacity, cfg, width: int) -> bool:

@@ -290,3 +290,9 @@ def accept_rejection(p: Tensor, q: Tensor, drafts: Tensor, seed: Tensor, first: 
     _accept_rejection_kernel[(n,)](p, q, drafts.contiguous(), seed, first, num, tokens, v, k1 - 1,
                                    p.stride(0), p.stride(1), q.stride(0), q.stride(1), BLOCK=block)
     return num, tokens
+
+
+def nonfinite(logits: Tensor) -> Tensor:
+    """logits [N, W, V] -> each row-slot's count of non-finite values [N * W, 1] int32, as a
+    round's settle reads them (one chunk a slot)."""
+    return (~torch.isfinite(logits)).sum(-1).to(torch.int32).view(-1, 1)

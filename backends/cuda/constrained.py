@@ -1,0 +1,117 @@
+"""Constrained rounds (a grammar's masks): the part of a round that needs no mask runs ahead,
+while the host books the round before it and fills the masks.
+
+A constrained round's masks come from the grammar after every token before it (and, where it
+drafts, after its drafts), so the host cannot launch it ahead as it does other rounds: the
+machine collects each one before the next. What needs no mask, though, needs nothing from the
+host either: a round's draft step and the target's verify forward start from the rows' state on
+the device. So as soon as a constrained round is launched, the next round's unmasked part is
+launched behind it for the same rows (``Ahead``): the device computes the next logits while the
+host reads this round, advances the grammars and fills the next masks, and only the masking and
+the decision (one small graph) wait for the host. The drafts come back in a copy of their own
+right after the draft step, so the host reads them while the verify forward runs.
+
+An ahead part is taken by the next launch of the same rows at the same width; anything else that
+runs in between (another launch, a prefill, a freed request) moves the buffers it read, so it is
+dropped and that launch runs its unmasked part anew: at worst the device computed one forward for
+nothing. Greedy drafts are not steered here (steering rewrites drafts before the verify, which
+would wait for the host); drafts drawn from q take the eager path, which steers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from draftline.core.request import Request
+
+from . import sampling as kernels
+from .buffers import INV_TEMP, SEED, START
+from .landing import Launch
+from .masks import TokenMasks, apply_masks
+
+if TYPE_CHECKING:
+    from .backend import CudaBackend
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A round's unmasked part, launched before its masks exist."""
+
+    key: tuple  # (request ids, bucket, width): the launch that may take it
+    logits: Tensor  # [bucket, W, V] float32: its verify forward's
+    started: torch.cuda.Event | None  # recorded before its first device work (the round's device time)
+
+
+class ConstrainedRounds:
+    def __init__(self, backend: "CudaBackend"):
+        self.backend = backend
+        b = backend.bufs
+        self.masks = TokenMasks(b.max_batch, backend.width, backend.target.config.vocab_size, backend.device)
+        pinned = backend.device.type == "cuda"
+        self._drafts = torch.zeros(b.drafts.numel(), dtype=torch.int64, pin_memory=pinned)  # [max_batch * K] on the host
+        self._drafted = torch.cuda.Event() if pinned else None  # the last draft copy has landed
+        self.ahead: Ahead | None = None
+
+    def drop(self) -> None:
+        """Something else runs next: the ahead part's buffers are no longer its own."""
+        self.ahead = None
+
+    def launch(self, reqs: list[Request], bucket: int, width: int) -> Launch:
+        """A constrained round of ``width`` (greedy drafts, decided on the device): its unmasked
+        part (run ahead by the last launch, or now), its masks, the masked decision; then the
+        next round's unmasked part for the same rows."""
+        key = (tuple(r.rid for r in reqs), bucket, width)
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead.key != key:
+            self.backend.bufs.load(reqs, bucket)
+            ahead = self._unmasked(key)
+        self.masks.load(reqs, self._host_drafts(len(reqs), bucket, width), bucket, width)
+        packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, ahead.logits))
+        handle = self.backend.landing.land(packed[: len(reqs)], width, [], ahead.started)
+        self.ahead = self._unmasked(key)
+        return handle
+
+    def capture(self, bucket: int) -> None:
+        """Start-up: each width's unmasked part and decision, over padding rows."""
+        for width in sorted({1, self.backend.width}):
+            self._unmasked(((), bucket, width))
+            logits, _ = self.backend._replay(bucket, width, False, False)
+            self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
+        self.drop()
+
+    def _unmasked(self, key: tuple) -> Ahead:
+        """Launch the draft step (its drafts copied back behind it) and the verify forward."""
+        _, bucket, width = key
+        backend = self.backend
+        started = backend.landing.started()
+        if width > 1:
+            backend.graphs.run(("draft", bucket, width), lambda: backend._draft_round(bucket, width))
+            drafts = backend.bufs.drafts[:bucket]  # [bucket, K]: a constrained round drafts its full window
+            self._drafts[: drafts.numel()].view_as(drafts).copy_(drafts, non_blocking=self._drafted is not None)
+            if self._drafted is not None:
+                self._drafted.record()
+        logits, _ = backend._replay(bucket, width, False, False)
+        return Ahead(key, logits, started)
+
+    def _host_drafts(self, n: int, bucket: int, width: int) -> list[list[int]] | None:
+        """The rows' drafts, once their copy has landed (a plain round has none)."""
+        if width == 1:
+            return None
+        if self._drafted is not None:
+            self._drafted.synchronize()
+        return self._drafts[: bucket * (width - 1)].view(bucket, width - 1)[:n].tolist()
+
+    def _decide(self, bucket: int, width: int, logits: Tensor) -> Tensor:
+        """The round decided over its verify logits masked by each constrained row's grammar
+        (all allowed elsewhere) -> packed [bucket, 2W + 1]; a row fails on non-finite raw
+        logits, not on the -inf its mask writes."""
+        b = self.backend.bufs
+        bad = kernels.nonfinite(logits)  # the raw logits', before the masks
+        apply_masks(logits, self.masks.view(bucket, width))  # in place: a forward is decided once
+        num, tokens = kernels.accept_matching(logits, b.drafts[:bucket, : width - 1], b.row(SEED, bucket),
+                                              b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket], shift=1)
+        return self.backend._settle(bucket, width, num, tokens, bad, 1, 1, False)
