@@ -3,7 +3,7 @@ has not seen, each method against `none` in the same process, greedy, 128 new to
 
 `python bench/user_speedup.py [--batches 1,16] [--depths 2] [--prompts N] [--tokens 128]
 [--feed static|continuous] [--policy always|auto] [--plain] [--admission-wait N]
-[--num-speculative-tokens K]` (CUDA machine; without one the cuda backend runs in Triton's
+[--num-speculative-tokens K] [--json-schema FILE]` (CUDA machine; without one the cuda backend runs in Triton's
 interpreter, which checks only that the tool runs). Every (method, batch) pass takes prompts no
 pass before it ran, then runs them again: the first pass shows what one-time costs are left on
 the request path, the second the steady state. Triton compilations after start-up are counted
@@ -11,7 +11,10 @@ the request path, the second the steady state. Triton compilations after start-u
 
 --feed static: one `generate` call per ``batch`` prompts, so a batch runs until its slowest
 request ends. --feed continuous: one call with every prompt, the engine's max_batch_size set
-to ``batch``, so a finished request's slot takes the next prompt (what a server does)."""
+to ``batch``, so a finished request's slot takes the next prompt (what a server does).
+
+--json-schema FILE: every request's output held to that JSON schema (structured outputs; `none`
+too), each ending where its grammar does; against a run without it, what the grammar costs."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from draftline.core.benchmark import SHIPPED, cuda_spec, idle_ms, interpret_without_gpu, synchronize
 from draftline.core.engine import Engine
+from draftline.core.grammar import Constraint
 from draftline.core.sampling import SamplingParams
 from draftline.core.training.corpus import read_prompts
 
@@ -103,7 +107,9 @@ def main() -> None:
     ap.add_argument("--admission-wait", type=int, default=0,
                     help="server.admission_wait: steps a free slot may wait to be filled together with others")
     ap.add_argument("--num-speculative-tokens", type=int, default=0, help="K for every method (default: the spec's)")
+    ap.add_argument("--json-schema", help="hold every output to this JSON schema file (structured outputs)")
     args = ap.parse_args()
+    schema = None if args.json_schema is None else Constraint("json_schema", open(args.json_schema).read())
     interpret_without_gpu()
     _count_compiles()
     pool = read_prompts("specs/tiny/eval_prompts.jsonl")
@@ -121,7 +127,7 @@ def main() -> None:
                     prompts = [pool[(cursor + i) % len(pool)] for i in range(max(batch, args.prompts))]
                     cursor += len(prompts)
                     rows += _passes(name, depth, batch, engine, base, prompts,
-                                    batch if args.feed == "static" else len(prompts), args.tokens)
+                                    batch if args.feed == "static" else len(prompts), args.tokens, schema)
                 clock = engine.machine.clock
                 print(f"  host work {clock.host_us_per_round:.0f} us/round over {clock.rounds} rounds", flush=True)
                 for arm in engine.policy.table() if args.policy == "auto" else []:  # what auto estimated
@@ -149,9 +155,10 @@ def main() -> None:
 
 
 def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, prompts: list[str], per_call: int,
-            tokens: int) -> list[tuple]:
-    """Rows for never-seen prompts, then the same again, each against `none`."""
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+            tokens: int, schema: Constraint | None = None) -> list[tuple]:
+    """Rows for never-seen prompts, then the same again, each against `none`; with ``schema``
+    each output held to it and ending where it does."""
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=schema is None, constraint=schema)
     compiles, REPORTING[0] = COMPILES[0], True
     first = [_run(engine, prompts, per_call, params)]
     REPORTING[0] = False
