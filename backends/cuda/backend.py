@@ -221,7 +221,6 @@ class CudaBackend:
                       pool=None if self.prefill_beside else self.graphs)
 
     def prefill(self, reqs: list[Request], ends: list[int] | None = None) -> Launch:
-        self.constrained.drop()  # a prefill moves the round buffers a constrained round's ahead part read
         return self.prefiller.prefill(reqs, ends)
 
     def set_draft_override(self, override: "DraftOverride | None") -> dict:
@@ -520,7 +519,7 @@ class CudaBackend:
         return packed
 
     def free(self, req: Request) -> None:
-        self.constrained.drop()
+        self.constrained.drop()  # a preempted request may come back, prefilled anew, under the same id
         self.bufs.forget()  # a preempted request comes back under its id in other slots
         self.beside.forget(req.kv)
         self.prefiller.release(req)

@@ -11,11 +11,13 @@ host reads this round, advances the grammars and fills the next masks, and only 
 the decision (one small graph) wait for the host. The drafts come back in a copy of their own
 right after the draft step, so the host reads them while the verify forward runs.
 
-An ahead part is taken by the next launch of the same rows at the same width; anything else that
-runs in between (another launch, a prefill, a freed request) moves the buffers it read, so it is
-dropped and that launch runs its unmasked part anew: at worst the device computed one forward for
-nothing. Greedy drafts are not steered here (steering rewrites drafts before the verify, which
-would wait for the host); drafts drawn from q take the eager path, which steers them.
+An ahead part is taken by the next launch of the same rows at the same width. Another launch in
+between gathers other rows into the round buffers it left (drafts, starts, seeds), so it is
+dropped and the next constrained launch runs its unmasked part anew: at worst the device computed
+one forward for nothing. A prefill between them writes only its own slots' state, so it does not;
+a freed request does (a preempted one comes back, prefilled anew, under the same id). Greedy
+drafts are not steered here (steering rewrites drafts before the verify, which would wait for the
+host); drafts drawn from q take the eager path, which steers them.
 """
 
 from __future__ import annotations
