@@ -280,10 +280,10 @@ def test_probabilistic_drafting_samples_eagerly_and_drafts_greedy_rows_inside_th
     backend, inside, eager = engines[1].backend, [], []
     replay, propose = backend._replay, backend.drafter.propose  # (bucket, width, decide, drafts inside)
 
-    def spied(bucket, width, decide, drafts_inside, masked=False):
+    def spied(bucket, width, decide, drafts_inside):
         if width > 1:
             inside.append(drafts_inside)
-        return replay(bucket, width, decide, drafts_inside, masked)
+        return replay(bucket, width, decide, drafts_inside)
 
     backend._replay = spied
     backend.drafter.propose = lambda reqs, rows: eager.append(not rows.greedy) or propose(reqs, rows)
