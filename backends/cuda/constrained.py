@@ -80,8 +80,7 @@ class ConstrainedRounds:
     def capture(self, bucket: int) -> None:
         """Start-up: each width's unmasked part and decision, over padding rows."""
         for width in sorted({1, self.backend.width}):
-            self._unmasked(((), bucket, width))
-            logits, _ = self.backend._replay(bucket, width, False, False)
+            logits = self._unmasked(((), bucket, width)).logits
             self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         self.drop()
 
