@@ -252,8 +252,21 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
 
 def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor) -> None:
     """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
-    (Matcher.fill_window after its drafts), every other row all allowed."""
+    (Matcher.fill_window after its drafts), every other row all allowed. A plain round's (no
+    drafts) in one loop over the matchers, its host time shared among them: a batch's masks
+    are on the path between two of its rounds."""
     bitmask.fill_(-1)
-    for i, req in enumerate(reqs):
-        if req.grammar is not None:
-            req.grammar.fill_window(bitmask[i], None if drafts is None else drafts[i])
+    if drafts is not None:
+        for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                req.grammar.fill_window(bitmask[i], drafts[i])
+        return
+    grammars = [(i, req.grammar) for i, req in enumerate(reqs) if req.grammar is not None]
+    start, flat, width = time.perf_counter(), bitmask.view(-1, bitmask.shape[-1]), bitmask.shape[1]
+    for i, g in grammars:
+        if not g.matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
+            g.matcher.fill_next_token_bitmask(flat, i * width)
+    share = (time.perf_counter() - start) / max(1, len(grammars))
+    for _, g in grammars:
+        g.mask_s += share
+        g.rounds += 1

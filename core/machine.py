@@ -156,14 +156,13 @@ class Machine:
         self._cycle = (begin, self.clock.wait_s)
         self.steps += 1
         self._preempt()
+        self._book_constrained()
         prefills, running = self.scheduler.schedule()
         done = self.scheduler.reap(self.free)  # cancelled now, or ended in _preempt's drain: their KV goes first
         if prefills:
             self._prefill(prefills)
         launched = self._launch(self._rows(running, prefills))
-        # a constrained request's next masks read this round's tokens: every flight up to its own is collected
-        constrained = any(r.grammar is not None for f in self.flights for r in f.reqs)
-        while self.flights and (not launched or constrained or self._due(self.flights[0])):
+        while self.flights and (not launched or self._due(self.flights[0])):
             self._collect(self.flights.popleft())
             launched = True  # one collect is progress enough when nothing could be launched
         while self.flights and all(r.phase is Phase.FINISHED for r in self.flights[0].reqs):
@@ -194,6 +193,15 @@ class Machine:
         row in flight step after step, so by rows alone the machine would launch on, queue
         ever more work ahead of the streams' tokens and stall them."""
         return max(r.in_flight for r in flight.reqs) > self.depth or flight.step <= self.steps - self.depth
+
+    def _book_constrained(self) -> None:
+        """Collect every flight up to the last that carries a constrained request, before this
+        step launches: its next round's masks read its grammar after its last round. So its
+        next round is launched as soon as the last is booked, and runs on the device while the
+        host does the rest of the engine's loop."""
+        last = max((i for i, f in enumerate(self.flights) if any(r.grammar is not None for r in f.reqs)), default=-1)
+        for _ in range(last + 1):
+            self._collect(self.flights.popleft())
 
     def _preempt(self) -> None:
         """When the running requests' next rounds need more KV blocks than the pool has, the
