@@ -195,7 +195,8 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     request's tokens equal the reference's plain decoding under the same constraint (or none).
     In the graphs' case the next round's draft step and verify forward run ahead, launched
     behind each round for the same rows: the next launch takes them, unless the rows changed
-    (the free request ended), when they are dropped and run anew."""
+    (the free request ended), when they are dropped and run anew; drafts the grammar forbids
+    where it forces a token are steered to it, and the verify runs again over them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=2, device=dev, dtype="float32", max_model_len=96)
     drafted = Engine(spec, draft_policy="always")
@@ -212,6 +213,8 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     assert got[0].meta_info["spec_accepted_tokens"] > 0 and got[0].meta_info["grammar_mask_ms_per_round"] > 0
     run_anew = calls["unmasked"] - calls["launch"]  # each launch also runs the next round's part ahead
     assert 0 < run_anew < calls["launch"] if logprobs is None else calls["launch"] == 0
+    if logprobs is None:  # drafts steered to tokens the grammar forces, their verify run again
+        assert got[0].meta_info["grammar_forced_drafts"] > 0
 
 
 def test_the_mask_kernel_masks_as_xgrammar():

@@ -16,8 +16,9 @@ between gathers other rows into the round buffers it left (drafts, starts, seeds
 dropped and the next constrained launch runs its unmasked part anew: at worst the device computed
 one forward for nothing. A prefill between them writes only its own slots' state, so it does not;
 a freed request does (a preempted one comes back, prefilled anew, under the same id). Greedy
-drafts are not steered here (steering rewrites drafts before the verify, which would wait for the
-host); drafts drawn from q take the eager path, which steers them.
+drafts the grammar forbids where it forces a token are steered to it once the host has read them
+(the verify forward then runs again over the new drafts: the tokens after a forced slot are worth
+verifying); drafts drawn from q take the eager path, which steers them before its verify.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class ConstrainedRounds:
         if ahead is None or ahead.key != key:
             self.backend.bufs.load(reqs, bucket)
             ahead = self._unmasked(key)
-        self.masks.load(reqs, self._host_drafts(len(reqs), bucket, width), bucket, width)
-        packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, ahead.logits))
+        drafts, logits = self._steered(reqs, self._host_drafts(len(reqs), bucket, width), ahead)
+        self.masks.load(reqs, drafts, bucket, width)
+        packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         handle = self.backend.landing.land(packed[: len(reqs)], width, [], ahead.started)
         self.ahead = self._unmasked(key)
         return handle
@@ -105,6 +107,25 @@ class ConstrainedRounds:
         if self._drafted is not None:
             self._drafted.synchronize()
         return self._drafts[: bucket * (width - 1)].view(bucket, width - 1)[:n].tolist()
+
+    def _steered(self, reqs: list[Request], drafts: list[list[int]] | None, ahead: Ahead
+                 ) -> tuple[list[list[int]] | None, Tensor]:
+        """(the drafts with each one a grammar forbids replaced where it forces a token (a JSON
+        key's quotes, colon, the rest of an enum: Matcher.steer), the verify logits over them).
+        Where a draft was replaced the new drafts go to the device and the verify forward runs
+        again (a graph's into the same logits): the tokens after a forced slot are worth verifying."""
+        if drafts is None:
+            return None, ahead.logits
+        changed = False
+        for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                drafts[i], forced = req.grammar.steer(drafts[i])
+                changed = changed or bool(forced)
+        if not changed:
+            return drafts, ahead.logits
+        _, bucket, width = ahead.key
+        self.backend.bufs.drafts[: len(reqs)].copy_(self.backend.staging.put(torch.tensor(drafts)))
+        return drafts, self.backend._replay(bucket, width, False, False)[0]
 
     def _decide(self, bucket: int, width: int, logits: Tensor) -> Tensor:
         """The round decided over its verify logits masked by each constrained row's grammar
