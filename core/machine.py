@@ -157,8 +157,9 @@ class Machine:
         self.steps += 1
         self._preempt()
         self._book_constrained()
+        done = self.scheduler.reap(self.free)  # ended in _preempt's drain or those rounds: slots free to admit into
         prefills, running = self.scheduler.schedule()
-        done = self.scheduler.reap(self.free)  # cancelled now, or ended in _preempt's drain: their KV goes first
+        done += self.scheduler.reap(self.free)  # cancelled now: their KV goes first
         if prefills:
             self._prefill(prefills)
         launched = self._launch(self._rows(running, prefills))
