@@ -1,12 +1,15 @@
 """Where the engine's host time goes at a batch size, part by part, timed with perf_counter
 (no profiler: cProfile doubles the cost of small calls and hides where a C call waits).
 
-`python bench/host_parts.py [--methods dflash,none] [--batch 16] [--prompts 48] [--tokens 128]`
+`python bench/host_parts.py [--methods dflash,none] [--batch 16] [--prompts 48] [--tokens 128]
+[--json-schema FILE]`
 (CUDA machine; without one the cuda backend runs in Triton's interpreter, which checks only that
 the tool runs): the shipped trained pair, `backend: cuda`, depth 2, greedy, drafting forced on,
 one `generate` call over BATCH slots (the continuous feed), a warm-up pass first. Each part's
 time is inclusive (a part inside another is counted in both) and reported in µs per round, with
-its calls per round; "wall" is the pass's wall time a round, "wait" the machine's blocked collects."""
+its calls per round; "wall" is the pass's wall time a round, "wait" the machine's blocked collects.
+--json-schema FILE: every request held to that schema (structured outputs), with the grammar's
+host parts (each request's matcher, the masks' fill, the constrained rounds) timed too."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from collections.abc import Callable
 
 from draftline.core.benchmark import SHIPPED, cuda_spec, interpret_without_gpu, synchronize
 from draftline.core.engine import Engine
+from draftline.core.grammar import Constraint
 from draftline.core.sampling import SamplingParams
 from draftline.core.training.corpus import read_prompts
 
@@ -33,7 +37,10 @@ PARTS = {  # owner (an attribute path from the engine) -> methods timed on it
     "backend.prefiller.prefix_store": ("restore", "stages", "saves", "copy", "release"),
     "backend.cache": ("flush", "allocate", "reserve", "release"),
     "backend.staging": ("put", "put_many", "put_into"),  # the backend's own calls (the prefix store bound its own at start-up)
+    "backend.constrained": ("launch", "_unmasked", "_host_drafts", "_steered"),
+    "backend.constrained.masks": ("load",),
 }
+MATCHER = ("fill_window", "steer", "advance")  # timed on each constrained request's matcher
 
 
 def _owner(engine: Engine, path: str):
@@ -56,6 +63,20 @@ def instrument(engine: Engine) -> dict[str, list[float]]:
     return spent
 
 
+def instrument_grammars(engine: Engine, spent: dict[str, list[float]]) -> None:
+    """Time every request's matcher, each made as its request is added (a plain round's masks
+    are filled in one loop over the matchers: backend.constrained.masks.load times it)."""
+    grammars = engine.grammars
+    made = grammars.matcher
+
+    def matcher(*args, **kwargs):
+        m = made(*args, **kwargs)
+        for name in MATCHER:
+            setattr(m, name, _timed(getattr(m, name), spent[f"matcher.{name}"]))
+        return m
+    grammars.matcher = matcher
+
+
 def _timed(fn: Callable, cell: list[float]) -> Callable:
     def run(*args, **kwargs):
         begin = time.perf_counter()
@@ -73,10 +94,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=128, help="new tokens a request")
+    ap.add_argument("--json-schema", help="hold every output to this JSON schema file (structured outputs)")
     args = ap.parse_args()
     interpret_without_gpu()
     prompts = read_prompts("specs/tiny/eval_prompts.jsonl")
-    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    schema = None if args.json_schema is None else Constraint("json_schema", open(args.json_schema).read())
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=schema is None, constraint=schema)
     engines: dict[str, Engine] = {}
     for method in args.methods.split(","):
         if method == "none":
@@ -87,6 +110,8 @@ def main() -> None:
         engines[method] = engine
         engine.generate(prompts[: args.prompts], params)  # warm-up: the same shapes, other prompts below
         spent, clock = instrument(engine), engine.machine.clock
+        if schema is not None:
+            instrument_grammars(engine, spent)
         rounds0, prefills0, wait0 = clock.rounds, clock.prefills, clock.wait_s
         synchronize()
         begin = time.perf_counter()

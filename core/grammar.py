@@ -154,46 +154,44 @@ class Matcher:
         self.mask_s += time.perf_counter() - start
         return out
 
-    def fill_window(self, bitmask: Tensor, drafts: list[int] | None) -> None:
+    def fill_window(self, bitmask: Tensor, drafts: list[int] | None, steer: bool = False) -> list[int]:
         """The masks of a round's slots into bitmask [T, ceil(V / 32)] int32 (a host tensor, all
         allowed on entry; slot j after drafts 0 .. j-1), as mask_window applies them; the
-        matcher walks the drafts and rolls back."""
-        start, walked = time.perf_counter(), 0
-        for j in range(bitmask.shape[0]):
-            if self.matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
+        matcher walks the drafts and rolls back. ``steer``: each draft the grammar forbids is
+        replaced in ``drafts`` by the token the grammar forces there (a JSON key's quotes, colon,
+        the rest of an enum), if it forces one, and the walk goes on past it -> the slots
+        replaced. One walk gives the steered drafts and their masks."""
+        start, walked, forced, matcher = time.perf_counter(), 0, [], self.matcher
+        last = 0 if drafts is None else bitmask.shape[0] - 1
+        for j in range(last + 1):
+            if matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
                 break
-            self.matcher.fill_next_token_bitmask(bitmask, j)
-            if j == bitmask.shape[0] - 1 or drafts is None:
+            matcher.fill_next_token_bitmask(bitmask, j)
+            if j == last:
                 break
-            if not self.matcher.accept_token(int(drafts[j])):
-                self.refused += 1
-                break
-            walked += 1
-        if walked:
-            self.matcher.rollback(walked)
-        self.mask_s += time.perf_counter() - start
-        self.rounds += 1
-
-    def steer(self, drafts: list[int]) -> tuple[list[int], list[int]]:
-        """(the drafts with each one the grammar forbids replaced by the token the grammar forces
-        there, if it forces one: a JSON key's quotes, colon, the rest of an enum; the slots
-        replaced). Walks the drafts and rolls back."""
-        xgr, out, forced, walked = _xgrammar(), list(drafts), [], 0
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        for j, token in enumerate(drafts):
-            if self.matcher.is_terminated():
-                break
-            if not self.matcher.accept_token(token):
-                self.matcher.fill_next_token_bitmask(bitmask, 0)
-                only = _only_token(bitmask[0])
-                if only is None or not self.matcher.accept_token(only):
+            if not matcher.accept_token(drafts[j]):
+                only = _only_token(bitmask[j]) if steer else None
+                if only is None or not matcher.accept_token(only):
+                    self.refused += 1
                     break
-                out[j] = only
+                drafts[j] = only
                 forced.append(j)
             walked += 1
         if walked:
-            self.matcher.rollback(walked)
+            matcher.rollback(walked)
+        self.mask_s += time.perf_counter() - start
+        self.rounds += 1
         self.forced += len(forced)
+        return forced
+
+    def steer(self, drafts: list[int]) -> tuple[list[int], list[int]]:
+        """(the drafts with each one the grammar forbids replaced by the token the grammar forces
+        there, if it forces one; the slots replaced): fill_window's walk, its masks unused (the
+        round's own masks count its refusals)."""
+        out = list(drafts)
+        counts = self.mask_s, self.rounds, self.refused
+        forced = self.fill_window(_xgrammar().allocate_token_bitmask(len(out) + 1, self.vocab_size), out, steer=True)
+        self.mask_s, self.rounds, self.refused = counts
         return out, forced
 
     def advance(self, tokens: list[int]) -> None:
@@ -211,11 +209,12 @@ class Matcher:
 
 def _only_token(words: Tensor) -> int | None:
     """The one token a bitmask row [ceil(V / 32)] int32 allows, or None if it allows more."""
-    set_words = torch.nonzero(words).flatten()
-    if set_words.numel() != 1:
+    row = words.numpy()
+    set_words = row.nonzero()[0]
+    if len(set_words) != 1:
         return None
     i = int(set_words[0])
-    bits = int(words[i]) & 0xFFFFFFFF
+    bits = int(row[i]) & 0xFFFFFFFF
     return 32 * i + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
 
 
@@ -250,17 +249,16 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
     return out
 
 
-def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor) -> None:
+def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, steer: bool = False) -> bool:
     """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
-    (Matcher.fill_window after its drafts), every other row all allowed. A plain round's (no
-    drafts) in one loop over the matchers, its host time shared among them: a batch's masks
-    are on the path between two of its rounds."""
+    (Matcher.fill_window after its drafts, steering them in place with ``steer``), every other
+    row all allowed -> whether any draft was steered. A plain round's (no drafts) in one loop
+    over the matchers, its host time shared among them: a batch's masks are on the path
+    between two of its rounds."""
     bitmask.fill_(-1)
     if drafts is not None:
-        for i, req in enumerate(reqs):
-            if req.grammar is not None:
-                req.grammar.fill_window(bitmask[i], drafts[i])
-        return
+        return any([req.grammar.fill_window(bitmask[i], drafts[i], steer) for i, req in enumerate(reqs)
+                    if req.grammar is not None])
     grammars = [(i, req.grammar) for i, req in enumerate(reqs) if req.grammar is not None]
     start, flat, width = time.perf_counter(), bitmask.view(-1, bitmask.shape[-1]), bitmask.shape[1]
     for i, g in grammars:
@@ -270,3 +268,4 @@ def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor) -> None:
     for _, g in grammars:
         g.mask_s += share
         g.rounds += 1
+    return False

@@ -72,8 +72,9 @@ class ConstrainedRounds:
         if ahead is None or ahead.key != key:
             self.backend.bufs.load(reqs, bucket)
             ahead = self._unmasked(key)
-        drafts, logits = self._steered(reqs, self._host_drafts(len(reqs), bucket, width), ahead)
-        self.masks.load(reqs, drafts, bucket, width)
+        drafts = self._host_drafts(len(reqs), bucket, width)
+        steered = self.masks.load(reqs, drafts, bucket, width, steer=True)  # the masks after the steered drafts
+        logits = self._reverified(drafts, ahead) if steered else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         handle = self.backend.landing.land(packed[: len(reqs)], width, [], ahead.started)
         self.ahead = self._unmasked(key)
@@ -108,24 +109,14 @@ class ConstrainedRounds:
             self._drafted.synchronize()
         return self._drafts[: bucket * (width - 1)].view(bucket, width - 1)[:n].tolist()
 
-    def _steered(self, reqs: list[Request], drafts: list[list[int]] | None, ahead: Ahead
-                 ) -> tuple[list[list[int]] | None, Tensor]:
-        """(the drafts with each one a grammar forbids replaced where it forces a token (a JSON
-        key's quotes, colon, the rest of an enum: Matcher.steer), the verify logits over them).
-        Where a draft was replaced the new drafts go to the device and the verify forward runs
-        again (a graph's into the same logits): the tokens after a forced slot are worth verifying."""
-        if drafts is None:
-            return None, ahead.logits
-        changed = False
-        for i, req in enumerate(reqs):
-            if req.grammar is not None:
-                drafts[i], forced = req.grammar.steer(drafts[i])
-                changed = changed or bool(forced)
-        if not changed:
-            return drafts, ahead.logits
+    def _reverified(self, drafts: list[list[int]], ahead: Ahead) -> Tensor:
+        """The verify logits over the drafts the masks' walk steered (a draft the grammar forbids
+        replaced where it forces a token: Matcher.fill_window): the new drafts go to the device
+        and the verify forward runs again, a graph's into the same logits; the tokens after a
+        forced slot are worth verifying."""
         _, bucket, width = ahead.key
-        self.backend.bufs.drafts[: len(reqs)].copy_(self.backend.staging.put(torch.tensor(drafts)))
-        return drafts, self.backend._replay(bucket, width, False, False)[0]
+        self.backend.bufs.drafts[: len(drafts)].copy_(self.backend.staging.put(torch.tensor(drafts)))
+        return self.backend._replay(bucket, width, False, False)[0]
 
     def _decide(self, bucket: int, width: int, logits: Tensor) -> Tensor:
         """The round decided over its verify logits masked by each constrained row's grammar

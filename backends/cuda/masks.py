@@ -50,18 +50,20 @@ class TokenMasks:
         self._host = torch.full((size,), -1, dtype=torch.int32, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None  # the last copy has read the host buffer
 
-    def load(self, reqs: list[Request], drafts: list[list[int]] | None, bucket: int, width: int) -> Tensor:
+    def load(self, reqs: list[Request], drafts: list[list[int]] | None, bucket: int, width: int,
+             steer: bool = False) -> bool:
         """The rows' masks for a round of ``width`` slots (``drafts`` [n][width - 1] on the host,
-        None for a plain round), padding rows up to ``bucket`` all allowed -> the device view
-        [bucket, width, words] the round's graph reads."""
+        None for a plain round; steered in place with ``steer``: core.grammar.fill_masks),
+        padding rows up to ``bucket`` all allowed, copied to the device view [bucket, width,
+        words] the round's graph reads -> whether any draft was steered."""
         if self._copied is not None:
             self._copied.synchronize()
         size = bucket * width * self.words
-        fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words))
+        steered = fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words), steer)
         self.device[:size].copy_(self._host[:size], non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-        return self.view(bucket, width)
+        return steered
 
     def view(self, bucket: int, width: int) -> Tensor:
         return self.device[: bucket * width * self.words].view(bucket, width, self.words)
