@@ -14,7 +14,8 @@ request ends. --feed continuous: one call with every prompt, the engine's max_ba
 to ``batch``, so a finished request's slot takes the next prompt (what a server does).
 
 --json-schema FILE: every request's output held to that JSON schema (structured outputs; `none`
-too), each ending where its grammar does; against a run without it, what the grammar costs."""
+too), each ending where its grammar does; `none` free of the grammar then runs each prompt to the
+length its constrained output had: what the grammar costs at the same tokens."""
 
 from __future__ import annotations
 
@@ -59,10 +60,11 @@ def _cuda(path: str, depth: int, max_batch: int, plain: bool = False, admission_
     return type(spec).model_validate(data)
 
 
-def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
-         ) -> tuple[float, int, float, float, float, tuple[float, float, float]]:
+def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams | list[SamplingParams],
+         lengths: list[int] | None = None) -> tuple[float, int, float, float, float, tuple[float, float, float]]:
     """(seconds, tokens, tau, tail, drafted, where) over the prompts in generate calls of
-    ``batch`` prompts. tail: each call's slowest request's rounds over its mean request's,
+    ``batch`` prompts (``params`` one for all or one a prompt; each output's length appended to
+    ``lengths`` when given). tail: each call's slowest request's rounds over its mean request's,
     averaged (a static batch runs as long as its slowest request; `none` always reads 1).
     drafted: the share of rounds that drafted (the draft policy may run plain ones). where:
     (host us a round outside prefills, host us a prefill, GPU idle us a round: the gaps between
@@ -74,8 +76,10 @@ def _run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams
     start, tokens, rounds, round_tokens, tails, drafted = time.perf_counter(), 0, 0, 0, [], 0
     for i in range(0, len(prompts), batch):
         counts = []
-        for c in engine.generate(prompts[i : i + batch], params):
+        for c in engine.generate(prompts[i : i + batch], params[i : i + batch] if isinstance(params, list) else params):
             tokens += len(c.output_ids)
+            if lengths is not None:
+                lengths.append(len(c.output_ids))
             counts.append(c.meta_info["spec_verify_ct"])
             drafted += c.meta_info["spec_drafted_rounds"]
             round_tokens += c.meta_info["completion_tokens"] - 1
@@ -164,7 +168,14 @@ def _passes(name: str, depth: int, batch: int, engine: Engine, base: Engine, pro
     REPORTING[0] = False
     first.append(_run(base, prompts, per_call, params))
     new = COMPILES[0] - compiles if compiles >= 0 else -1
-    again = [_run(e, prompts, per_call, params) for e in (engine, base)]
+    lengths: list[int] = []
+    again = [_run(engine, prompts, per_call, params), _run(base, prompts, per_call, params, lengths)]
+    if schema is not None:  # the grammar's cost: `none` free of it, each prompt as many tokens as it gave
+        free = _run(base, prompts, per_call,
+                    [SamplingParams(max_new_tokens=max(1, n), ignore_eos=True) for n in lengths])
+        held, unheld = again[1][1] / again[1][0], free[1] / free[0]
+        print(f"  batch {batch}: constrained none {held:.0f} tok/s, none free of the grammar at the same lengths "
+              f"{unheld:.0f} tok/s: the grammar keeps {held / unheld:.2f}", flush=True)
     return [(name, depth, batch, label, tau, ns / ts, nb / tb, (ns / ts) / (nb / tb), 1e3 * ts / len(prompts),
              1e3 * tb / len(prompts), new if label == "new" else 0, tail, drafted, where, base_where)
             for label, ((ts, ns, tau, tail, drafted, where), (tb, nb, *_, base_where))

@@ -80,7 +80,7 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
     baseline = engine.with_method({"method": "none"})
     warm = SamplingParams(max_new_tokens=4, constraint=constraint)  # a constraint compiled before timing
     engine.generate(list(prompts[:1]), warm), baseline.generate(list(prompts[:1]), warm)
-    spec, base = Tally(engine.plan.num_speculative_tokens), Tally(0)
+    spec, base, free = Tally(engine.plan.num_speculative_tokens), Tally(0), Tally(0)
     identical = refused = parsed = 0
     mask_ms = []  # host ms a round spent on grammar masks, per prompt
     for i, prompt in enumerate(prompts):
@@ -93,12 +93,16 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
         identical += a.output_ids == b.output_ids
         refused += a.meta_info.get("grammar_refused_drafts", 0)
         mask_ms.append(a.meta_info.get("grammar_mask_ms_per_round", 0.0))
-        parsed += constraint is not None and _valid(a.text, constraint)
+        if constraint is not None:  # the grammar's cost: `none` free of it, as many tokens as it gave
+            free.add(*_timed(baseline, prompt, SamplingParams(temperature=temperature, seed=seed + i, ignore_eos=True,
+                                                              max_new_tokens=max(1, len(b.output_ids)))))
+            parsed += _valid(a.text, constraint)
     s, n = spec.summary(), base.summary()
     return {
         "dataset": dataset.name if constraint is None else f"{dataset.name}+{constraint.kind}",
         **({} if constraint is None else {"grammar_refused_drafts": refused, "json_valid": parsed,
-                                         "grammar_mask_ms_per_round": round(sum(mask_ms) / len(mask_ms), 4)}),
+                                         "grammar_mask_ms_per_round": round(sum(mask_ms) / len(mask_ms), 4),
+                                         **_grammar_cost(n, free.summary())}),
         "temperature": temperature,
         "method": engine.plan.method,
         "draft_policy": str(engine.policy.limit),
@@ -110,6 +114,15 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
         "lossless_check": "n/a (sampled)" if temperature > 0 else f"{identical}/{len(prompts)} identical",
         "round_lengths": spec.round_lengths,
     }
+
+
+def _grammar_cost(held: dict, free: dict) -> dict:
+    """Constrained `none` against `none` free of the grammar over the same prompts and as many
+    tokens a prompt (a grammar's outputs end where it does, so a run to max_new_tokens would
+    spread each request's fixed costs over more tokens)."""
+    ratio = held["tokens_per_s"] / free["tokens_per_s"] if free["tokens_per_s"] else None
+    return {"free_baseline_tokens_per_s": free["tokens_per_s"],
+            "grammar_keeps": None if ratio is None else round(ratio, 3)}
 
 
 def _valid(text: str, constraint: Constraint) -> bool:
@@ -147,7 +160,9 @@ def format_table(results: list[dict]) -> str:
         pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
         grammar = "" if "grammar_refused_drafts" not in r else (
             f"; the grammar refused {r['grammar_refused_drafts']} drafts; {r['json_valid']}/{r['prompts']} outputs "
-            f"valid JSON; masks {r['grammar_mask_ms_per_round']:.3f} ms a round")
+            f"valid JSON; masks {r['grammar_mask_ms_per_round']:.3f} ms a round; constrained `none` "
+            f"{r['baseline_tokens_per_s']:.1f} tok/s against {r['free_baseline_tokens_per_s']:.1f} free of the "
+            f"grammar at the same lengths ({r['grammar_keeps']})")
         rows.append(f"{'':>12} per-position acceptance: {pos}{grammar}")
     return "\n".join(rows)
 

@@ -27,6 +27,7 @@ def test_user_speedup_prints_each_pass_against_none():
     rows = [r for r in (line.split() for line in out.splitlines()) if len(r) > 7 and r[0] == "eagle3"
             and r[3] in ("new", "again")]
     assert [r[3] for r in rows] == ["new", "again"] and all(r[7].endswith("x") for r in rows)
+    assert "none free of the grammar at the same lengths" in out  # the grammar's cost
 
 
 def test_identity_counts_outputs_equal_to_none():

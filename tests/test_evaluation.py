@@ -108,6 +108,9 @@ def test_eval_with_a_json_schema_runs_each_dataset_free_and_held(capsys):
     assert free["dataset"] == "code" and "grammar_refused_drafts" not in free
     assert held["dataset"] == "code+json_schema" and held["identical"] == 2 and held["json_valid"] == 2
     assert held["grammar_refused_drafts"] >= 0 and held["tau"] >= 1.0
+    # the grammar's cost: `none` free of it at the held outputs' lengths, ignoring EOS to reach them
+    assert held["free_baseline_tokens_per_s"] > 0 and held["grammar_keeps"] == round(
+        held["baseline_tokens_per_s"] / held["free_baseline_tokens_per_s"], 3)
 
 
 def test_eval_json_schema_errors_name_the_file(tmp_path, capsys):
