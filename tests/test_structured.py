@@ -194,11 +194,11 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     synchronous, beside an unconstrained request on a backend that pipelines rounds: each
     request's tokens equal the reference's plain decoding under the same constraint (or none).
     In the graphs' case the next round's draft step and verify forward run ahead, launched
-    behind each round for the same rows: the next launch takes them, unless the rows changed
-    (the free request ended), when they are dropped and run anew; drafts the grammar forbids
-    where it forces a token are steered to it, and the verify runs again over them."""
+    behind each round for the same rows: the next launch takes them, also once the free request
+    has ended (its row then padding), so only the first launch runs them itself; drafts the
+    grammar forbids where it forces a token are steered to it, and the verify runs again over them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=2, device=dev, dtype="float32", max_model_len=96)
+    spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=3, device=dev, dtype="float32", max_model_len=96)
     drafted = Engine(spec, draft_policy="always")
     rounds, calls = drafted.backend.constrained, {"launch": 0, "unmasked": 0}
     launch, unmasked = rounds.launch, rounds._unmasked
@@ -206,13 +206,15 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     rounds._unmasked = lambda *a: calls.__setitem__("unmasked", calls["unmasked"] + 1) or unmasked(*a)
     regex = SamplingParams(max_new_tokens=16, logprobs=logprobs,
                            constraint=Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"))
+    short = SamplingParams(max_new_tokens=3, logprobs=logprobs, constraint=Constraint("regex", r"[a-z ]{2,40}"))
     free = SamplingParams(max_new_tokens=10)
-    want = [plain.generate([PROMPTS[0]], regex)[0].output_ids, plain.generate([PROMPTS[1]], free)[0].output_ids]
-    got = drafted.generate(PROMPTS[:2], [regex, free])
+    params = [regex, short, free]
+    want = [plain.generate([p], s)[0].output_ids for p, s in zip(PROMPTS, params)]
+    got = drafted.generate(PROMPTS[:3], params)
     assert [c.output_ids for c in got] == want
     assert got[0].meta_info["spec_accepted_tokens"] > 0 and got[0].meta_info["grammar_mask_ms_per_round"] > 0
     run_anew = calls["unmasked"] - calls["launch"]  # each launch also runs the next round's part ahead
-    assert 0 < run_anew < calls["launch"] if logprobs is None else calls["launch"] == 0
+    assert run_anew == 1 < calls["launch"] if logprobs is None else calls["launch"] == 0
     if logprobs is None:  # drafts steered to tokens the grammar forces, their verify run again
         assert got[0].meta_info["grammar_forced_drafts"] > 0
 

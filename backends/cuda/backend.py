@@ -519,7 +519,7 @@ class CudaBackend:
         return packed
 
     def free(self, req: Request) -> None:
-        self.constrained.drop()  # a preempted request may come back, prefilled anew, under the same id
+        self.constrained.release(req)  # its row of the round run ahead is padding from now on
         self.bufs.forget()  # a preempted request comes back under its id in other slots
         self.beside.forget(req.kv)
         self.prefiller.release(req)

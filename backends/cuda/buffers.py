@@ -72,10 +72,10 @@ class Buffers:
         self._slots = self.meta[SLOT : DRAFT_SLOT + 1]  # [2, max_batch]: what a load copies in
         self.load([], max_batch)
 
-    def load(self, reqs: list[Request], bucket: int) -> None:
-        """Copy the rows' slots in (one small asynchronous copy); rows past len(reqs) are
-        padding. A load of the rows already loaded is skipped."""
-        key = (tuple(r.rid for r in reqs), bucket)
+    def load(self, reqs: list[Request | None], bucket: int) -> None:
+        """Copy the rows' slots in (one small asynchronous copy); rows past len(reqs), and None
+        rows, are padding. A load of the rows already loaded is skipped."""
+        key = (tuple(r.rid if r is not None else None for r in reqs), bucket)
         if key == self._key:
             return
         pad = [self.scratch] * (bucket - len(reqs))
@@ -83,7 +83,8 @@ class Buffers:
         host, copied = self._host[i], self._copied[i]
         if copied is not None:
             copied.synchronize()  # that staging's last copy has read it (STAGING loads ago)
-        host.numpy()[:, :bucket] = ([r.kv for r in reqs] + pad, [draft_slot(r.draft_state, self.scratch) for r in reqs] + pad)
+        host.numpy()[:, :bucket] = ([self.scratch if r is None else r.kv for r in reqs] + pad,
+                                    [draft_slot(None if r is None else r.draft_state, self.scratch) for r in reqs] + pad)
         # every column: a bucket's graphs read its first ``bucket`` (no slices made on the host)
         self._slots.copy_(host, non_blocking=copied is not None)
         if copied is not None:

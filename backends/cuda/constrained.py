@@ -11,11 +11,12 @@ host reads this round, advances the grammars and fills the next masks, and only 
 the decision (one small graph) wait for the host. The drafts come back in a copy of their own
 right after the draft step, so the host reads them while the verify forward runs.
 
-An ahead part is taken by the next launch of the same rows at the same width. Another launch in
-between gathers other rows into the round buffers it left (drafts, starts, seeds), so it is
-dropped and the next constrained launch runs its unmasked part anew: at worst the device computed
-one forward for nothing. A prefill between them writes only its own slots' state, so it does not;
-a freed request does (a preempted one comes back, prefilled anew, under the same id). Greedy
+An ahead part is taken by the next launch at the same width of rows it computed: a request freed
+since (ended, or preempted to come back under its id in other slots) leaves a padding row, which
+reads the scratch slot, so the decision writes none of its state. A launch with a row it did not
+compute runs its unmasked part anew, and another launch in between drops it (it gathers other
+rows into the round buffers the part left: drafts, starts, seeds): at worst the device computed
+one forward for nothing. A prefill between them writes only its own slots' state. Greedy
 drafts the grammar forbids where it forces a token are steered to it once the host has read them
 (the verify forward then runs again over the new drafts: the tokens after a forced slot are worth
 verifying); drafts drawn from q take the eager path, which steers them before its verify.
@@ -23,7 +24,7 @@ verifying); drafts drawn from q take the eager path, which steers them before it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,9 +45,17 @@ if TYPE_CHECKING:
 class Ahead:
     """A round's unmasked part, launched before its masks exist."""
 
-    key: tuple  # (request ids, bucket, width): the launch that may take it
+    lanes: tuple  # [bucket] the request id each row of its round computes (None: padding, or a request since freed)
+    width: int
     logits: Tensor  # [bucket, W, V] float32: its verify forward's
     started: torch.cuda.Event | None  # recorded before its first device work (the round's device time)
+
+    def rows_of(self, reqs: list[Request], width: int) -> list[int] | None:
+        """Each request's row in this round, or None where the launch cannot take it (another
+        width, or a request it did not compute)."""
+        where = {rid: i for i, rid in enumerate(self.lanes) if rid is not None}
+        rows = [where.get(r.rid) for r in reqs]
+        return None if width != self.width or None in rows else rows
 
 
 class ConstrainedRounds:
@@ -63,34 +72,49 @@ class ConstrainedRounds:
         """Something else runs next: the ahead part's buffers are no longer its own."""
         self.ahead = None
 
+    def release(self, req: Request) -> None:
+        """A freed request's row of the ahead part becomes padding: the others' rows still hold
+        their next round (a preempted request comes back under its id, in other slots)."""
+        if self.ahead is not None and req.rid in self.ahead.lanes:
+            self.ahead = replace(self.ahead, lanes=tuple(None if rid == req.rid else rid for rid in self.ahead.lanes))
+
     def launch(self, reqs: list[Request], bucket: int, width: int) -> Launch:
         """A constrained round of ``width`` (greedy drafts, decided on the device): its unmasked
         part (run ahead by the last launch, or now), its masks, the masked decision; then the
-        next round's unmasked part for the same rows."""
-        key = (tuple(r.rid for r in reqs), bucket, width)
+        next round's unmasked part for the same rows. The ahead part is taken by any of the
+        rows it computed: those that ended since are padding rows of the round."""
         ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead.key != key:
+        rows = None if ahead is None else ahead.rows_of(reqs, width)
+        if rows is None:
+            lanes: list[Request | None] = [*reqs] + [None] * (bucket - len(reqs))
             self.backend.bufs.load(reqs, bucket)
-            ahead = self._unmasked(key)
-        drafts = self._host_drafts(len(reqs), bucket, width)
-        steered = self.masks.load(reqs, drafts, bucket, width, steer=True)  # the masks after the steered drafts
+            ahead = self._unmasked(tuple(r.rid if r else None for r in lanes), width)
+        else:  # the ended requests' rows now read the scratch slot, so the decision writes none of their state
+            lanes = [None] * len(ahead.lanes)
+            for i, req in zip(rows, reqs):
+                lanes[i] = req
+            self.backend.bufs.load(lanes, len(lanes))
+        bucket = len(lanes)
+        drafts = self._host_drafts(bucket, width)
+        steered = self.masks.load(lanes, drafts, bucket, width, steer=True)  # the masks after the steered drafts
         logits = self._reverified(drafts, ahead) if steered else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
+        if rows is not None and rows != list(range(len(reqs))):  # the requests' rows, in their order
+            packed = packed.index_select(0, self.backend.staging.put(torch.tensor(rows)))
         handle = self.backend.landing.land(packed[: len(reqs)], width, [], ahead.started)
-        self.ahead = self._unmasked(key)
+        self.ahead = self._unmasked(tuple(r.rid if r else None for r in lanes), width)
         return handle
 
     def capture(self, bucket: int) -> None:
         """Start-up: each width's unmasked part and decision, over padding rows."""
         for width in sorted({1, self.backend.width}):
-            logits = self._unmasked(((), bucket, width)).logits
+            logits = self._unmasked((None,) * bucket, width).logits
             self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         self.drop()
 
-    def _unmasked(self, key: tuple) -> Ahead:
+    def _unmasked(self, lanes: tuple, width: int) -> Ahead:
         """Launch the draft step (its drafts copied back behind it) and the verify forward."""
-        _, bucket, width = key
-        backend = self.backend
+        bucket, backend = len(lanes), self.backend
         started = backend.landing.started()
         if width > 1:
             backend.graphs.run(("draft", bucket, width), lambda: backend._draft_round(bucket, width))
@@ -99,24 +123,24 @@ class ConstrainedRounds:
             if self._drafted is not None:
                 self._drafted.record()
         logits, _ = backend._replay(bucket, width, False, False)
-        return Ahead(key, logits, started)
+        return Ahead(lanes, width, logits, started)
 
-    def _host_drafts(self, n: int, bucket: int, width: int) -> list[list[int]] | None:
-        """The rows' drafts, once their copy has landed (a plain round has none)."""
+    def _host_drafts(self, bucket: int, width: int) -> list[list[int]] | None:
+        """The round's drafts, a list a row, once their copy has landed (a plain round has none)."""
         if width == 1:
             return None
         if self._drafted is not None:
             self._drafted.synchronize()
-        return self._drafts[: bucket * (width - 1)].view(bucket, width - 1)[:n].tolist()
+        return self._drafts[: bucket * (width - 1)].view(bucket, width - 1).tolist()
 
     def _reverified(self, drafts: list[list[int]], ahead: Ahead) -> Tensor:
         """The verify logits over the drafts the masks' walk steered (a draft the grammar forbids
         replaced where it forces a token: Matcher.fill_window): the new drafts go to the device
         and the verify forward runs again, a graph's into the same logits; the tokens after a
         forced slot are worth verifying."""
-        _, bucket, width = ahead.key
-        self.backend.bufs.drafts[: len(drafts)].copy_(self.backend.staging.put(torch.tensor(drafts)))
-        return self.backend._replay(bucket, width, False, False)[0]
+        bucket = len(ahead.lanes)
+        self.backend.bufs.drafts[:bucket].copy_(self.backend.staging.put(torch.tensor(drafts)))
+        return self.backend._replay(bucket, ahead.width, False, False)[0]
 
     def _decide(self, bucket: int, width: int, logits: Tensor) -> Tensor:
         """The round decided over its verify logits masked by each constrained row's grammar
