@@ -87,19 +87,21 @@ class Fp8Tiling:
 
 def fp8_tiling(m: int, n: int, k: int, gated: bool, invariant: bool) -> Fp8Tiling:
     """Decode and verify rows stream the weight with its rows on the matrix units' wide side
-    (``swap``): 128 columns a program, 8 warps, K split (up to 8, not gated) until about
-    PROGRAMS programs (from a sweep at the 8B's shapes on an H200); past MAX_ROWS rows, unless
+    (``swap``): 256 columns a program for tiles of 16 rows (128 gated, or for wider tiles), 8
+    warps, 3 stages, K split (up to 8, not gated) until about PROGRAMS programs (from sweeps at
+    the 8B's shapes on an H200 and an H100); past MAX_ROWS rows, unless
     invariant, the wide tiles of an arithmetic-bound product. Invariant: 16-row tiles at any M.
     Under the interpreter wider column blocks: it runs programs one by one."""
     groups = triton.cdiv(k, GROUP)
     if m > MAX_ROWS and not invariant:
         return Fp8Tiling(128, 64 if gated else 128, 1, 8, 3)
-    block_n, split = 128, 1
+    block_m = row_tile(m, 16 if invariant else MAX_ROWS)
+    block_n, split = 128 if gated or block_m > 16 else 256, 1
     while not gated and triton.cdiv(n, block_n) * split < PROGRAMS and split < 8 and groups % (2 * split) == 0:
         split *= 2
     if interpreted():
         block_n = max(block_n, min(256, triton.next_power_of_2(n)))
-    return Fp8Tiling(row_tile(m, 16 if invariant else MAX_ROWS), block_n, split, 8, 4, swap=True)
+    return Fp8Tiling(block_m, block_n, split, 8, 3, swap=True)
 
 
 @triton.jit
