@@ -24,7 +24,6 @@ import triton
 from torch import Tensor
 
 from draftline.core.contract import Capacity, DraftOverride, DraftRows
-from draftline.core.grammar import masked
 from draftline.core.machine import Plan
 from draftline.core.methods.base import Drafter
 from draftline.core.models.ops import Forward
@@ -41,6 +40,7 @@ from .head import lm_logits
 from .kv import FrozenTargetKV, Rows, StaticKV, StaticStore
 from .landing import Landing, Launch
 from .logprobs import Pending
+from .masks import TokenMasks, apply_masks
 from .ops import CudaOps
 from .penalties import SlotPenalties
 from .prefix import SAVE_COLS, STAGE_COLS, DevicePrefix
@@ -177,6 +177,7 @@ class Prefiller:
     draft_override: DraftOverride | None = None  # admits each prompt (bench --acceptance)
     prefix_store: DevicePrefix | None = field(init=False)
     pre: PrefillBuffers = field(init=False)
+    masks: TokenMasks = field(init=False)  # constrained prompts' first tokens (the rounds' masks are apart)
 
     def __post_init__(self) -> None:
         self.device = self.cache.data.device
@@ -185,6 +186,7 @@ class Prefiller:
         block = self.capacity.prefix_block if self.chunked else 0
         self.prefix_store = DevicePrefix(block, self.cache, self.kv, seeded, self.staging) if block else None
         self.pre = PrefillBuffers.make(self.capacity.max_batch, self.cache.max_len, block, self.device)
+        self.masks = TokenMasks(self.capacity.max_batch, 1, self.target.config.vocab_size, self.device)
 
     @property
     def chunked(self) -> bool:
@@ -403,7 +405,7 @@ class Prefiller:
         finite = torch.isfinite(logits).all(dim=1)
         self.penalties.admit(reqs)
         adjusted = self.penalties.adjust(logits[:, None], reqs, at - 1, None)  # as the reference: then nan_to_num
-        adjusted = masked(adjusted, reqs, None)[:, 0]
+        adjusted = self._masked(adjusted, reqs)[:, 0]
         scores, inv_temp = draw_scores(torch.nan_to_num(adjusted), reqs, batch)
         tokens = kernels.sample(scores, batch.seed, at, Stream.SAMPLE, inv_temp=inv_temp)
         self.bufs.place(slots, tokens, at)
@@ -412,6 +414,17 @@ class Prefiller:
         reported += target_logprobs.pending(reqs, logits[:, None], tokens[:, None], at)
         # as a round of width 1 lands: finite, accepted (0), the token; read when collected
         return torch.stack([finite.long(), torch.zeros_like(tokens), tokens], dim=1), reported
+
+    def _masked(self, logits: Tensor, reqs: list[Request]) -> Tensor:
+        """logits [n, 1, V] with each constrained request's grammar applied (a float32 copy: the
+        raw ones are read for logprobs), all its masks in one copy and one launch; as they are
+        when no request is constrained."""
+        if not any(r.grammar is not None for r in reqs):
+            return logits
+        out = logits.to(torch.float32, copy=True).contiguous()
+        self.masks.load(reqs, None, len(reqs), 1)
+        apply_masks(out, self.masks.view(len(reqs), 1))
+        return out
 
     def _prompt_logprobs(self, reqs: list[Request], hidden: Tensor | None, ids: Tensor) -> list:
         """prompt_logprobs: each such prompt's positions 0 .. P-2 (hidden [n, width, H], ids [n, width];
