@@ -32,6 +32,7 @@ from torch import Tensor
 
 from draftline.core.request import Request
 
+from . import events
 from . import sampling as kernels
 from .buffers import INV_TEMP, SEED, START
 from .landing import Launch
@@ -121,7 +122,7 @@ class ConstrainedRounds:
             drafts = backend.bufs.drafts[:bucket]  # [bucket, K]: a constrained round drafts its full window
             self._drafts[: drafts.numel()].view_as(drafts).copy_(drafts, non_blocking=self._drafted is not None)
             if self._drafted is not None:
-                self._drafted.record()
+                events.record(self._drafted, backend.landing.device_index)
         logits, _ = backend._replay(bucket, width, False, False)
         return Ahead(lanes, width, logits, started)
 

@@ -14,6 +14,8 @@ from torch import Tensor
 from draftline.core.grammar import fill_masks
 from draftline.core.request import Request
 
+from . import events
+
 BLOCK = 1024  # vocabulary columns a program masks
 
 
@@ -49,6 +51,7 @@ class TokenMasks:
         pinned = device.type == "cuda"
         self._host = torch.full((size,), -1, dtype=torch.int32, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None  # the last copy has read the host buffer
+        self._index = events.device_index(device) if pinned else -1
 
     def load(self, reqs: list[Request], drafts: list[list[int]] | None, bucket: int, width: int,
              steer: bool = False) -> bool:
@@ -62,7 +65,7 @@ class TokenMasks:
         steered = fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words), steer)
         self.device[:size].copy_(self._host[:size], non_blocking=self._copied is not None)
         if self._copied is not None:
-            self._copied.record()
+            events.record(self._copied, self._index)
         return steered
 
     def view(self, bucket: int, width: int) -> Tensor:
