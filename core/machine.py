@@ -288,8 +288,11 @@ class Machine:
         result = self.backend.collect(flight.handle)
         now = time.perf_counter()
         self.clock.wait_s += now - waited
-        # the flight's share of wall time: from its launch, or from the previous collect when it ran behind that one
-        wall = now - max(flight.launched, self._last_collect or 0.0)
+        # the flight's share of wall time: from its launch, or from the previous collect when it ran behind that
+        # one; a constrained round's from the previous collect always, as its launch waited for that booking
+        synchronous = (not flight.prefill and self._last_collect is not None
+                       and any(r.grammar is not None for r in flight.reqs))
+        wall = now - (self._last_collect if synchronous else max(flight.launched, self._last_collect or 0.0))
         self._last_collect = now
         if flight.prefill:
             self._first_tokens(flight, result)
@@ -318,7 +321,8 @@ class Machine:
         if accepted:  # a round only stopped requests ran says nothing of its choice
             # the wall share also reads whatever held a shared host back, so where the backend times
             # the round on the device, the policy weighs that and the host's cycle instead
-            timed = result.device_s is not None
+            # a constrained round's device span starts wherever its part ahead did: its wall share is what it cost
+            timed = result.device_s is not None and not synchronous
             self.policy.record(len(flight.reqs), width, result.device_s if timed else wall, emitted, accepted,
                                self._host_s if timed else None, sampled)
             if self.trace is not None:

@@ -1,8 +1,10 @@
 """Holding a request out of new rounds near its length limit (Stops.done_in_flight), with
 rounds in flight: only when those rounds surely end it, so that its stream never waits depth +
-1 steps for a round it was denied."""
+1 steps for a round it was denied. And, on the same stand-in device, what the machine tells the
+draft policy a round cost."""
 
 import random
+import time
 
 from draftline.core.contract import RoundResult
 from draftline.core.machine import Machine, Plan
@@ -92,3 +94,40 @@ def test_with_two_rounds_in_flight_a_stream_gets_tokens_every_step_to_its_end():
     assert [len(r.output_ids) for r in reqs] == lengths
     gaps = [b - a for steps in stops.arrived.values() for a, b in zip(steps, steps[1:])]
     assert held > 0 and max(gaps) == 1
+
+
+class Timed(Device):
+    """Rounds timed on the device at a microsecond each, the host taking 2 ms between them."""
+
+    def launch(self, reqs, width):
+        time.sleep(0.002)
+        result = super().launch(reqs, width)
+        return RoundResult(result.finite, result.accepted, result.tokens, result.drafted, device_s=1e-6)
+
+
+class Grammar:
+    def advance(self, tokens):
+        pass
+
+
+def test_a_constrained_round_is_priced_by_the_wall_since_the_last_collect():
+    """A constrained request's round waits for the host to book the one before it, and the
+    backend's device span for it starts where its part run ahead did: the draft policy prices it
+    by the wall time since the previous collect, not by that span; other rounds by their device
+    time (with the host's cycle)."""
+    for grammar, cheap in ((None, True), (Grammar(), False)):
+        scheduler, policy = Scheduler(1, 4096), DraftPolicy("always")
+        priced = []
+        record = policy.record
+
+        def timed(batch, width, seconds, *rest, record=record, priced=priced):
+            priced.append(seconds)
+            record(batch, width, seconds, *rest)
+        policy.record = timed
+        machine = Machine(Plan("dflash", "parallel", 7), Timed(), scheduler, policy, Stops(lambda ids: ""), depth=2)
+        req = _request(0, 40)
+        req.grammar = grammar
+        scheduler.add(req)
+        while scheduler.has_work():
+            machine.step()
+        assert priced and all((s < 1e-3) == cheap for s in priced), priced
