@@ -252,9 +252,9 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
 def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, steer: bool = False) -> bool:
     """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
     (Matcher.fill_window after its drafts, steering them in place with ``steer``), every other
-    row (and a None one: padding) all allowed -> whether any draft was steered. A plain round's (no drafts) in one loop
-    over the matchers, its host time shared among them: a batch's masks are on the path
-    between two of its rounds."""
+    row (and a None one: padding) all allowed -> whether any draft was steered. A plain round's
+    (no drafts) in one loop over the matchers, its host time shared among them: a batch's masks
+    are on the path between two of its rounds."""
     bitmask.fill_(-1)
     if drafts is not None:
         return any([req.grammar.fill_window(bitmask[i], drafts[i], steer) for i, req in enumerate(reqs)

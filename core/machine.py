@@ -107,6 +107,11 @@ class Flight:
     step: int = 0  # the machine step that launched it
     held: int = 0  # rows this step left out because their rounds in flight are expected to end them
 
+    @property
+    def constrained(self) -> bool:
+        """It carries a request under a grammar, whose next masks read this round's tokens."""
+        return any(r.grammar is not None for r in self.reqs)
+
 
 @dataclass
 class HostClock:
@@ -200,7 +205,7 @@ class Machine:
         step launches: its next round's masks read its grammar after its last round. So its
         next round is launched as soon as the last is booked, and runs on the device while the
         host does the rest of the engine's loop."""
-        last = max((i for i, f in enumerate(self.flights) if any(r.grammar is not None for r in f.reqs)), default=-1)
+        last = max((i for i, f in enumerate(self.flights) if f.constrained), default=-1)
         for _ in range(last + 1):
             self._collect(self.flights.popleft())
 
@@ -290,8 +295,7 @@ class Machine:
         self.clock.wait_s += now - waited
         # the flight's share of wall time: from its launch, or from the previous collect when it ran behind that
         # one; a constrained round's from the previous collect always, as its launch waited for that booking
-        synchronous = (not flight.prefill and self._last_collect is not None
-                       and any(r.grammar is not None for r in flight.reqs))
+        synchronous = not flight.prefill and self._last_collect is not None and flight.constrained
         wall = now - (self._last_collect if synchronous else max(flight.launched, self._last_collect or 0.0))
         self._last_collect = now
         if flight.prefill:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -86,24 +87,23 @@ class ConstrainedRounds:
         rows it computed: those that ended since are padding rows of the round."""
         ahead, self.ahead = self.ahead, None
         rows = None if ahead is None else ahead.rows_of(reqs, width)
-        if rows is None:
-            lanes: list[Request | None] = [*reqs] + [None] * (bucket - len(reqs))
-            self.backend.bufs.load(reqs, bucket)
-            ahead = self._unmasked(tuple(r.rid if r else None for r in lanes), width)
-        else:  # the ended requests' rows now read the scratch slot, so the decision writes none of their state
-            lanes = [None] * len(ahead.lanes)
-            for i, req in zip(rows, reqs):
-                lanes[i] = req
-            self.backend.bufs.load(lanes, len(lanes))
-        bucket = len(lanes)
+        fresh = rows is None
+        rows = list(range(len(reqs))) if fresh else rows
+        lanes: list[Request | None] = [None] * (bucket if fresh else len(ahead.lanes))
+        for i, req in zip(rows, reqs):
+            lanes[i] = req
+        bucket, ids = len(lanes), tuple(None if r is None else r.rid for r in lanes)
+        self.backend.bufs.load(lanes, bucket)  # rows of requests freed since read the scratch slot: nothing written
+        if fresh:
+            ahead = self._unmasked(ids, width)
         drafts = self._host_drafts(bucket, width)
         steered = self.masks.load(lanes, drafts, bucket, width, steer=True)  # the masks after the steered drafts
         logits = self._reverified(drafts, ahead) if steered else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
-        if rows is not None and rows != list(range(len(reqs))):  # the requests' rows, in their order
-            packed = packed.index_select(0, self.backend.staging.put(torch.tensor(rows)))
+        if rows != list(range(len(reqs))):  # the requests' rows, in their order
+            packed = packed.index_select(0, self.backend.staging.put(np.array(rows, dtype=np.int64)))
         handle = self.backend.landing.land(packed[: len(reqs)], width, [], ahead.started)
-        self.ahead = self._unmasked(tuple(r.rid if r else None for r in lanes), width)
+        self.ahead = self._unmasked(ids, width)
         return handle
 
     def capture(self, bucket: int) -> None:
@@ -140,7 +140,7 @@ class ConstrainedRounds:
         and the verify forward runs again, a graph's into the same logits; the tokens after a
         forced slot are worth verifying."""
         bucket = len(ahead.lanes)
-        self.backend.bufs.drafts[:bucket].copy_(self.backend.staging.put(torch.tensor(drafts)))
+        self.backend.bufs.drafts[:bucket].copy_(self.backend.staging.put(np.array(drafts, dtype=np.int64)))
         return self.backend._replay(bucket, ahead.width, False, False)[0]
 
     def _decide(self, bucket: int, width: int, logits: Tensor) -> Tensor:
