@@ -195,10 +195,12 @@ class Backend(Protocol):
         """The drafting rounds' verify widths it runs for ``rows`` rows, widest (K + 1) first:
         a narrower one verifies only the round's first drafts (narrowing_widths)."""
 
-    def launch(self, reqs: list[Request], width: int) -> Any:
+    def launch(self, reqs: list[Request], width: int, then: int | None = None) -> Any:
         """Enqueue one round for ``reqs`` verifying ``width`` tokens a row: the last token and the
         first width - 1 of K drafts (1: a plain decode step). A backend may run a round wider
-        than asked (the drafts a row reports say what it ran), never narrower."""
+        than asked (the drafts a row reports say what it ran), never narrower. ``then``: the
+        width the rows' next round will verify, where the machine has chosen it already (a
+        backend that starts the next round's work behind this one starts it at that width)."""
 
     def collect(self, handle: Any) -> RoundResult:
         """Wait for a launched round (or a prefill) and return what it decided."""

@@ -151,6 +151,7 @@ class Machine:
         self._last_collect: float | None = None
         self._host_s: float | None = None  # the host's last cycle (step to step) outside its waits for the device
         self._cycle: tuple[float, float] | None = None  # (perf_counter, clock.wait_s) at the last step's start
+        self._planned: int | None = None  # a constrained batch's next width, chosen at its last launch
         self.trace: list[dict] | None = None  # set to a list: one record per collected round (bench-serve --trace-rounds)
 
     def step(self) -> list[Request]:
@@ -273,13 +274,18 @@ class Machine:
             return False
         held = len(ready) - len(rows)  # counted once a step, on its first round (the trace reads it)
         widths = self.backend.verify_widths(len(rows)) if self.plan.num_speculative_tokens > 0 else ()
-        width = self.policy.choose(len(rows), widths, _drafted(rows))
+        drafted, constrained = _drafted(rows), any(r.grammar is not None for r in rows)
+        planned, self._planned = self._planned, None
+        width = planned if constrained and planned in (1, *widths) else self.policy.choose(len(rows), widths, drafted)
+        if constrained:  # the round launches its successor's unmasked part: choose that one's width now
+            self._planned = self.policy.choose(len(rows), widths, drafted)
         for group, w in (([r for r in rows if width > 1 and r.speculate], width),
                          ([r for r in rows if not (width > 1 and r.speculate)], 1)):
             if group:
                 launched = time.perf_counter()  # before the launch: a synchronous backend runs the round in it
-                self.flights.append(Flight(self.backend.launch(group, w), tuple(group), launched, step=self.steps,
-                                           held=held))
+                then = self._planned if w == width else 1  # rows that never draft run plain next too
+                self.flights.append(Flight(self.backend.launch(group, w, then), tuple(group), launched,
+                                           step=self.steps, held=held))
                 held = 0
                 for req in group:
                     self.clock.ahead += req.in_flight > 0

@@ -237,7 +237,7 @@ def test_the_machine_prices_a_round_by_its_device_time_not_the_hosts_hiccups():
                 req.prefilled = end
             return RoundResult([True] * len(reqs), [0] * len(reqs), [[7]] * len(reqs), [[]] * len(reqs))
 
-        def launch(self, reqs, width):
+        def launch(self, reqs, width, then=None):
             n = len(reqs)
             return RoundResult([True] * n, [3] * n, [[7] * 4] * n, [[5] * (width - 1)] * n,
                                device_s=None if width == 1 else 0.002)

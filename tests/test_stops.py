@@ -49,7 +49,7 @@ class Device:
             req.prefilled = end
         return RoundResult([True] * len(reqs), [0] * len(reqs), [[7]] * len(reqs), [[]] * len(reqs))
 
-    def launch(self, reqs, width):
+    def launch(self, reqs, width, then=None):
         accepted = accepted_runs(self.rng, len(reqs), width, 0.8)
         return RoundResult([True] * len(reqs), accepted, [[7] * (a + 1) for a in accepted],
                            [[5] * (width - 1)] * len(reqs))
@@ -99,7 +99,7 @@ def test_with_two_rounds_in_flight_a_stream_gets_tokens_every_step_to_its_end():
 class Timed(Device):
     """Rounds timed on the device at a microsecond each, the host taking 2 ms between them."""
 
-    def launch(self, reqs, width):
+    def launch(self, reqs, width, then=None):
         time.sleep(0.002)
         result = super().launch(reqs, width)
         return RoundResult(result.finite, result.accepted, result.tokens, result.drafted, device_s=1e-6)

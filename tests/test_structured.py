@@ -19,6 +19,7 @@ from conftest import full_forward, respec  # noqa: E402
 from draftline.core.engine import Engine, RequestError  # noqa: E402
 from draftline.core.grammar import Constraint  # noqa: E402
 from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits  # noqa: E402
+from draftline.core.policy import DraftPolicy, Drafted  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
 from stats import chi_square_p  # noqa: E402
 
@@ -217,6 +218,34 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     assert run_anew == 1 < calls["launch"] if logprobs is None else calls["launch"] == 0
     if logprobs is None:  # drafts steered to tokens the grammar forces, their verify run again
         assert got[0].meta_info["grammar_forced_drafts"] > 0
+
+
+class Alternating(DraftPolicy):
+    """Drafts every other round: each constrained launch switches width."""
+
+    def choose(self, batch_size, widths, drafted=Drafted()):
+        self.decisions = getattr(self, "decisions", 0) + 1
+        return widths[0] if widths and self.decisions % 2 else 1
+
+
+def test_a_switch_of_width_wastes_no_forward_run_ahead(plain):
+    """The machine chooses a constrained round's successor's width when it launches the round,
+    so the part run ahead behind it has that width: with the width switching every round, only
+    the first launch runs its unmasked part itself, and the tokens equal plain decoding's."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = respec(load_spec(SPECS / "tiny-gemma4-mtp.yaml"), "cuda", max_batch_size=1, device=dev,
+                  dtype="float32", max_model_len=96)
+    drafted = Engine(spec)
+    drafted.machine.policy = Alternating()
+    rounds, calls = drafted.backend.constrained, {"launch": 0, "unmasked": 0, "widths": []}
+    launch, unmasked = rounds.launch, rounds._unmasked
+    rounds.launch = lambda *a: calls.__setitem__("launch", calls["launch"] + 1) or launch(*a)
+    rounds._unmasked = lambda *a: calls["widths"].append(a[1]) or unmasked(*a)
+    params = SamplingParams(max_new_tokens=12, constraint=Constraint("regex", r"[a-z_]{2,6}\(n(, [a-z]+)?\):"))
+    got = drafted.generate(PROMPTS[:1], params)[0]
+    assert got.output_ids == plain.generate(PROMPTS[:1], params)[0].output_ids
+    assert len(calls["widths"]) - calls["launch"] == 1 < calls["launch"]
+    assert len(set(calls["widths"])) == 2 and got.meta_info["spec_accepted_tokens"] > 0
 
 
 def test_the_mask_kernel_masks_as_xgrammar():

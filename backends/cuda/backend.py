@@ -337,7 +337,7 @@ class CudaBackend:
     # ------------------------------------------------------------------ rounds
 
     @torch.inference_mode()
-    def launch(self, reqs: list[Request], width: int) -> Launch:
+    def launch(self, reqs: list[Request], width: int, then: int | None = None) -> Launch:
         n, bucket = len(reqs), self.bucket(len(reqs))
         width = min(width, self.width) if self.drafter is not None else 1
         self.beside.join(reqs)  # rows whose prefill runs beside: their first round waits for it
@@ -354,7 +354,8 @@ class CudaBackend:
         if width > 1 and (not decide or constrained or width not in self.verify_widths(n)):
             width = self.width  # logits read on the host, or masked: the full window's graph
         if constrained and decide:  # the graphs mask the verify's logits, then decide (constrained.py)
-            return self.constrained.launch(reqs, bucket, width)
+            then = width if then is None else (1 if then == 1 else self.width)  # drafting: the full window again
+            return self.constrained.launch(reqs, bucket, width, then)
         self.constrained.drop()
         started = self.landing.started()
         self.bufs.load(reqs, bucket)

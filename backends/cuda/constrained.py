@@ -80,10 +80,11 @@ class ConstrainedRounds:
         if self.ahead is not None and req.rid in self.ahead.lanes:
             self.ahead = replace(self.ahead, lanes=tuple(None if rid == req.rid else rid for rid in self.ahead.lanes))
 
-    def launch(self, reqs: list[Request], bucket: int, width: int) -> Launch:
+    def launch(self, reqs: list[Request], bucket: int, width: int, then: int) -> Launch:
         """A constrained round of ``width`` (greedy drafts, decided on the device): its unmasked
         part (run ahead by the last launch, or now), its masks, the masked decision; then the
-        next round's unmasked part for the same rows. The ahead part is taken by any of the
+        next round's unmasked part for the same rows, at the width ``then`` the machine chose
+        for it (a switch of width wastes no forward). The ahead part is taken by any of the
         rows it computed: those that ended since are padding rows of the round."""
         ahead, self.ahead = self.ahead, None
         rows = None if ahead is None else ahead.rows_of(reqs, width)
@@ -103,7 +104,7 @@ class ConstrainedRounds:
         if rows != list(range(len(reqs))):  # the requests' rows, in their order
             packed = packed.index_select(0, self.backend.staging.put(np.array(rows, dtype=np.int64)))
         handle = self.backend.landing.land(packed[: len(reqs)], width, [], ahead.started)
-        self.ahead = self._unmasked(ids, width)
+        self.ahead = self._unmasked(ids, then)
         return handle
 
     def capture(self, bucket: int) -> None:

@@ -64,7 +64,7 @@ class ReferenceBackend:
     def verify_widths(self, rows: int) -> tuple[int, ...]:
         return narrowing_widths(self.plan.num_speculative_tokens) if self.drafter is not None else ()
 
-    def launch(self, reqs: list[Request], width: int) -> RoundResult:
+    def launch(self, reqs: list[Request], width: int, then: int | None = None) -> RoundResult:
         proposal = self.draft(reqs, width - 1) if width > 1 else self.skip_draft(reqs)
         verification = self.verify(reqs, proposal)
         finite = torch.isfinite(verification.logits).flatten(1).all(dim=1).tolist()
