@@ -78,10 +78,10 @@ def main() -> None:
     interpreter.InterpretedFunction.run = counted_run
     launch = backend.launch
 
-    def counted_launch(reqs, width):
+    def counted_launch(reqs, width, then=None):
         rounds[len(reqs)] += 1
         with Counter(counts, inside, sites):
-            return launch(reqs, width)
+            return launch(reqs, width, then)
 
     backend.launch = counted_launch
     engine.generate(read_prompts("specs/tiny/eval_prompts.jsonl")[:batch], SamplingParams(max_new_tokens=tokens, ignore_eos=True))

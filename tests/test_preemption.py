@@ -85,9 +85,9 @@ def test_random_arrivals_and_cancels_keep_the_pool_within_its_blocks_and_lose_no
     pool, reqs, launches = engine.blocks, [], []
     launch = engine.backend.launch
 
-    def checked(rows, width):
+    def checked(rows, width, then=None):
         launches.append(sum(pool.demand(r) for r in engine.scheduler.running))  # reaped: freed
-        return launch(rows, width)
+        return launch(rows, width, then)
 
     engine.backend.launch = checked
     for step in range(400):

@@ -101,7 +101,7 @@ class Timed(Device):
 
     def launch(self, reqs, width, then=None):
         time.sleep(0.002)
-        result = super().launch(reqs, width)
+        result = super().launch(reqs, width, then)
         return RoundResult(result.finite, result.accepted, result.tokens, result.drafted, device_s=1e-6)
 
 
