@@ -39,13 +39,18 @@ class Proposal:
 
     tokens: Tensor  # [N, K] int64
     probs: Tensor | None = None  # [N, K, V] the drafter's q, or None for argmax drafts
+    # [N, K, V] float32: the drafter's logits at each slot over the target's vocabulary, where the
+    # rows asked for them (DraftRows.scores): a grammar chooses a constrained row's drafts again
+    scores: Tensor | None = None
 
     def rows(self, keep: list[int]) -> "Proposal":
-        return Proposal(self.tokens[keep], None if self.probs is None else self.probs[keep])
+        return Proposal(*(None if t is None else t[keep] for t in (self.tokens, self.probs, self.scores)))
 
     def first(self, k: int) -> "Proposal":
         """The first k drafts of every row (a narrower verify)."""
-        return self if k >= self.tokens.shape[1] else Proposal(self.tokens[:, :k], None if self.probs is None else self.probs[:, :k])
+        if k >= self.tokens.shape[1]:
+            return self
+        return Proposal(*(None if t is None else t[:, :k] for t in (self.tokens, self.probs, self.scores)))
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class DraftRows:
     positions: Tensor | None = None
     end: Tensor | None = None  # [N] int64: start + W, that window's key count, where the backend has it
     greedy: bool = False  # every row greedy (temperature 0): a draw from the drafter's q is its argmax
+    scores: bool = False  # keep the drafter's logits in the proposal (Proposal.scores): some row is constrained
 
     def argmax_drafts(self, draft_sample_method: str) -> bool:
         """Whether the drafts are the drafter's argmax: the plan drafts greedily, or every row is

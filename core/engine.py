@@ -250,11 +250,11 @@ class Engine:
     @staticmethod
     def _grammar_meta(g) -> dict[str, Any]:
         """A constrained request's grammar costs: compile time (0 from the cache), host time for
-        masks per round, the drafts the grammar forbade (rejected at their slot) and those it
-        replaced by the one token it allowed there."""
+        masks per round, the drafts the grammar forbade and kept (rejected at their slot) and
+        those replaced by a token it allows (core.grammar.chosen)."""
         per_round = 1e3 * g.mask_s / g.rounds if g.rounds else 0.0
         return {"grammar_compile_ms": round(g.compile_ms, 3), "grammar_mask_ms_per_round": round(per_round, 4),
-                "grammar_refused_drafts": g.refused, "grammar_forced_drafts": g.forced}
+                "grammar_refused_drafts": g.refused, "grammar_replaced_drafts": g.replaced}
 
     def _check_params(self, params: SamplingParams) -> None:
         """A request the backend cannot run exactly is refused, never run differently."""

@@ -81,7 +81,7 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
     warm = SamplingParams(max_new_tokens=4, constraint=constraint)  # a constraint compiled before timing
     engine.generate(list(prompts[:1]), warm), baseline.generate(list(prompts[:1]), warm)
     spec, base, free = Tally(engine.plan.num_speculative_tokens), Tally(0), Tally(0)
-    identical = refused = parsed = 0
+    identical = refused = replaced = parsed = 0
     mask_ms = []  # host ms a round spent on grammar masks, per prompt
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i,
@@ -92,6 +92,7 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
         base.add(b, tb)
         identical += a.output_ids == b.output_ids
         refused += a.meta_info.get("grammar_refused_drafts", 0)
+        replaced += a.meta_info.get("grammar_replaced_drafts", 0)
         mask_ms.append(a.meta_info.get("grammar_mask_ms_per_round", 0.0))
         if constraint is not None:  # the grammar's cost: `none` free of it, as many tokens as it gave
             free.add(*_timed(baseline, prompt, SamplingParams(temperature=temperature, seed=seed + i, ignore_eos=True,
@@ -100,7 +101,8 @@ def evaluate(engine: Engine, dataset: Dataset, temperature: float, max_new_token
     s, n = spec.summary(), base.summary()
     return {
         "dataset": dataset.name if constraint is None else f"{dataset.name}+{constraint.kind}",
-        **({} if constraint is None else {"grammar_refused_drafts": refused, "json_valid": parsed,
+        **({} if constraint is None else {"grammar_refused_drafts": refused, "grammar_replaced_drafts": replaced,
+                                         "json_valid": parsed,
                                          "grammar_mask_ms_per_round": round(sum(mask_ms) / len(mask_ms), 4),
                                          **_grammar_cost(n, free.summary())}),
         "temperature": temperature,
@@ -159,7 +161,8 @@ def format_table(results: list[dict]) -> str:
         )
         pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
         grammar = "" if "grammar_refused_drafts" not in r else (
-            f"; the grammar refused {r['grammar_refused_drafts']} drafts; {r['json_valid']}/{r['prompts']} outputs "
+            f"; the grammar refused {r['grammar_refused_drafts']} drafts and replaced "
+            f"{r.get('grammar_replaced_drafts', 0)} by the drafter's best allowed; {r['json_valid']}/{r['prompts']} outputs "
             f"valid JSON; masks {r['grammar_mask_ms_per_round']:.3f} ms a round; constrained `none` "
             f"{r['baseline_tokens_per_s']:.1f} tok/s against {r['free_baseline_tokens_per_s']:.1f} free of the "
             f"grammar at the same lengths ({r['grammar_keeps']})")

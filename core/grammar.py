@@ -9,6 +9,12 @@ acceptance rule rejects it as it rejects any token the target would not emit. Th
 the drafts to build the masks and rolls them back, then advances by the tokens the round keeps.
 Greedy output with drafting therefore equals constrained plain decoding, and sampled output
 keeps its law.
+
+A draft the grammar forbids would end its round's run there, and a drafter that never saw the
+grammar proposes many (a JSON key spelled as the target spells it under the mask is rarely the
+drafter's unmasked argmax). So before the verify, each constrained row's drafts are chosen under
+the masks (``chosen``): a forbidden draft becomes the drafter's best token the grammar allows
+there, read off the drafter's logits at that slot, the same masked argmax the target takes.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -29,6 +35,7 @@ from .errors import RequestError
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 CACHED = 256  # compiled grammars kept (a repeated schema costs nothing)
 EXTRA = "pip install 'draftline[structured]' (xgrammar)"
+Chooser = Callable[[int, Tensor], "int | None"]  # (slot, its mask row) -> the slot's draft instead, or None
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,7 @@ class Matcher:
         self.mask_s = 0.0  # host time spent building and applying masks
         self.rounds = 0  # mask windows built (one per round, plain or drafted)
         self.refused = 0  # drafts the grammar forbade (each rejected at its slot, a wasted draft)
-        self.forced = 0  # forbidden drafts replaced by the one token the grammar allowed there
+        self.replaced = 0  # forbidden drafts replaced by one the grammar allows (the drafter's best, or a forced one)
 
     def mask_window(self, x: Tensor, drafts: Tensor | None) -> Tensor:
         """x [T, V] logits at a round's slots (slot j after drafts 0 .. j-1) -> masked (a float32
@@ -154,14 +161,13 @@ class Matcher:
         self.mask_s += time.perf_counter() - start
         return out
 
-    def fill_window(self, bitmask: Tensor, drafts: list[int] | None, steer: bool = False) -> list[int]:
+    def fill_window(self, bitmask: Tensor, drafts: list[int] | None, choose: Chooser | None = None) -> list[int]:
         """The masks of a round's slots into bitmask [T, ceil(V / 32)] int32 (a host tensor, all
         allowed on entry; slot j after drafts 0 .. j-1), as mask_window applies them; the
-        matcher walks the drafts and rolls back. ``steer``: each draft the grammar forbids is
-        replaced in ``drafts`` by the token the grammar forces there (a JSON key's quotes, colon,
-        the rest of an enum), if it forces one, and the walk goes on past it -> the slots
-        replaced. One walk gives the steered drafts and their masks."""
-        start, walked, forced, matcher = time.perf_counter(), 0, [], self.matcher
+        matcher walks the drafts and rolls back. ``choose(j, words)``: the token slot j drafts
+        instead of drafts[j] (replaced in place), given the slot's mask row, or None to keep
+        it -> the slots whose draft changed. One walk gives the chosen drafts and their masks."""
+        start, walked, changed, matcher = time.perf_counter(), 0, [], self.matcher
         last = 0 if drafts is None else bitmask.shape[0] - 1
         for j in range(last + 1):
             if matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
@@ -169,30 +175,34 @@ class Matcher:
             matcher.fill_next_token_bitmask(bitmask, j)
             if j == last:
                 break
+            new = None if choose is None else choose(j, bitmask[j])
+            if new is not None and new != drafts[j]:
+                self.replaced += not _allows(bitmask[j], drafts[j])
+                drafts[j] = new
+                changed.append(j)
             if not matcher.accept_token(drafts[j]):
-                only = _only_token(bitmask[j]) if steer else None
-                if only is None or not matcher.accept_token(only):
-                    self.refused += 1
-                    break
-                drafts[j] = only
-                forced.append(j)
+                self.refused += 1
+                break
             walked += 1
         if walked:
             matcher.rollback(walked)
         self.mask_s += time.perf_counter() - start
         self.rounds += 1
-        self.forced += len(forced)
-        return forced
+        return changed
+
+    def choose(self, drafts: list[int], choose: Chooser) -> list[int]:
+        """fill_window's walk with its masks unused (the round's own masks count its refusals):
+        ``drafts`` chosen in place -> the slots whose draft changed."""
+        counts = self.mask_s, self.rounds, self.refused
+        changed = self.fill_window(_xgrammar().allocate_token_bitmask(len(drafts) + 1, self.vocab_size), drafts, choose)
+        self.mask_s, self.rounds, self.refused = counts
+        return changed
 
     def steer(self, drafts: list[int]) -> tuple[list[int], list[int]]:
         """(the drafts with each one the grammar forbids replaced by the token the grammar forces
-        there, if it forces one; the slots replaced): fill_window's walk, its masks unused (the
-        round's own masks count its refusals)."""
+        there, if it forces one; the slots replaced)."""
         out = list(drafts)
-        counts = self.mask_s, self.rounds, self.refused
-        forced = self.fill_window(_xgrammar().allocate_token_bitmask(len(out) + 1, self.vocab_size), out, steer=True)
-        self.mask_s, self.rounds, self.refused = counts
-        return out, forced
+        return out, self.choose(out, forced(out))
 
     def advance(self, tokens: list[int]) -> None:
         """The tokens a round keeps, each allowed by its slot's mask."""
@@ -218,22 +228,83 @@ def _only_token(words: Tensor) -> int | None:
     return 32 * i + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
 
 
-def steered(reqs, proposal):
-    """The round's proposal with each constrained row's forbidden drafts replaced where the
-    grammar forces a token (Matcher.steer); such a slot's q becomes one-hot on it, so the
-    acceptance rule stays exact for sampled drafts (the masked target gives it probability 1)."""
+def _allows(words: Tensor, token: int) -> bool:
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
+
+
+def _masked_row(x: Tensor, words: Tensor) -> Tensor:
+    """x [V] float32 on the host with the tokens a bitmask row forbids at -inf (a copy)."""
+    bits = (words.to(torch.int64)[:, None] >> torch.arange(32)) & 1  # [ceil(V / 32), 32]
+    return x.masked_fill(~bits.reshape(-1)[: x.shape[0]].bool(), float("-inf"))
+
+
+def forced(drafts: list[int]) -> Chooser:
+    """A chooser that replaces a forbidden draft by the token the grammar forces there, if any."""
+    return lambda j, words: None if _allows(words, drafts[j]) else _only_token(words)
+
+
+def best_allowed(drafts: list[int], scores: Tensor) -> Chooser:
+    """A chooser for argmax drafts: a forbidden draft becomes the drafter's best token the grammar
+    allows there (scores [K, V] float32 on the host, the drafter's logits at each slot), which
+    is the argmax the drafter would have drafted under the slot's mask."""
+    def choose(j: int, words: Tensor) -> int | None:
+        if _allows(words, drafts[j]):
+            return None
+        x = _masked_row(scores[j].float(), words)
+        return int(x.argmax()) if bool(torch.isfinite(x).any()) else None
+
+    return choose
+
+
+def drawn_allowed(req, scores: Tensor, probs: Tensor, row: int) -> Chooser:
+    """A chooser for drafts drawn from q: slot j's q becomes the drafter's distribution under
+    the slot's mask (its logits masked, then temperature, top-k, top-p as the target's), written
+    into probs[row, j], and the draft is drawn from it with the slot's key (Gumbel-max over the
+    allowed tokens): the acceptance rule reads the q each draft was drawn from, so it stays exact."""
+    from .sampling import SamplingBatch, Stream, probs_from_logits, sample  # sampling's bounds import this module
+
+    batch = SamplingBatch.of([req.params], torch.device("cpu"))
+
+    def choose(j: int, words: Tensor) -> int | None:
+        x = _masked_row(scores[j].float(), words)
+        if not bool(torch.isfinite(x).any()):
+            return None
+        q = probs_from_logits(x[None], batch)  # [1, V]
+        probs[row, j] = q[0].to(probs.device)
+        return int(sample(q, batch.seed, torch.tensor([req.seq_len + j]), Stream.DRAFT)[0])
+
+    return choose
+
+
+def chooser(req, drafts: list[int], proposal, row: int, probs: Tensor | None) -> Chooser:
+    """How a constrained row's drafts are chosen under its grammar: from the drafter's logits
+    where the proposal kept them (Proposal.scores), else forced tokens only."""
+    if proposal.scores is None:
+        return forced(drafts)
+    scores = proposal.scores[row].float().cpu()  # [K, V]
+    return best_allowed(drafts, scores) if probs is None else drawn_allowed(req, scores, probs, row)
+
+
+def chosen(reqs, proposal):
+    """The round's proposal with each constrained row's drafts chosen under its grammar (each
+    slot's mask after the chosen drafts before it): the drafter's best allowed token where a
+    draft is forbidden, or, for drafts drawn from q, a draw from q under the mask, which
+    becomes the slot's q. Without the drafter's logits a forbidden draft is replaced only where
+    the grammar forces a token (its q one-hot there). Any such choice is lossless: a draft is
+    any token the acceptance rule weighs by the q it was drawn from."""
     if proposal.tokens.shape[1] == 0 or not any(r.grammar is not None for r in reqs):
         return proposal
     tokens, probs = proposal.tokens.clone(), None if proposal.probs is None else proposal.probs.clone()
     for i, req in enumerate(reqs):
         if req.grammar is None:
             continue
-        new, forced = req.grammar.steer(tokens[i].tolist())
-        for j in forced:
-            tokens[i, j] = new[j]
-            if probs is not None:
+        drafts = tokens[i].tolist()
+        changed = req.grammar.choose(drafts, chooser(req, drafts, proposal, i, probs))
+        for j in changed:
+            tokens[i, j] = drafts[j]
+            if probs is not None and proposal.scores is None:
                 probs[i, j] = 0
-                probs[i, j, new[j]] = 1
+                probs[i, j, drafts[j]] = 1
     return type(proposal)(tokens, probs)
 
 
@@ -249,16 +320,16 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
     return out
 
 
-def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, steer: bool = False) -> bool:
+def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, choosers: list | None = None) -> bool:
     """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
-    (Matcher.fill_window after its drafts, steering them in place with ``steer``), every other
-    row (and a None one: padding) all allowed -> whether any draft was steered. A plain round's
+    (Matcher.fill_window after its drafts, chosen in place by ``choosers[i]`` where given),
+    every other row (and a None one: padding) all allowed -> whether any draft changed. A plain round's
     (no drafts) in one loop over the matchers, its host time shared among them: a batch's masks
     are on the path between two of its rounds."""
     bitmask.fill_(-1)
     if drafts is not None:
-        return any([req.grammar.fill_window(bitmask[i], drafts[i], steer) for i, req in enumerate(reqs)
-                    if req is not None and req.grammar is not None])
+        return any([req.grammar.fill_window(bitmask[i], drafts[i], None if choosers is None else choosers[i])
+                    for i, req in enumerate(reqs) if req is not None and req.grammar is not None])
     grammars = [(i, req.grammar) for i, req in enumerate(reqs) if req is not None and req.grammar is not None]
     start, flat, width = time.perf_counter(), bitmask.view(-1, bitmask.shape[-1]), bitmask.shape[1]
     for i, g in grammars:

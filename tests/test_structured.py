@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from conftest import full_forward, respec  # noqa: E402
 from draftline.core.engine import Engine, RequestError  # noqa: E402
-from draftline.core.grammar import Constraint  # noqa: E402
+from draftline.core.grammar import Constraint, best_allowed, drawn_allowed  # noqa: E402
 from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits  # noqa: E402
 from draftline.core.policy import DraftPolicy, Drafted  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
@@ -187,6 +187,33 @@ def test_a_draft_the_grammar_forbids_becomes_the_token_it_forces(plain):
     assert allowed([]) == torch.isfinite(m.mask_window(torch.zeros(1, vocab), None)[0]).sum().item()  # rolled back
 
 
+def test_a_forbidden_draft_becomes_the_drafters_best_allowed_token(plain):
+    """With the drafter's logits at each slot, a draft the grammar forbids becomes the drafter's
+    argmax under the slot's mask (after the drafts chosen before it); a draft drawn from q is
+    drawn again from q under the mask, which becomes the slot's q (no mass where it forbids)."""
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+    stops, vocab = sorted(plain.target.config.eos_token_ids), plain.target.config.vocab_size
+    scores = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))  # [K, V]
+    m = plain.grammars.matcher(c, stops)
+    drafts = [plain.encode("hello")[0]] * 8  # forbidden at the object's opening
+    changed = m.choose(drafts, best_allowed(drafts, scores))
+    assert changed and m.replaced == len(changed) and m.refused == 0
+    for j, token in enumerate(drafts):
+        fresh = plain.grammars.matcher(c, stops)
+        fresh.advance(drafts[:j])
+        allowed = fresh.mask_window(scores[j : j + 1], None)[0]
+        assert token == int(allowed.argmax()) or (j not in changed and torch.isfinite(allowed[token]))
+    req = type("R", (), {"params": SamplingParams(temperature=1.0, seed=3), "seq_len": 5})()  # what a draw reads
+    probs, sampled = torch.zeros(1, 8, vocab), list(drafts)
+    m.choose(sampled, drawn_allowed(req, scores, probs, 0))
+    for j in range(8):
+        fresh = plain.grammars.matcher(c, stops)
+        fresh.advance(sampled[:j])
+        forbidden = ~torch.isfinite(fresh.mask_window(torch.zeros(1, vocab), None)[0])
+        assert probs[0, j, forbidden].sum() == 0 and abs(float(probs[0, j].sum()) - 1) < 1e-5
+        assert probs[0, j, sampled[j]] > 0
+
+
 @pytest.mark.parametrize("method, logprobs", [("tiny-dflash.yaml", None), ("tiny-gemma4-mtp.yaml", 2)])
 def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     """On the cuda backend a constrained request's first token is masked in the prefill, its
@@ -217,7 +244,7 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     run_anew = calls["unmasked"] - calls["launch"]  # each launch also runs the next round's part ahead
     assert run_anew == 1 < calls["launch"] if logprobs is None else calls["launch"] == 0
     if logprobs is None:  # drafts steered to tokens the grammar forces, their verify run again
-        assert got[0].meta_info["grammar_forced_drafts"] > 0
+        assert got[0].meta_info["grammar_replaced_drafts"] > 0
 
 
 class Alternating(DraftPolicy):

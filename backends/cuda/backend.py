@@ -39,7 +39,7 @@ from draftline.core.models.config import ConfigError
 from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
-from draftline.core.grammar import masked, steered
+from draftline.core.grammar import chosen, masked
 from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
 
 from . import events
@@ -375,9 +375,8 @@ class CudaBackend:
         forbids where it forces a token -> q [n, W - 1, V], or None."""
         n = len(reqs)
         self.bufs.gather(bucket)
-        proposal = self.drafter.propose(reqs, self._rows(bucket, width - 1, greedy=not sampled)).first(width - 1)
-        proposal = steered(reqs, type(proposal)(proposal.tokens[:n], None if proposal.probs is None
-                                                else proposal.probs[:n]))
+        rows = self._rows(bucket, width - 1, greedy=not sampled, scores=any(r.grammar is not None for r in reqs))
+        proposal = chosen(reqs, self.drafter.propose(reqs, rows).first(width - 1).rows(list(range(n))))
         self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
         return proposal.probs
 
@@ -408,11 +407,12 @@ class CudaBackend:
             self._draft_step(bucket, width)
         return self._verify_step(bucket, width, decide)
 
-    def _draft_round(self, bucket: int, width: int) -> None:
+    def _draft_round(self, bucket: int, width: int, scores: Tensor | None = None) -> None:
         """A round's draft step alone, from the rows' slot state (a constrained round's, whose
-        host reads the drafts before it masks the verify: constrained.py)."""
+        host reads the drafts before it masks the verify: constrained.py), the drafter's logits
+        into ``scores`` [bucket, K, V] where given."""
         self.bufs.gather(bucket)
-        self._draft_step(bucket, width)
+        self._draft_step(bucket, width, scores)
 
     def collect(self, handle: Launch) -> RoundResult:
         return self.landing.collect(handle)
@@ -420,22 +420,25 @@ class CudaBackend:
     # ------------------------------------------------------------------ draft
 
     def _rows(self, bucket: int, drafts: int = 0, positions: Tensor | None = None, end: Tensor | None = None,
-              greedy: bool = False) -> DraftRows:
+              greedy: bool = False, scores: bool = False) -> DraftRows:
         """The rows as a drafter sees them; ``end`` [bucket]: start + the width of the forward
         their caches serve (the verify's, for its context update), where it is on the device;
-        ``greedy``: every row is (its drafts the drafter's argmax)."""
+        ``greedy``: every row is (its drafts the drafter's argmax); ``scores``: keep the drafter's logits."""
         b = self.bufs
         slots, start = b.row(SLOT, bucket), b.row(START, bucket)
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
                          caches=Rows(b.row(DRAFT_SLOT, bucket)), target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
-                         drafts=drafts, positions=positions, end=end, greedy=greedy)
+                         drafts=drafts, positions=positions, end=end, greedy=greedy, scores=scores)
 
-    def _draft_step(self, bucket: int, width: int) -> None:
+    def _draft_step(self, bucket: int, width: int, scores: Tensor | None = None) -> None:
         """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps)."""
-        rows = self._rows(bucket, width - 1, greedy=True)  # a graph's draft step: greedy rows alone
-        tokens = self.drafter.propose([], rows).tokens  # [bucket, K], or its first width - 1 columns
+        rows = self._rows(bucket, width - 1, greedy=True, scores=scores is not None)  # a graph's: greedy rows alone
+        proposal = self.drafter.propose([], rows)
+        tokens = proposal.tokens  # [bucket, K], or its first width - 1 columns
         self.bufs.drafts[:bucket, : tokens.shape[1]].copy_(tokens)
+        if scores is not None:
+            scores[:, : tokens.shape[1]].copy_(proposal.scores)
         if self.draft_override is not None:
             self.draft_override(self.bufs.row(SLOT, bucket), rows.start, self.bufs.drafts[:bucket])
 

@@ -16,10 +16,12 @@ since (ended, or preempted to come back under its id in other slots) leaves a pa
 reads the scratch slot, so the decision writes none of its state. A launch with a row it did not
 compute runs its unmasked part anew, and another launch in between drops it (it gathers other
 rows into the round buffers the part left: drafts, starts, seeds): at worst the device computed
-one forward for nothing. A prefill between them writes only its own slots' state. Greedy
-drafts the grammar forbids where it forces a token are steered to it once the host has read them
-(the verify forward then runs again over the new drafts: the tokens after a forced slot are worth
-verifying); drafts drawn from q take the eager path, which steers them before its verify.
+one forward for nothing. A prefill between them writes only its own slots' state. Drafts the
+grammar forbids are replaced by the drafter's best allowed token once the host has read them
+(the draft step brings the drafter's logits back with its drafts for rounds of up to SCORED
+rows; past that, only where the grammar forces a token), and the verify forward runs again over
+the new drafts: the tokens after a replaced slot are worth verifying. Drafts drawn from q take
+the eager path, which chooses them under the grammar before its verify.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from draftline.core.grammar import best_allowed, forced
 from draftline.core.request import Request
 
 from . import events
@@ -41,6 +44,9 @@ from .masks import TokenMasks, apply_masks
 
 if TYPE_CHECKING:
     from .backend import CudaBackend
+
+
+SCORED = 16  # rows a constrained round brings its drafter's logits back for (a [rows, K, V] copy)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,11 @@ class ConstrainedRounds:
         self.masks = TokenMasks(b.max_batch, backend.width, backend.target.config.vocab_size, backend.device)
         pinned = backend.device.type == "cuda"
         self._drafts = torch.zeros(b.drafts.numel(), dtype=torch.int64, pin_memory=pinned)  # [max_batch * K] on the host
+        k, vocab = backend.width - 1, backend.target.config.vocab_size
+        dtype = backend.target.model.embed_tokens.weight.dtype  # the drafter's logits are rounded through it
+        self.scored = min(b.max_batch, SCORED) if k > 0 and backend.drafter is not None else 0
+        self.scores = torch.empty(self.scored, k, vocab, dtype=dtype, device=backend.device)  # [scored, K, V]
+        self._scores = torch.empty(self.scores.shape, dtype=dtype, pin_memory=pinned)  # its copy on the host
         self._drafted = torch.cuda.Event() if pinned else None  # the last draft copy has landed
         self.ahead: Ahead | None = None
 
@@ -98,7 +109,7 @@ class ConstrainedRounds:
         if fresh:
             ahead = self._unmasked(ids, width)
         drafts = self._host_drafts(bucket, width)
-        steered = self.masks.load(lanes, drafts, bucket, width, steer=True)  # the masks after the steered drafts
+        steered = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))  # after the chosen drafts
         logits = self._reverified(drafts, ahead) if steered else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         if rows != list(range(len(reqs))):  # the requests' rows, in their order
@@ -119,9 +130,12 @@ class ConstrainedRounds:
         bucket, backend = len(lanes), self.backend
         started = backend.landing.started()
         if width > 1:
-            backend.graphs.run(("draft", bucket, width), lambda: backend._draft_round(bucket, width))
+            scores = self.scores[:bucket] if bucket <= self.scored else None
+            backend.graphs.run(("draft", bucket, width), lambda: backend._draft_round(bucket, width, scores))
             drafts = backend.bufs.drafts[:bucket]  # [bucket, K]: a constrained round drafts its full window
             self._drafts[: drafts.numel()].view_as(drafts).copy_(drafts, non_blocking=self._drafted is not None)
+            if scores is not None:
+                self._scores[:bucket].copy_(scores, non_blocking=self._drafted is not None)
             if self._drafted is not None:
                 events.record(self._drafted, backend.landing.device_index)
         logits, _ = backend._replay(bucket, width, False, False)
@@ -135,9 +149,18 @@ class ConstrainedRounds:
             self._drafted.synchronize()
         return self._drafts[: bucket * (width - 1)].view(bucket, width - 1).tolist()
 
+    def _choosers(self, lanes: list[Request | None], drafts: list[list[int]] | None) -> list | None:
+        """How each constrained row's drafts are chosen under its grammar: the drafter's best
+        allowed token where its logits came back (rounds of up to SCORED rows), else the token
+        the grammar forces (core.grammar)."""
+        if drafts is None:
+            return None
+        scored = len(lanes) <= self.scored
+        return [best_allowed(d, self._scores[i]) if scored else forced(d) for i, d in enumerate(drafts)]
+
     def _reverified(self, drafts: list[list[int]], ahead: Ahead) -> Tensor:
-        """The verify logits over the drafts the masks' walk steered (a draft the grammar forbids
-        replaced where it forces a token: Matcher.fill_window): the new drafts go to the device
+        """The verify logits over the drafts the masks' walk chose (a draft the grammar forbids
+        replaced: Matcher.fill_window): the new drafts go to the device
         and the verify forward runs again, a graph's into the same logits; the tokens after a
         forced slot are worth verifying."""
         bucket = len(ahead.lanes)

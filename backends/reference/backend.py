@@ -20,7 +20,7 @@ from draftline.core.models.eager import EAGER
 from draftline.core.models.ops import Forward
 from draftline.core.models.shard import ops_for
 from draftline.core.models.target import TargetModel
-from draftline.core.grammar import masked, steered
+from draftline.core.grammar import chosen, masked
 from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
@@ -176,7 +176,7 @@ class ReferenceBackend:
         if self.drafter is None:
             return self.skip_draft(reqs)
         proposal = self.drafter.propose(reqs, self.draft_rows(reqs, drafts)).first(drafts or self.plan.num_speculative_tokens)
-        return steered(reqs, proposal)  # drafts a grammar forbids, replaced where it forces a token
+        return chosen(reqs, proposal)  # a constrained row's drafts chosen under its grammar
 
     def draft_rows(self, reqs: list[Request], drafts: int = 0) -> DraftRows:
         return DraftRows(
@@ -187,6 +187,7 @@ class ReferenceBackend:
             target_kv=FrozenTargetKV([r.kv for r in reqs], getattr(self.kv.ops, "gather_heads", None)),
             features=torch.stack([self._last_features[r.rid] for r in reqs]) if self._reads_last() else None,
             drafts=drafts,
+            scores=any(r.grammar is not None for r in reqs),
         )
 
     def _reads_last(self) -> bool:

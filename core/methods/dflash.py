@@ -229,15 +229,19 @@ class DFlashDrafter(Drafter):
         hidden = self.model.run(ops, fwd, ops.embed(self.target.model.embed_tokens.weight, ids))
         # the block attends as a whole, but only the slots the round verifies are read out
         read = 1 + rows.verified(self.plan.block_size - 1)
-        if rows.argmax_drafts(self.plan.draft_sample_method):  # slot k predicts position start + k
+        argmax = rows.argmax_drafts(self.plan.draft_sample_method)
+        if argmax and not rows.scores:  # slot k predicts position start + k
             best = ops.argmax(self.model.head(self.target), hidden[:, 1:read])  # [N, K] drafter-vocabulary ids
             return Proposal(tokens=self.model.to_target_ids(best))
         logits = self.model.logits(hidden[:, 1:read], self.target, ops)  # [N, K, V]
+        scores = logits if rows.scores else None
+        if argmax:
+            return Proposal(tokens=logits.argmax(-1), scores=scores)
         q = probs_from_logits(logits, rows.batch)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
         tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:read].reshape(-1), Stream.DRAFT)
-        return Proposal(tokens=tokens.view(n, k), probs=q)
+        return Proposal(tokens=tokens.view(n, k), probs=q, scores=scores)
 
 
 # ---------------------------------------------------------------- training objective

@@ -11,7 +11,7 @@ are dropped at the next draft, which starts where the verified context ends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -205,15 +205,15 @@ class Eagle3Drafter(Drafter):
         # rows None: the reference's requests, one at a time
         argmax = self.plan.draft_sample_method == "greedy" if rows is None else rows.argmax_drafts(
             self.plan.draft_sample_method)
-        if self.kv.positional and self.ascending and argmax:
+        scores = rows is not None and rows.scores  # the logits kept: a grammar chooses drafts again
+        if self.kv.positional and self.ascending and argmax and not scores:
             return Proposal(tokens=self._greedy_rows(rows))
         if self.kv.positional:
             logits = self._chain_rows(rows)  # [N, K, V]
         else:  # one request at a time (its pending context, then K-1 chained steps)
             logits = torch.stack([self._chain(req) for req in reqs])
-        if argmax:
-            return Proposal(tokens=logits.argmax(-1))
-        return self._sampled(logits, rows)
+        proposal = Proposal(tokens=logits.argmax(-1)) if argmax else self._sampled(logits, rows)
+        return replace(proposal, scores=logits) if scores else proposal
 
     def _chain_rows(self, rows: DraftRows) -> Tensor:
         """Positional store: the last verified position's entry (the round's last token and

@@ -124,18 +124,24 @@ class MTPDrafter(Drafter):
         # the chain's one query position (the last token's), over the target's verified keys
         fwd = rows.target_kv.forward(rows.start[:, None], self.kv_layer)
         embedding = self.readout.weight
-        tokens, qs, argmax = [], [], rows.argmax_drafts(self.plan.draft_sample_method)
+        tokens, qs, scores, argmax = [], [], [], rows.argmax_drafts(self.plan.draft_sample_method)
         for j in range(k):
             hidden = self.model.run(self.ops, fwd, embedding, token, hidden)
-            if argmax:
+            if argmax and not rows.scores:
                 token = self.ops.argmax(self.readout, hidden[:, 0])[:, None]  # [N, 1]
             else:
-                q = probs_from_logits(self.ops.logits(self.readout, hidden[:, 0]), rows.batch)
-                qs.append(q)
-                token = sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)[:, None]
+                logits = self.ops.logits(self.readout, hidden[:, 0])  # [N, V]
+                scores.append(logits)
+                if argmax:
+                    token = logits.argmax(-1)[:, None]
+                else:
+                    q = probs_from_logits(logits, rows.batch)
+                    qs.append(q)
+                    token = sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)[:, None]
             tokens.append(token)
         drafts = torch.cat(tokens, dim=1)  # [N, K]
-        return Proposal(tokens=drafts, probs=torch.stack(qs, dim=1) if qs else None)
+        return Proposal(tokens=drafts, probs=torch.stack(qs, dim=1) if qs else None,
+                        scores=torch.stack(scores, dim=1) if rows.scores else None)
 
 
 # ---------------------------------------------------------------- training objective
