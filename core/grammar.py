@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,6 +36,7 @@ from .errors import RequestError
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 CACHED = 256  # compiled grammars kept (a repeated schema costs nothing)
 EXTRA = "pip install 'draftline[structured]' (xgrammar)"
+RUN_WEIGHT = 0.3  # a drafted round's weight in the moving average of accepted runs
 Chooser = Callable[[int, Tensor], "int | None"]  # (slot, its mask row) -> the slot's draft instead, or None
 
 
@@ -146,6 +148,8 @@ class Matcher:
         self.rounds = 0  # mask windows built (one per round, plain or drafted)
         self.refused = 0  # drafts the grammar forbade (each rejected at its slot, a wasted draft)
         self.replaced = 0  # forbidden drafts replaced by one the grammar allows (the drafter's best, or a forced one)
+        self.accepted: float | None = None  # drafts a drafted round accepted, a moving average (reach)
+        self._drafted = False  # the last window walked drafts: the next advance is a drafted round's
 
     def mask_window(self, x: Tensor, drafts: Tensor | None) -> Tensor:
         """x [T, V] logits at a round's slots (slot j after drafts 0 .. j-1) -> masked (a float32
@@ -161,19 +165,27 @@ class Matcher:
         self.mask_s += time.perf_counter() - start
         return out
 
-    def fill_window(self, bitmask: Tensor, drafts: list[int] | None, choose: Chooser | None = None) -> list[int]:
+    def fill_window(self, bitmask: Tensor, drafts: list[int] | None, choose: Chooser | None = None,
+                    reach: int | None = None) -> list[int]:
         """The masks of a round's slots into bitmask [T, ceil(V / 32)] int32 (a host tensor, all
         allowed on entry; slot j after drafts 0 .. j-1), as mask_window applies them; the
         matcher walks the drafts and rolls back. ``choose(j, words)``: the token slot j drafts
         instead of drafts[j] (replaced in place), given the slot's mask row, or None to keep
-        it -> the slots whose draft changed. One walk gives the chosen drafts and their masks."""
+        it -> the slots whose draft changed. One walk gives the chosen drafts and their masks.
+        ``reach``: walk no further than that draft, which becomes a token its slot's mask forbids
+        (rejected there, so the slots after it are never read: their masks are left unfilled)."""
         start, walked, changed, matcher = time.perf_counter(), 0, [], self.matcher
         last = 0 if drafts is None else bitmask.shape[0] - 1
+        self._drafted = drafts is not None
         for j in range(last + 1):
             if matcher.is_terminated():  # past its stop token (ignore_eos): nothing left to constrain
                 break
             matcher.fill_next_token_bitmask(bitmask, j)
             if j == last:
+                break
+            if j == reach and (cut := _forbidden(bitmask[j], self.vocab_size)) is not None:
+                drafts[j] = cut
+                changed.append(j)
                 break
             new = None if choose is None else choose(j, bitmask[j])
             if new is not None and new != drafts[j]:
@@ -189,6 +201,12 @@ class Matcher:
         self.mask_s += time.perf_counter() - start
         self.rounds += 1
         return changed
+
+    def reach(self, drafts: int) -> int:
+        """How many of a round's ``drafts`` are worth walking: each slot walked costs a mask, and
+        past the runs this request's rounds keep, slots are rarely accepted. 1.5 times the mean
+        run accepted (a moving average), plus one, so a run that grows can be seen growing."""
+        return drafts if self.accepted is None else min(drafts, int(1.5 * self.accepted) + 1)
 
     def choose(self, drafts: list[int], choose: Chooser) -> list[int]:
         """fill_window's walk with its masks unused (the round's own masks count its refusals):
@@ -206,6 +224,10 @@ class Matcher:
 
     def advance(self, tokens: list[int]) -> None:
         """The tokens a round keeps, each allowed by its slot's mask."""
+        if self._drafted:  # the drafts it accepted: all but the last token
+            run = len(tokens) - 1
+            self.accepted = run if self.accepted is None else (1 - RUN_WEIGHT) * self.accepted + RUN_WEIGHT * run
+            self._drafted = False
         for token in tokens:
             if self.matcher.is_terminated():
                 return
@@ -234,8 +256,18 @@ def _allows(words: Tensor, token: int) -> bool:
 
 def _masked_row(x: Tensor, words: Tensor) -> Tensor:
     """x [V] float32 on the host with the tokens a bitmask row forbids at -inf (a copy)."""
-    bits = (words.to(torch.int64)[:, None] >> torch.arange(32)) & 1  # [ceil(V / 32), 32]
-    return x.masked_fill(~bits.reshape(-1)[: x.shape[0]].bool(), float("-inf"))
+    return x.masked_fill(~torch.from_numpy(_allowed(words, x.shape[0])), float("-inf"))
+
+
+def _allowed(words: Tensor, vocab: int) -> np.ndarray:
+    """A bitmask row [ceil(V / 32)] int32 -> [V] bool, the tokens it allows (bit t % 32 of word t // 32)."""
+    return np.unpackbits(words.numpy().view(np.uint8), bitorder="little")[:vocab].view(bool)
+
+
+def _forbidden(words: Tensor, vocab: int) -> int | None:
+    """A token the bitmask row forbids, or None if it allows them all."""
+    banned = np.flatnonzero(~_allowed(words, vocab))
+    return int(banned[0]) if banned.size else None
 
 
 def forced(drafts: list[int]) -> Chooser:
@@ -243,15 +275,16 @@ def forced(drafts: list[int]) -> Chooser:
     return lambda j, words: None if _allows(words, drafts[j]) else _only_token(words)
 
 
-def best_allowed(drafts: list[int], scores: Tensor) -> Chooser:
+def best_allowed(drafts: list[int], scores: np.ndarray) -> Chooser:
     """A chooser for argmax drafts: a forbidden draft becomes the drafter's best token the grammar
     allows there (scores [K, V] float32 on the host, the drafter's logits at each slot), which
     is the argmax the drafter would have drafted under the slot's mask."""
     def choose(j: int, words: Tensor) -> int | None:
         if _allows(words, drafts[j]):
             return None
-        x = _masked_row(scores[j].float(), words)
-        return int(x.argmax()) if bool(torch.isfinite(x).any()) else None
+        x = scores[j]
+        allowed = _allowed(words, x.shape[0])
+        return int(np.where(allowed, x, -np.inf).argmax()) if allowed.any() else None
 
     return choose
 
@@ -282,7 +315,7 @@ def chooser(req, drafts: list[int], proposal, row: int, probs: Tensor | None) ->
     if proposal.scores is None:
         return forced(drafts)
     scores = proposal.scores[row].float().cpu()  # [K, V]
-    return best_allowed(drafts, scores) if probs is None else drawn_allowed(req, scores, probs, row)
+    return best_allowed(drafts, scores.numpy()) if probs is None else drawn_allowed(req, scores, probs, row)
 
 
 def chosen(reqs, proposal):
@@ -320,15 +353,18 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
     return out
 
 
-def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, choosers: list | None = None) -> bool:
+def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, choosers: list | None = None,
+               reach: bool = False) -> bool:
     """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
-    (Matcher.fill_window after its drafts, chosen in place by ``choosers[i]`` where given),
-    every other row (and a None one: padding) all allowed -> whether any draft changed. A plain round's
+    (Matcher.fill_window after its drafts, chosen in place by ``choosers[i]`` where given, each
+    walked only as far as its Matcher.reach with ``reach``), every other row (and a None one:
+    padding) all allowed -> whether any draft changed. A plain round's
     (no drafts) in one loop over the matchers, its host time shared among them: a batch's masks
     are on the path between two of its rounds."""
     bitmask.fill_(-1)
     if drafts is not None:
-        return any([req.grammar.fill_window(bitmask[i], drafts[i], None if choosers is None else choosers[i])
+        return any([req.grammar.fill_window(bitmask[i], drafts[i], None if choosers is None else choosers[i],
+                                            req.grammar.reach(len(drafts[i])) if reach else None)
                     for i, req in enumerate(reqs) if req is not None and req.grammar is not None])
     grammars = [(i, req.grammar) for i, req in enumerate(reqs) if req is not None and req.grammar is not None]
     start, flat, width = time.perf_counter(), bitmask.view(-1, bitmask.shape[-1]), bitmask.shape[1]

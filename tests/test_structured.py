@@ -196,7 +196,7 @@ def test_a_forbidden_draft_becomes_the_drafters_best_allowed_token(plain):
     scores = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))  # [K, V]
     m = plain.grammars.matcher(c, stops)
     drafts = [plain.encode("hello")[0]] * 8  # forbidden at the object's opening
-    changed = m.choose(drafts, best_allowed(drafts, scores))
+    changed = m.choose(drafts, best_allowed(drafts, scores.numpy()))
     assert changed and m.replaced == len(changed) and m.refused == 0
     for j, token in enumerate(drafts):
         fresh = plain.grammars.matcher(c, stops)
@@ -212,6 +212,33 @@ def test_a_forbidden_draft_becomes_the_drafters_best_allowed_token(plain):
         forbidden = ~torch.isfinite(fresh.mask_window(torch.zeros(1, vocab), None)[0])
         assert probs[0, j, forbidden].sum() == 0 and abs(float(probs[0, j].sum()) - 1) < 1e-5
         assert probs[0, j, sampled[j]] > 0
+
+
+def test_a_walk_cut_at_its_reach_ends_the_round_there(plain):
+    """A request whose rounds keep short runs walks only that far: the draft at its reach becomes
+    a token its slot forbids (so the round keeps at most the drafts before it, and the correction
+    is drawn at that slot, under its mask), and the slots past it are never masked."""
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+    stops, vocab = sorted(plain.target.config.eos_token_ids), plain.target.config.vocab_size
+    ids = plain.generate(["# json\n"], SamplingParams(max_new_tokens=160, constraint=c))[0].output_ids[:8]
+    m = plain.grammars.matcher(c, stops)
+    assert m.reach(7) == 7  # nothing kept yet: the whole window
+    m.fill_window(xgr_bitmask(8, vocab), list(ids[:7]))
+    m.advance(ids[:2])  # a drafted round kept one draft and its correction
+    assert m.reach(7) == 2
+    bitmask, drafts = xgr_bitmask(7, vocab), list(ids[2:])  # the next round's drafts, all allowed
+    assert m.fill_window(bitmask, drafts, reach=m.reach(7)) == [2]
+    assert drafts[:2] == ids[2:4] and drafts[2] != ids[4]
+    fresh = plain.grammars.matcher(c, stops)
+    fresh.advance(ids[:4])
+    assert not torch.isfinite(fresh.mask_window(torch.zeros(1, vocab), None)[0, drafts[2]])  # forbidden: rejected
+    assert bitmask[3:].eq(-1).all() and not bitmask[2].eq(-1).all()  # slot 2 masked, none after it
+
+
+def xgr_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    import xgrammar
+
+    return xgrammar.allocate_token_bitmask(rows, vocab)
 
 
 @pytest.mark.parametrize("method, logprobs", [("tiny-dflash.yaml", None), ("tiny-gemma4-mtp.yaml", 2)])

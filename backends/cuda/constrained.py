@@ -74,10 +74,9 @@ class ConstrainedRounds:
         pinned = backend.device.type == "cuda"
         self._drafts = torch.zeros(b.drafts.numel(), dtype=torch.int64, pin_memory=pinned)  # [max_batch * K] on the host
         k, vocab = backend.width - 1, backend.target.config.vocab_size
-        dtype = backend.target.model.embed_tokens.weight.dtype  # the drafter's logits are rounded through it
         self.scored = min(b.max_batch, SCORED) if k > 0 and backend.drafter is not None else 0
-        self.scores = torch.empty(self.scored, k, vocab, dtype=dtype, device=backend.device)  # [scored, K, V]
-        self._scores = torch.empty(self.scores.shape, dtype=dtype, pin_memory=pinned)  # its copy on the host
+        self.scores = torch.empty(self.scored, k, vocab, dtype=torch.float32, device=backend.device)  # [scored, K, V]
+        self._scores = torch.empty(self.scores.shape, dtype=torch.float32, pin_memory=pinned)  # its copy on the host
         self._drafted = torch.cuda.Event() if pinned else None  # the last draft copy has landed
         self.ahead: Ahead | None = None
 
@@ -156,7 +155,8 @@ class ConstrainedRounds:
         if drafts is None:
             return None
         scored = len(lanes) <= self.scored
-        return [best_allowed(d, self._scores[i]) if scored else forced(d) for i, d in enumerate(drafts)]
+        host = self._scores.numpy()
+        return [best_allowed(d, host[i]) if scored else forced(d) for i, d in enumerate(drafts)]
 
     def _reverified(self, drafts: list[list[int]], ahead: Ahead) -> Tensor:
         """The verify logits over the drafts the masks' walk chose (a draft the grammar forbids

@@ -56,13 +56,14 @@ class TokenMasks:
     def load(self, reqs: list[Request], drafts: list[list[int]] | None, bucket: int, width: int,
              choosers: list | None = None) -> bool:
         """The rows' masks for a round of ``width`` slots (``drafts`` [n][width - 1] on the host,
-        None for a plain round; chosen in place by ``choosers``: core.grammar.fill_masks),
+        None for a plain round; chosen in place by ``choosers``, each row walked as far as its
+        grammar's reach: core.grammar.fill_masks),
         padding rows up to ``bucket`` all allowed, copied to the device view [bucket, width,
         words] the round's graph reads -> whether any draft changed."""
         if self._copied is not None:
             self._copied.synchronize()
         size = bucket * width * self.words
-        steered = fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words), choosers)
+        steered = fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words), choosers, reach=True)
         self.device[:size].copy_(self._host[:size], non_blocking=self._copied is not None)
         if self._copied is not None:
             events.record(self._copied, self._index)
