@@ -108,7 +108,8 @@ class ConstrainedRounds:
         if fresh:
             ahead = self._unmasked(ids, width)
         drafts = self._host_drafts(bucket, width)
-        steered = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))  # after the chosen drafts
+        # the masks after the chosen drafts
+        steered = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))
         logits = self._reverified(drafts, ahead) if steered else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         if rows != list(range(len(reqs))):  # the requests' rows, in their order
