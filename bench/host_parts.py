@@ -40,7 +40,7 @@ PARTS = {  # owner (an attribute path from the engine) -> methods timed on it
     "backend.constrained": ("launch", "_unmasked", "_host_drafts", "_steered"),
     "backend.constrained.masks": ("load",),
 }
-MATCHER = ("fill_window", "steer", "advance")  # timed on each constrained request's matcher
+MATCHER = ("fill_window", "choose", "advance")  # timed on each constrained request's matcher
 
 
 def _owner(engine: Engine, path: str):
