@@ -162,7 +162,7 @@ def format_table(results: list[dict]) -> str:
         pos = " ".join(f"{p:.2f}" for p in r["accept_per_pos"])
         grammar = "" if "grammar_refused_drafts" not in r else (
             f"; the grammar refused {r['grammar_refused_drafts']} drafts and replaced "
-            f"{r.get('grammar_replaced_drafts', 0)} by the drafter's best allowed; "
+            f"{r['grammar_replaced_drafts']} by the drafter's best allowed; "
             f"{r['json_valid']}/{r['prompts']} outputs "
             f"valid JSON; masks {r['grammar_mask_ms_per_round']:.3f} ms a round; constrained `none` "
             f"{r['baseline_tokens_per_s']:.1f} tok/s against {r['free_baseline_tokens_per_s']:.1f} free of the "

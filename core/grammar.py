@@ -216,12 +216,6 @@ class Matcher:
         self.mask_s, self.rounds, self.refused = counts
         return changed
 
-    def steer(self, drafts: list[int]) -> tuple[list[int], list[int]]:
-        """(the drafts with each one the grammar forbids replaced by the token the grammar forces
-        there, if it forces one; the slots replaced)."""
-        out = list(drafts)
-        return out, self.choose(out, forced(out))
-
     def advance(self, tokens: list[int]) -> None:
         """The tokens a round keeps, each allowed by its slot's mask."""
         if self._drafted:  # the drafts it accepted: all but the last token
@@ -353,18 +347,17 @@ def masked(logits: Tensor, reqs, drafts: Tensor | None) -> Tensor:
     return out
 
 
-def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, choosers: list | None = None,
-               reach: bool = False) -> bool:
+def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, choosers: list | None = None) -> bool:
     """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
     (Matcher.fill_window after its drafts, chosen in place by ``choosers[i]`` where given, each
-    walked only as far as its Matcher.reach with ``reach``), every other row (and a None one:
-    padding) all allowed -> whether any draft changed. A plain round's
+    walked only as far as its Matcher.reach), every other row (and a None one: padding) all
+    allowed -> whether any draft changed. A plain round's
     (no drafts) in one loop over the matchers, its host time shared among them: a batch's masks
     are on the path between two of its rounds."""
     bitmask.fill_(-1)
     if drafts is not None:
         return any([req.grammar.fill_window(bitmask[i], drafts[i], None if choosers is None else choosers[i],
-                                            req.grammar.reach(len(drafts[i])) if reach else None)
+                                            req.grammar.reach(len(drafts[i])))
                     for i, req in enumerate(reqs) if req is not None and req.grammar is not None])
     grammars = [(i, req.grammar) for i, req in enumerate(reqs) if req is not None and req.grammar is not None]
     start, flat, width = time.perf_counter(), bitmask.view(-1, bitmask.shape[-1]), bitmask.shape[1]

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from conftest import full_forward, respec  # noqa: E402
 from draftline.core.engine import Engine, RequestError  # noqa: E402
 from draftline.core.grammar import Constraint, best_allowed, drawn_allowed  # noqa: E402
+from draftline.core.grammar import forced as forced_token  # noqa: E402
 from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits  # noqa: E402
 from draftline.core.policy import DraftPolicy, Drafted  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
@@ -182,7 +183,8 @@ def test_a_draft_the_grammar_forbids_becomes_the_token_it_forces(plain):
     assert forced  # the object's opening and first key are forced
     m = plain.grammars.matcher(c, stops)
     wrong = [(t + 1) % vocab if j in forced else t for j, t in enumerate(ids)]
-    steered, replaced = m.steer(wrong)
+    steered = list(wrong)
+    replaced = m.choose(steered, forced_token(steered))
     assert steered == ids and replaced == forced
     assert allowed([]) == torch.isfinite(m.mask_window(torch.zeros(1, vocab), None)[0]).sum().item()  # rolled back
 
@@ -251,7 +253,7 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     In the graphs' case the next round's draft step and verify forward run ahead, launched
     behind each round for the same rows: the next launch takes them, also once the free request
     has ended (its row then padding), so only the first launch runs them itself; drafts the
-    grammar forbids where it forces a token are steered to it, and the verify runs again over them."""
+    grammar forbids are replaced by the drafter's best allowed, and the verify runs again over them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = respec(load_spec(SPECS / method), "cuda", max_batch_size=3, device=dev, dtype="float32", max_model_len=96)
     drafted = Engine(spec, draft_policy="always")
@@ -270,7 +272,7 @@ def test_the_cuda_backend_masks_as_the_reference(plain, method, logprobs):
     assert got[0].meta_info["spec_accepted_tokens"] > 0 and got[0].meta_info["grammar_mask_ms_per_round"] > 0
     run_anew = calls["unmasked"] - calls["launch"]  # each launch also runs the next round's part ahead
     assert run_anew == 1 < calls["launch"] if logprobs is None else calls["launch"] == 0
-    if logprobs is None:  # drafts steered to tokens the grammar forces, their verify run again
+    if logprobs is None:  # forbidden drafts replaced by the drafter's best allowed, their verify run again
         assert got[0].meta_info["grammar_replaced_drafts"] > 0
 
 

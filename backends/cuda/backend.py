@@ -371,8 +371,8 @@ class CudaBackend:
 
     def _eager_drafts(self, reqs: list[Request], bucket: int, width: int, sampled: bool) -> Tensor | None:
         """A round's drafts proposed outside its graph: drawn from q (``sampled``: q goes to the
-        acceptance), or for rows that read their logits beside a grammar, which replaces those it
-        forbids where it forces a token -> q [n, W - 1, V], or None."""
+        acceptance), or for rows that read their logits beside a grammar, which chooses them
+        again under its masks (core.grammar.chosen) -> q [n, W - 1, V], or None."""
         n = len(reqs)
         self.bufs.gather(bucket)
         rows = self._rows(bucket, width - 1, greedy=not sampled, scores=any(r.grammar is not None for r in reqs))

@@ -108,9 +108,8 @@ class ConstrainedRounds:
         if fresh:
             ahead = self._unmasked(ids, width)
         drafts = self._host_drafts(bucket, width)
-        # the masks after the chosen drafts
-        steered = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))
-        logits = self._reverified(drafts, ahead) if steered else ahead.logits
+        changed = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))  # after the choices
+        logits = self._reverified(drafts, ahead) if changed else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         if rows != list(range(len(reqs))):  # the requests' rows, in their order
             packed = packed.index_select(0, self.backend.staging.put(np.array(rows, dtype=np.int64)))
@@ -161,9 +160,9 @@ class ConstrainedRounds:
 
     def _reverified(self, drafts: list[list[int]], ahead: Ahead) -> Tensor:
         """The verify logits over the drafts the masks' walk chose (a draft the grammar forbids
-        replaced: Matcher.fill_window): the new drafts go to the device
-        and the verify forward runs again, a graph's into the same logits; the tokens after a
-        forced slot are worth verifying."""
+        replaced: Matcher.fill_window): the new drafts go to the device and the verify forward
+        runs again, a graph's into the same logits; the tokens after a replaced slot are worth
+        verifying."""
         bucket = len(ahead.lanes)
         self.backend.bufs.drafts[:bucket].copy_(self.backend.staging.put(np.array(drafts, dtype=np.int64)))
         return self.backend._replay(bucket, ahead.width, False, False)[0]

@@ -63,11 +63,11 @@ class TokenMasks:
         if self._copied is not None:
             self._copied.synchronize()
         size = bucket * width * self.words
-        steered = fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words), choosers, reach=True)
+        changed = fill_masks(reqs, drafts, self._host[:size].view(bucket, width, self.words), choosers)
         self.device[:size].copy_(self._host[:size], non_blocking=self._copied is not None)
         if self._copied is not None:
             events.record(self._copied, self._index)
-        return steered
+        return changed
 
     def view(self, bucket: int, width: int) -> Tensor:
         return self.device[: bucket * width * self.words].view(bucket, width, self.words)
