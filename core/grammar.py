@@ -14,7 +14,8 @@ A draft the grammar forbids would end its round's run there, and a drafter that 
 grammar proposes many (a JSON key spelled as the target spells it under the mask is rarely the
 drafter's unmasked argmax). So before the verify, each constrained row's drafts are chosen under
 the masks (``chosen``): a forbidden draft becomes the drafter's best token the grammar allows
-there, read off the drafter's logits at that slot, the same masked argmax the target takes.
+there, read off the drafter's ranking at that slot (its CANDIDATES best tokens, ``candidates``),
+the masked argmax the target takes wherever the drafter ranks an allowed token that high.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 CACHED = 256  # compiled grammars kept (a repeated schema costs nothing)
 EXTRA = "pip install 'draftline[structured]' (xgrammar)"
 RUN_WEIGHT = 0.3  # a drafted round's weight in the moving average of accepted runs
-Chooser = Callable[[int, Tensor], "int | None"]  # (slot, its mask row) -> the slot's draft instead, or None
+CANDIDATES = 64  # a slot's best drafter tokens a forbidden draft is replaced from (32 miss the allowed one often)
+LOOK = 32  # candidates checked at a time: most replacements are among the first
+Chooser = Callable[[int, np.ndarray], "int | None"]  # (slot, its mask row) -> the slot's draft instead, or None
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,7 @@ class Matcher:
         ``reach``: walk no further than that draft, which becomes a token its slot's mask forbids
         (rejected there, so the slots after it are never read: their masks are left unfilled)."""
         start, walked, changed, matcher = time.perf_counter(), 0, [], self.matcher
+        rows = bitmask.numpy()  # the choosers read words on the host: numpy's indexing is cheap
         last = 0 if drafts is None else bitmask.shape[0] - 1
         self._drafted = drafts is not None
         for j in range(last + 1):
@@ -183,13 +187,13 @@ class Matcher:
             matcher.fill_next_token_bitmask(bitmask, j)
             if j == last:
                 break
-            if j == reach and (cut := _forbidden(bitmask[j], self.vocab_size)) is not None:
+            if j == reach and (cut := _forbidden(rows[j], self.vocab_size)) is not None:
                 drafts[j] = cut
                 changed.append(j)
                 break
-            new = None if choose is None else choose(j, bitmask[j])
+            new = None if choose is None else choose(j, rows[j])
             if new is not None and new != drafts[j]:
-                self.replaced += not _allows(bitmask[j], drafts[j])
+                self.replaced += not _allows(rows[j], drafts[j])
                 drafts[j] = new
                 changed.append(j)
             if not matcher.accept_token(drafts[j]):
@@ -233,35 +237,49 @@ class Matcher:
         return self.matcher.is_terminated()
 
 
-def _only_token(words: Tensor) -> int | None:
+def _only_token(words: np.ndarray) -> int | None:
     """The one token a bitmask row [ceil(V / 32)] int32 allows, or None if it allows more."""
-    row = words.numpy()
-    set_words = row.nonzero()[0]
+    set_words = words.nonzero()[0]
     if len(set_words) != 1:
         return None
     i = int(set_words[0])
-    bits = int(row[i]) & 0xFFFFFFFF
+    bits = int(words[i]) & 0xFFFFFFFF
     return 32 * i + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
 
 
-def _allows(words: Tensor, token: int) -> bool:
+def _first_allowed(words: np.ndarray) -> int | None:
+    """The lowest token a bitmask row allows, or None if it allows none."""
+    set_words = words.nonzero()[0]
+    if not len(set_words):
+        return None
+    bits = int(words[set_words[0]]) & 0xFFFFFFFF
+    return 32 * int(set_words[0]) + (bits & -bits).bit_length() - 1
+
+
+def _allows(words: np.ndarray, token: int) -> bool:
     return bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
 
-def _masked_row(x: Tensor, words: Tensor) -> Tensor:
+def _masked_row(x: Tensor, words: np.ndarray) -> Tensor:
     """x [V] float32 on the host with the tokens a bitmask row forbids at -inf (a copy)."""
     return x.masked_fill(~torch.from_numpy(_allowed(words, x.shape[0])), float("-inf"))
 
 
-def _allowed(words: Tensor, vocab: int) -> np.ndarray:
+def _allowed(words: np.ndarray, vocab: int) -> np.ndarray:
     """A bitmask row [ceil(V / 32)] int32 -> [V] bool, the tokens it allows (bit t % 32 of word t // 32)."""
-    return np.unpackbits(words.numpy().view(np.uint8), bitorder="little")[:vocab].view(bool)
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].view(bool)
 
 
-def _forbidden(words: Tensor, vocab: int) -> int | None:
+def _forbidden(words: np.ndarray, vocab: int) -> int | None:
     """A token the bitmask row forbids, or None if it allows them all."""
     banned = np.flatnonzero(~_allowed(words, vocab))
     return int(banned[0]) if banned.size else None
+
+
+def candidates(scores: Tensor) -> Tensor:
+    """scores [..., V] (a drafter's logits at its slots) -> [..., CANDIDATES] int32, its best
+    tokens at each slot, best first: what a forbidden draft is replaced from (best_allowed)."""
+    return scores.topk(min(CANDIDATES, scores.shape[-1]), dim=-1).indices.int()
 
 
 def forced(drafts: list[int]) -> Chooser:
@@ -269,16 +287,21 @@ def forced(drafts: list[int]) -> Chooser:
     return lambda j, words: None if _allows(words, drafts[j]) else _only_token(words)
 
 
-def best_allowed(drafts: list[int], scores: np.ndarray) -> Chooser:
+def best_allowed(drafts: list[int], ranked: np.ndarray) -> Chooser:
     """A chooser for argmax drafts: a forbidden draft becomes the drafter's best token the grammar
-    allows there (scores [K, V] float32 on the host, the drafter's logits at each slot), which
-    is the argmax the drafter would have drafted under the slot's mask."""
-    def choose(j: int, words: Tensor) -> int | None:
+    allows there among its ranked candidates (ranked [K, M] int32 on the host: ``candidates``),
+    which is the argmax the drafter would have drafted under the slot's mask; where the grammar
+    allows none of them, the lowest token it allows (the one it forces, where it forces one)."""
+    def choose(j: int, words: np.ndarray) -> int | None:
         if _allows(words, drafts[j]):
             return None
-        x = scores[j]
-        allowed = _allowed(words, x.shape[0])
-        return int(np.where(allowed, x, -np.inf).argmax()) if allowed.any() else None
+        for lo in range(0, ranked.shape[1], LOOK):
+            c = ranked[j, lo : lo + LOOK]
+            ok = (words[c >> 5] >> (c & 31)) & 1  # each candidate's bit
+            first = int(ok.argmax())
+            if ok[first]:
+                return int(c[first])
+        return _first_allowed(words)  # the drafter ranks every allowed token low: any of them, as likely
 
     return choose
 
@@ -292,7 +315,7 @@ def drawn_allowed(req, scores: Tensor, probs: Tensor, row: int) -> Chooser:
 
     batch = SamplingBatch.of([req.params], torch.device("cpu"))
 
-    def choose(j: int, words: Tensor) -> int | None:
+    def choose(j: int, words: np.ndarray) -> int | None:
         x = _masked_row(scores[j].float(), words)
         if not bool(torch.isfinite(x).any()):
             return None
@@ -309,7 +332,7 @@ def chooser(req, drafts: list[int], proposal, row: int, probs: Tensor | None) ->
     if proposal.scores is None:
         return forced(drafts)
     scores = proposal.scores[row].float().cpu()  # [K, V]
-    return best_allowed(drafts, scores.numpy()) if probs is None else drawn_allowed(req, scores, probs, row)
+    return best_allowed(drafts, candidates(scores).numpy()) if probs is None else drawn_allowed(req, scores, probs, row)
 
 
 def chosen(reqs, proposal):

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from conftest import full_forward, respec  # noqa: E402
 from draftline.core.engine import Engine, RequestError  # noqa: E402
-from draftline.core.grammar import Constraint, best_allowed, drawn_allowed  # noqa: E402
+from draftline.core.grammar import Constraint, best_allowed, candidates, drawn_allowed  # noqa: E402
 from draftline.core.grammar import forced as forced_token  # noqa: E402
 from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits  # noqa: E402
 from draftline.core.policy import DraftPolicy, Drafted  # noqa: E402
@@ -190,21 +190,25 @@ def test_a_draft_the_grammar_forbids_becomes_the_token_it_forces(plain):
 
 
 def test_a_forbidden_draft_becomes_the_drafters_best_allowed_token(plain):
-    """With the drafter's logits at each slot, a draft the grammar forbids becomes the drafter's
-    argmax under the slot's mask (after the drafts chosen before it); a draft drawn from q is
-    drawn again from q under the mask, which becomes the slot's q (no mass where it forbids)."""
+    """With the drafter's ranking at each slot, a draft the grammar forbids becomes the drafter's
+    best candidate the slot's mask allows (after the drafts chosen before it), the lowest allowed
+    token where it allows none of them; a draft drawn from q is drawn again from q under the
+    mask, which becomes the slot's q (no mass where it forbids)."""
     c = Constraint("json_schema", json.dumps(SCHEMA))
     stops, vocab = sorted(plain.target.config.eos_token_ids), plain.target.config.vocab_size
     scores = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))  # [K, V]
     m = plain.grammars.matcher(c, stops)
     drafts = [plain.encode("hello")[0]] * 8  # forbidden at the object's opening
-    changed = m.choose(drafts, best_allowed(drafts, scores.numpy()))
+    ranked = candidates(scores)  # [K, CANDIDATES]
+    changed = m.choose(drafts, best_allowed(drafts, ranked.numpy()))
     assert changed and m.replaced == len(changed) and m.refused == 0
     for j, token in enumerate(drafts):
         fresh = plain.grammars.matcher(c, stops)
         fresh.advance(drafts[:j])
-        allowed = fresh.mask_window(scores[j : j + 1], None)[0]
-        assert token == int(allowed.argmax()) or (j not in changed and torch.isfinite(allowed[token]))
+        allowed = torch.isfinite(fresh.mask_window(torch.zeros(1, vocab), None)[0])
+        ok = [int(t) for t in ranked[j] if allowed[t]]
+        best = ok[0] if ok else int(allowed.nonzero()[0])
+        assert token == best or (j not in changed and allowed[token])
     req = type("R", (), {"params": SamplingParams(temperature=1.0, seed=3), "seq_len": 5})()  # what a draw reads
     probs, sampled = torch.zeros(1, 8, vocab), list(drafts)
     m.choose(sampled, drawn_allowed(req, scores, probs, 0))

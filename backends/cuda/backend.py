@@ -39,7 +39,7 @@ from draftline.core.models.config import ConfigError
 from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
-from draftline.core.grammar import chosen, masked
+from draftline.core.grammar import candidates, chosen, masked
 from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
 
 from . import events
@@ -407,12 +407,12 @@ class CudaBackend:
             self._draft_step(bucket, width)
         return self._verify_step(bucket, width, decide)
 
-    def _draft_round(self, bucket: int, width: int, scores: Tensor | None = None) -> None:
+    def _draft_round(self, bucket: int, width: int, ranked: Tensor | None = None) -> None:
         """A round's draft step alone, from the rows' slot state (a constrained round's, whose
-        host reads the drafts before it masks the verify: constrained.py), the drafter's logits
-        into ``scores`` [bucket, K, V] where given."""
+        host reads the drafts before it masks the verify: constrained.py), each slot's best
+        tokens by the drafter into ``ranked`` [bucket, K, M] where given."""
         self.bufs.gather(bucket)
-        self._draft_step(bucket, width, scores)
+        self._draft_step(bucket, width, ranked)
 
     def collect(self, handle: Launch) -> RoundResult:
         return self.landing.collect(handle)
@@ -431,14 +431,14 @@ class CudaBackend:
                          features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
                          drafts=drafts, positions=positions, end=end, greedy=greedy, scores=scores)
 
-    def _draft_step(self, bucket: int, width: int, scores: Tensor | None = None) -> None:
+    def _draft_step(self, bucket: int, width: int, ranked: Tensor | None = None) -> None:
         """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps)."""
-        rows = self._rows(bucket, width - 1, greedy=True, scores=scores is not None)  # a graph's: greedy rows alone
+        rows = self._rows(bucket, width - 1, greedy=True, scores=ranked is not None)  # a graph's: greedy rows alone
         proposal = self.drafter.propose([], rows)
         tokens = proposal.tokens  # [bucket, K], or its first width - 1 columns
         self.bufs.drafts[:bucket, : tokens.shape[1]].copy_(tokens)
-        if scores is not None:
-            scores[:, : tokens.shape[1]].copy_(proposal.scores)
+        if ranked is not None:
+            ranked[:, : tokens.shape[1]].copy_(candidates(proposal.scores))
         if self.draft_override is not None:
             self.draft_override(self.bufs.row(SLOT, bucket), rows.start, self.bufs.drafts[:bucket])
 

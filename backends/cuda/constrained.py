@@ -18,9 +18,9 @@ compute runs its unmasked part anew, and another launch in between drops it (it 
 rows into the round buffers the part left: drafts, starts, seeds): at worst the device computed
 one forward for nothing. A prefill between them writes only its own slots' state. Drafts the
 grammar forbids are replaced by the drafter's best allowed token once the host has read them
-(the draft step brings the drafter's logits back with its drafts for rounds of up to SCORED
-rows; past that, only where the grammar forces a token), and the verify forward runs again over
-the new drafts: the tokens after a replaced slot are worth verifying. Drafts drawn from q take
+(the draft step brings each slot's best CANDIDATES tokens back with its drafts, a small copy at
+any vocabulary), and the verify forward runs again over the new drafts: the tokens after a
+replaced slot are worth verifying. Drafts drawn from q take
 the eager path, which chooses them under the grammar before its verify.
 """
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from draftline.core.grammar import best_allowed, forced
+from draftline.core.grammar import CANDIDATES, best_allowed
 from draftline.core.request import Request
 
 from . import events
@@ -44,9 +44,6 @@ from .masks import TokenMasks, apply_masks
 
 if TYPE_CHECKING:
     from .backend import CudaBackend
-
-
-SCORED = 16  # rows a constrained round brings its drafter's logits back for (a [rows, K, V] copy)
 
 
 @dataclass(frozen=True)
@@ -73,10 +70,9 @@ class ConstrainedRounds:
         self.masks = TokenMasks(b.max_batch, backend.width, backend.target.config.vocab_size, backend.device)
         pinned = backend.device.type == "cuda"
         self._drafts = torch.zeros(b.drafts.numel(), dtype=torch.int64, pin_memory=pinned)  # [max_batch * K] on the host
-        k, vocab = backend.width - 1, backend.target.config.vocab_size
-        self.scored = min(b.max_batch, SCORED) if k > 0 and backend.drafter is not None else 0
-        self.scores = torch.empty(self.scored, k, vocab, dtype=torch.float32, device=backend.device)  # [scored, K, V]
-        self._scores = torch.empty(self.scores.shape, dtype=torch.float32, pin_memory=pinned)  # its copy on the host
+        k, m = backend.width - 1, min(CANDIDATES, backend.target.config.vocab_size)
+        self.ranked = torch.zeros(b.max_batch, k, m, dtype=torch.int32, device=backend.device)  # [max_batch, K, M]
+        self._ranked = torch.zeros(self.ranked.shape, dtype=torch.int32, pin_memory=pinned)  # its copy on the host
         self._drafted = torch.cuda.Event() if pinned else None  # the last draft copy has landed
         self.ahead: Ahead | None = None
 
@@ -129,12 +125,11 @@ class ConstrainedRounds:
         bucket, backend = len(lanes), self.backend
         started = backend.landing.started()
         if width > 1:
-            scores = self.scores[:bucket] if bucket <= self.scored else None
-            backend.graphs.run(("draft", bucket, width), lambda: backend._draft_round(bucket, width, scores))
+            ranked = self.ranked[:bucket]
+            backend.graphs.run(("draft", bucket, width), lambda: backend._draft_round(bucket, width, ranked))
             drafts = backend.bufs.drafts[:bucket]  # [bucket, K]: a constrained round drafts its full window
             self._drafts[: drafts.numel()].view_as(drafts).copy_(drafts, non_blocking=self._drafted is not None)
-            if scores is not None:
-                self._scores[:bucket].copy_(scores, non_blocking=self._drafted is not None)
+            self._ranked[:bucket].copy_(ranked, non_blocking=self._drafted is not None)
             if self._drafted is not None:
                 events.record(self._drafted, backend.landing.device_index)
         logits, _ = backend._replay(bucket, width, False, False)
@@ -150,13 +145,11 @@ class ConstrainedRounds:
 
     def _choosers(self, lanes: list[Request | None], drafts: list[list[int]] | None) -> list | None:
         """How each constrained row's drafts are chosen under its grammar: the drafter's best
-        allowed token where its logits came back (rounds of up to SCORED rows), else the token
-        the grammar forces (core.grammar)."""
+        allowed token among its candidates (core.grammar.best_allowed)."""
         if drafts is None:
             return None
-        scored = len(lanes) <= self.scored
-        host = self._scores.numpy()
-        return [best_allowed(d, host[i]) if scored else forced(d) for i, d in enumerate(drafts)]
+        host = self._ranked.numpy()
+        return [best_allowed(d, host[i]) for i, d in enumerate(drafts)]
 
     def _reverified(self, drafts: list[list[int]], ahead: Ahead) -> Tensor:
         """The verify logits over the drafts the masks' walk chose (a draft the grammar forbids
