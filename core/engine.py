@@ -251,7 +251,7 @@ class Engine:
     def _grammar_meta(g) -> dict[str, Any]:
         """A constrained request's grammar costs: compile time (0 from the cache), host time for
         masks per round, the drafts the grammar forbade and kept (rejected at their slot) and
-        those replaced by a token it allows (core.grammar.chosen)."""
+        those replaced by a token it allows (core.walk.chosen)."""
         per_round = 1e3 * g.mask_s / g.rounds if g.rounds else 0.0
         return {"grammar_compile_ms": round(g.compile_ms, 3), "grammar_mask_ms_per_round": round(per_round, 4),
                 "grammar_refused_drafts": g.refused, "grammar_replaced_drafts": g.replaced}

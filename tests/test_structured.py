@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 
 from conftest import full_forward, respec  # noqa: E402
 from draftline.core.engine import Engine, RequestError  # noqa: E402
-from draftline.core.grammar import Constraint, best_allowed, candidates, drawn_allowed  # noqa: E402
-from draftline.core.grammar import forced as forced_token  # noqa: E402
+from draftline.core.grammar import Constraint  # noqa: E402
+from draftline.core.walk import best_allowed, candidates, drawn_allowed, walk  # noqa: E402
+from draftline.core.walk import forced as forced_token  # noqa: E402
 from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits  # noqa: E402
 from draftline.core.policy import DraftPolicy, Drafted  # noqa: E402
 from draftline.core.spec import load_spec  # noqa: E402
@@ -239,6 +240,41 @@ def test_a_walk_cut_at_its_reach_ends_the_round_there(plain):
     fresh.advance(ids[:4])
     assert not torch.isfinite(fresh.mask_window(torch.zeros(1, vocab), None)[0, drafts[2]])  # forbidden: rejected
     assert bitmask[3:].eq(-1).all() and not bitmask[2].eq(-1).all()  # slot 2 masked, none after it
+
+
+def test_rows_walked_together_equal_each_walked_alone(plain):
+    """A batch's rows walk their windows in lockstep (one batched fill and accept a slot): each
+    row's masks, chosen drafts, counts and state after the walk equal its walk alone, with rows
+    that replace drafts, refuse one, are cut at their reach or hold no grammar beside it."""
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+    stops, vocab = sorted(plain.target.config.eos_token_ids), plain.target.config.vocab_size
+    ids = plain.generate(["# json\n"], SamplingParams(max_new_tokens=160, constraint=c))[0].output_ids
+    ranked = candidates(torch.randn(7, vocab, generator=torch.Generator().manual_seed(1))).numpy()  # [K, M]
+    starts, bad = (0, 3, 9, 20), plain.encode("hello")[0]
+
+    def rows():
+        made = []
+        for r, at in enumerate(starts):
+            m = plain.grammars.matcher(c, stops)
+            m.advance(ids[:at])
+            drafts = list(ids[at : at + 7])
+            drafts[r] = bad  # forbidden at a different slot in each row
+            made.append((m, drafts, None if r == 1 else best_allowed(drafts, ranked), 3 if r == 2 else None))
+        return made
+
+    alone = []
+    for m, drafts, choose, reach in rows():
+        bitmask = xgr_bitmask(8, vocab)
+        alone.append((m.fill_window(bitmask, drafts, choose, reach), drafts, bitmask, m.replaced, m.refused))
+    together, bitmask = rows(), xgr_bitmask(5 * 8, vocab)  # row 4 of the bitmask: a request with no grammar
+    changed = walk([m for m, *_ in together], bitmask, [0, 8, 16, 24], [d for _, d, *_ in together],
+                   [ch for *_, ch, _ in together], [r for *_, r in together], 7)
+    assert bitmask[32:].eq(-1).all()
+    for r, ((m, drafts, *_), (was, want, mask, replaced, refused)) in enumerate(zip(together, alone)):
+        assert changed[r] == was and drafts == want and (m.replaced, m.refused) == (replaced, refused)
+        assert torch.equal(bitmask[8 * r : 8 * r + 8], mask)
+        m.advance(ids[starts[r] : starts[r] + 1])  # rolled back: the walk left each at its own tokens
+    assert alone[1][4] == 1 and alone[0][3] == 1 and alone[2][0][-1] == 3  # refused, replaced, cut at its reach
 
 
 def xgr_bitmask(rows: int, vocab: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from draftline.core.models.config import ConfigError
 from draftline.core.models.ops import Forward
 from draftline.core.models.target import TargetModel
 from draftline.core.request import Request, SpecStats
-from draftline.core.grammar import candidates, chosen, masked
+from draftline.core.walk import candidates, chosen, masked
 from draftline.core.sampling import Filters, SamplingParams, probs_from_logits
 
 from . import events
@@ -372,7 +372,7 @@ class CudaBackend:
     def _eager_drafts(self, reqs: list[Request], bucket: int, width: int, sampled: bool) -> Tensor | None:
         """A round's drafts proposed outside its graph: drawn from q (``sampled``: q goes to the
         acceptance), or for rows that read their logits beside a grammar, which chooses them
-        again under its masks (core.grammar.chosen) -> q [n, W - 1, V], or None."""
+        again under its masks (core.walk.chosen) -> q [n, W - 1, V], or None."""
         n = len(reqs)
         self.bufs.gather(bucket)
         rows = self._rows(bucket, width - 1, greedy=not sampled, scores=any(r.grammar is not None for r in reqs))

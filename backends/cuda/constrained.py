@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from draftline.core.grammar import CANDIDATES, best_allowed
+from draftline.core.walk import CANDIDATES, best_allowed
 from draftline.core.request import Request
 
 from . import events
@@ -145,7 +145,7 @@ class ConstrainedRounds:
 
     def _choosers(self, lanes: list[Request | None], drafts: list[list[int]] | None) -> list | None:
         """How each constrained row's drafts are chosen under its grammar: the drafter's best
-        allowed token among its candidates (core.grammar.best_allowed)."""
+        allowed token among its candidates (core.walk.best_allowed)."""
         if drafts is None:
             return None
         host = self._ranked.numpy()
@@ -156,8 +156,11 @@ class ConstrainedRounds:
         replaced: Matcher.fill_window): the new drafts go to the device and the verify forward
         runs again, a graph's into the same logits; the tokens after a replaced slot are worth
         verifying."""
-        bucket = len(ahead.lanes)
-        self.backend.bufs.drafts[:bucket].copy_(self.backend.staging.put(np.array(drafts, dtype=np.int64)))
+        bucket, chosen, buf = len(ahead.lanes), np.array(drafts, dtype=np.int64), self.backend.bufs.drafts
+        if chosen.shape[1] == buf.shape[1]:  # the full window: its rows lead the buffer, one copy straight in
+            self.backend.staging.put_into(buf.view(-1), chosen.ravel())
+        else:
+            buf[:bucket, : chosen.shape[1]].copy_(self.backend.staging.put(chosen))
         return self.backend._replay(bucket, ahead.width, False, False)[0]
 
     def _decide(self, bucket: int, width: int, logits: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """Token masks on the device: each constrained row's grammar as a bitmask per verify slot (bit
 t % 32 of word t // 32 set: token t allowed), applied to the verify's logits inside the round's
-graph, before the graph decides the round. The host fills the masks (core.grammar.fill_masks:
+graph, before the graph decides the round. The host fills the masks (core.walk.fill_masks:
 slot j after the drafts before it) into a pinned buffer and copies them, without waiting, into
 the persistent one the graphs read."""
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from draftline.core.grammar import fill_masks
+from draftline.core.walk import fill_masks
 from draftline.core.request import Request
 
 from . import events
@@ -57,7 +57,7 @@ class TokenMasks:
              choosers: list | None = None) -> bool:
         """The rows' masks for a round of ``width`` slots (``drafts`` [n][width - 1] on the host,
         None for a plain round; chosen in place by ``choosers``, each row walked as far as its
-        grammar's reach: core.grammar.fill_masks),
+        grammar's reach: core.walk.fill_masks),
         padding rows up to ``bucket`` all allowed, copied to the device view [bucket, width,
         words] the round's graph reads -> whether any draft changed."""
         if self._copied is not None:

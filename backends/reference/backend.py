@@ -20,7 +20,7 @@ from draftline.core.models.eager import EAGER
 from draftline.core.models.ops import Forward
 from draftline.core.models.shard import ops_for
 from draftline.core.models.target import TargetModel
-from draftline.core.grammar import chosen, masked
+from draftline.core.walk import chosen, masked
 from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
 from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
