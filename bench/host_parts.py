@@ -37,7 +37,7 @@ PARTS = {  # owner (an attribute path from the engine) -> methods timed on it
     "backend.prefiller.prefix_store": ("restore", "stages", "saves", "copy", "release"),
     "backend.cache": ("flush", "allocate", "reserve", "release"),
     "backend.staging": ("put", "put_many", "put_into"),  # the backend's own calls (the prefix store bound its own at start-up)
-    "backend.constrained": ("launch", "_unmasked", "_host_drafts", "_reverified"),
+    "backend.constrained": ("launch", "_unmasked", "_host_drafts", "_put_drafts", "_reverified"),
     "backend.constrained.masks": ("load",),
 }
 MATCHER = ("fill_window", "choose", "advance")  # timed on each constrained request's matcher

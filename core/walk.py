@@ -86,22 +86,27 @@ def _choose(m, row: np.ndarray, drafts: list[int], j: int, choose: Chooser | Non
     return True
 
 
-def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor, choosers: list | None = None) -> bool:
+def fill_masks(reqs, drafts: list[list[int]] | None, bitmask: Tensor,
+               choosers: list | None = None) -> tuple[bool, bool]:
     """bitmask [>= N, W, ceil(V / 32)] int32 on the host: each constrained request's slot masks
     (after its drafts, chosen in place by ``choosers[i]`` where given, each walked only as far
-    as its Matcher.reach), every other row (and a None one: padding) all allowed -> whether any
-    draft changed. The rows walk together (``walk``); a plain round (no drafts) fills slot 0."""
+    as its Matcher.reach), every other row (and a None one: padding) all allowed -> (whether any
+    draft changed, whether any changed before its row's cut: a verify forward over the drafts
+    as they were no longer holds there; one changed only at its cut is rejected at that slot,
+    whose logits read only the drafts before it). The rows walk together (``walk``); a plain
+    round (no drafts) fills slot 0."""
     bitmask.fill_(-1)
     rows = [i for i, req in enumerate(reqs) if req is not None and req.grammar is not None]
     if not rows:
-        return False
+        return False, False
     width, matchers = bitmask.shape[1], [reqs[i].grammar for i in rows]
     own = [None] * len(rows) if drafts is None else [drafts[i] for i in rows]
     chooses = [None] * len(rows) if choosers is None else [choosers[i] for i in rows]
     reaches = [None if d is None else m.reach(len(d)) for m, d in zip(matchers, own)]
     flat = bitmask.view(-1, bitmask.shape[-1])
     changed = walk(matchers, flat, [i * width for i in rows], own, chooses, reaches, 0 if drafts is None else width - 1)
-    return any(changed)
+    # at its reach a slot changes only by the cut (a mask that forbids nothing leaves no token to replace)
+    return any(changed), any(j != reach for slots, reach in zip(changed, reaches) for j in slots)
 
 
 def _only_token(words: np.ndarray) -> int | None:

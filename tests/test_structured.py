@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from conftest import full_forward, respec  # noqa: E402
 from draftline.core.engine import Engine, RequestError  # noqa: E402
 from draftline.core.grammar import Constraint  # noqa: E402
-from draftline.core.walk import best_allowed, candidates, drawn_allowed, walk  # noqa: E402
+from draftline.core.walk import best_allowed, candidates, drawn_allowed, fill_masks, walk  # noqa: E402
 from draftline.core.walk import forced as forced_token  # noqa: E402
 from draftline.core.sampling import SamplingBatch, SamplingParams, probs_from_logits  # noqa: E402
 from draftline.core.policy import DraftPolicy, Drafted  # noqa: E402
@@ -275,6 +275,34 @@ def test_rows_walked_together_equal_each_walked_alone(plain):
         assert torch.equal(bitmask[8 * r : 8 * r + 8], mask)
         m.advance(ids[starts[r] : starts[r] + 1])  # rolled back: the walk left each at its own tokens
     assert alone[1][4] == 1 and alone[0][3] == 1 and alone[2][0][-1] == 3  # refused, replaced, cut at its reach
+
+
+def test_a_draft_cut_at_its_reach_keeps_the_verify_logits(plain):
+    """fill_masks says which drafts changed and whether the verify forward over the old drafts
+    still holds: a cut at a row's reach changes a draft the round rejects at that slot (whose
+    logits read only the drafts before it), so the forward holds; a replaced draft before the
+    cut does not."""
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+    stops, vocab = sorted(plain.target.config.eos_token_ids), plain.target.config.vocab_size
+    ids = plain.generate(["# json\n"], SamplingParams(max_new_tokens=160, constraint=c))[0].output_ids
+    ranked = candidates(torch.randn(7, vocab, generator=torch.Generator().manual_seed(2))).numpy()
+
+    def request(keep: int):  # a request whose drafted rounds kept ``keep`` drafts: its reach is keep + 1
+        m = plain.grammars.matcher(c, stops)
+        m.fill_window(xgr_bitmask(8, vocab), list(ids[:7]))
+        m.advance(ids[: keep + 1])
+        return type("R", (), {"grammar": m})()
+
+    def fill(reqs, drafts):
+        return fill_masks(reqs, drafts, xgr_bitmask(len(reqs) * 8, vocab).view(len(reqs), 8, -1),
+                          [best_allowed(d, ranked) for d in drafts])
+
+    cut = list(ids[2:9])  # all allowed: only the cut at slot 2 changes one
+    assert fill([request(1), None], [cut, list(cut)]) == (True, False) and cut[2] != ids[4]
+    replaced = list(ids[2:9])
+    replaced[0] = plain.encode("hello")[0]  # forbidden before the cut
+    assert fill([request(1)], [replaced]) == (True, True)
+    assert fill([request(6)], [list(ids[7:14])]) == (False, False)  # walked to its end, nothing changed
 
 
 def xgr_bitmask(rows: int, vocab: int) -> torch.Tensor:

@@ -104,8 +104,10 @@ class ConstrainedRounds:
         if fresh:
             ahead = self._unmasked(ids, width)
         drafts = self._host_drafts(bucket, width)
-        changed = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))  # after the choices
-        logits = self._reverified(drafts, ahead) if changed else ahead.logits
+        moved, stale = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))  # after the choices
+        if moved:
+            self._put_drafts(drafts, bucket)
+        logits = self._reverified(ahead) if stale else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         if rows != list(range(len(reqs))):  # the requests' rows, in their order
             packed = packed.index_select(0, self.backend.staging.put(np.array(rows, dtype=np.int64)))
@@ -151,17 +153,20 @@ class ConstrainedRounds:
         host = self._ranked.numpy()
         return [best_allowed(d, host[i]) for i, d in enumerate(drafts)]
 
-    def _reverified(self, drafts: list[list[int]], ahead: Ahead) -> Tensor:
-        """The verify logits over the drafts the masks' walk chose (a draft the grammar forbids
-        replaced: Matcher.fill_window): the new drafts go to the device and the verify forward
-        runs again, a graph's into the same logits; the tokens after a replaced slot are worth
-        verifying."""
-        bucket, chosen, buf = len(ahead.lanes), np.array(drafts, dtype=np.int64), self.backend.bufs.drafts
+    def _put_drafts(self, drafts: list[list[int]], bucket: int) -> None:
+        """The drafts the masks' walk chose (a forbidden draft replaced, or cut at its row's
+        reach: Matcher.fill_window) onto the device, where the decision reads them."""
+        chosen, buf = np.array(drafts, dtype=np.int64), self.backend.bufs.drafts
         if chosen.shape[1] == buf.shape[1]:  # the full window: its rows lead the buffer, one copy straight in
             self.backend.staging.put_into(buf.view(-1), chosen.ravel())
         else:
             buf[:bucket, : chosen.shape[1]].copy_(self.backend.staging.put(chosen))
-        return self.backend._replay(bucket, ahead.width, False, False)[0]
+
+    def _reverified(self, ahead: Ahead) -> Tensor:
+        """The verify logits over the chosen drafts, where one changed before its row's cut: the
+        verify forward runs again, a graph's into the same logits; the tokens after a replaced
+        slot are worth verifying."""
+        return self.backend._replay(len(ahead.lanes), ahead.width, False, False)[0]
 
     def _decide(self, bucket: int, width: int, logits: Tensor) -> Tensor:
         """The round decided over its verify logits masked by each constrained row's grammar

@@ -59,7 +59,8 @@ class TokenMasks:
         None for a plain round; chosen in place by ``choosers``, each row walked as far as its
         grammar's reach: core.walk.fill_masks),
         padding rows up to ``bucket`` all allowed, copied to the device view [bucket, width,
-        words] the round's graph reads -> whether any draft changed."""
+        words] the round's graph reads -> (whether any draft changed, whether any changed
+        before its row's cut: fill_masks)."""
         if self._copied is not None:
             self._copied.synchronize()
         size = bucket * width * self.words
