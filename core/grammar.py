@@ -132,8 +132,8 @@ class Grammars:
         """A fresh matcher for one request, ending at one of ``stop_ids``."""
         compiled, ms = self.compile(c)
         xgr = _xgrammar()
-        if self.batch is None:  # its threads start once, with the first constrained request
-            self.batch = xgr.BatchGrammarMatcher()
+        if self.batch is None:  # one thread: handing a slot's small fills to more cost more than the fills
+            self.batch = xgr.BatchGrammarMatcher(max_threads=1)
         return Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids), self.vocab_size, ms, self.batch)
 
 

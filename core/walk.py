@@ -11,8 +11,8 @@ from q are drawn again from q under the mask. Any such choice is lossless: a dra
 the acceptance rule weighs by the q it was drawn from.
 
 A batch's rows walk in lockstep: slot j's masks for every row still walking are filled in one
-call (xgrammar's batch matcher fills them on its threads) and its drafts accepted in another,
-so a wide round pays the grammar's per-call cost once a slot rather than once a row and slot.
+call (xgrammar's batch matcher) and its drafts accepted in another, so a wide round pays the
+Python side of a call once a slot rather than once a row and slot.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def walk(matchers: list, bitmask: Tensor, bases: list[int], drafts: list, choose
         live = [r for r in live if not xs[r].is_terminated()]  # past its stop token (ignore_eos): nothing to constrain
         if not live:
             break
-        if len(live) == 1:  # one call a slot either way; a batch's calls on xgrammar's threads
+        if len(live) == 1:  # one call a slot either way
             xs[live[0]].fill_next_token_bitmask(bitmask, bases[live[0]] + j)
         else:
             batch.batch_fill_next_token_bitmask([xs[r] for r in live], bitmask, [bases[r] + j for r in live])
