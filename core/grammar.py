@@ -88,7 +88,7 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.cache: OrderedDict[Constraint, Any] = OrderedDict()
         self.lock = threading.Lock()  # requests are prepared on worker threads
-        self.batch = None  # xgrammar's batch matcher: a batch's masks filled on its threads (core.walk)
+        self.batch = None  # xgrammar's batch matcher (made with the first matcher): a batch's rows walk together
 
     def compile(self, c: Constraint) -> tuple[Any, float]:
         """(the compiled grammar, ms spent compiling it: 0 when the cache had it), or a
@@ -140,7 +140,7 @@ class Grammars:
 class Matcher:
     """One request's grammar state: masks for a round's verify slots, advanced by kept tokens."""
 
-    def __init__(self, matcher, vocab_size: int, compile_ms: float, batch=None):
+    def __init__(self, matcher, vocab_size: int, compile_ms: float, batch):
         self.matcher, self.vocab_size, self.compile_ms, self.batch = matcher, vocab_size, compile_ms, batch
         self.mask_s = 0.0  # host time spent building and applying masks
         self.rounds = 0  # mask windows built (one per round, plain or drafted)

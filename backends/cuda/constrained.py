@@ -106,7 +106,7 @@ class ConstrainedRounds:
         drafts = self._host_drafts(bucket, width)
         moved, stale = self.masks.load(lanes, drafts, bucket, width, self._choosers(lanes, drafts))  # after the choices
         if moved:
-            self._put_drafts(drafts, bucket)
+            self._put_drafts(drafts)
         logits = self._reverified(ahead) if stale else ahead.logits
         packed = self.backend.graphs.run(("decide", bucket, width), lambda: self._decide(bucket, width, logits))
         if rows != list(range(len(reqs))):  # the requests' rows, in their order
@@ -153,14 +153,11 @@ class ConstrainedRounds:
         host = self._ranked.numpy()
         return [best_allowed(d, host[i]) for i, d in enumerate(drafts)]
 
-    def _put_drafts(self, drafts: list[list[int]], bucket: int) -> None:
+    def _put_drafts(self, drafts: list[list[int]]) -> None:
         """The drafts the masks' walk chose (a forbidden draft replaced, or cut at its row's
-        reach: Matcher.fill_window) onto the device, where the decision reads them."""
-        chosen, buf = np.array(drafts, dtype=np.int64), self.backend.bufs.drafts
-        if chosen.shape[1] == buf.shape[1]:  # the full window: its rows lead the buffer, one copy straight in
-            self.backend.staging.put_into(buf.view(-1), chosen.ravel())
-        else:
-            buf[:bucket, : chosen.shape[1]].copy_(self.backend.staging.put(chosen))
+        reach: Matcher.fill_window) onto the device, where the decision reads them: a constrained
+        round drafts the full window, so its rows lead the buffer and one copy lands them."""
+        self.backend.staging.put_into(self.backend.bufs.drafts.view(-1), np.array(drafts, dtype=np.int64).ravel())
 
     def _reverified(self, ahead: Ahead) -> Tensor:
         """The verify logits over the chosen drafts, where one changed before its row's cut: the

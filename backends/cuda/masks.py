@@ -54,7 +54,7 @@ class TokenMasks:
         self._index = events.device_index(device) if pinned else -1
 
     def load(self, reqs: list[Request], drafts: list[list[int]] | None, bucket: int, width: int,
-             choosers: list | None = None) -> bool:
+             choosers: list | None = None) -> tuple[bool, bool]:
         """The rows' masks for a round of ``width`` slots (``drafts`` [n][width - 1] on the host,
         None for a plain round; chosen in place by ``choosers``, each row walked as far as its
         grammar's reach: core.walk.fill_masks),
