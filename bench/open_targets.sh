@@ -26,7 +26,7 @@ export PYTHONUNBUFFERED=1
 GPU_TESTS="tests/test_cuda_attention.py tests/test_batch_invariance.py tests/test_cuda_matvec.py
   tests/test_cuda_backend.py tests/test_staging.py tests/test_prefix.py tests/test_eagle3.py tests/test_gpu.py
   tests/test_kv_memory.py tests/test_speculators_heads.py tests/test_cuda_kernels.py tests/test_cuda_sliding.py
-  tests/test_prefill_prices.py tests/test_acceptance.py tests/test_cuda_fp8.py tests/test_structured.py"
+  tests/test_prefill_prices.py tests/test_acceptance.py tests/test_cuda_fp8.py tests/test_structured.py tests/test_bench_serve.py"
 
 run() {  # run LIMIT NAME CMD...: CMD under a time limit, its log in $OUT/NAME.log, its tail shown
   local limit=$1 name=$2
