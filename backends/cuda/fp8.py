@@ -5,10 +5,7 @@ One kernel serves every row count. Each program streams its weight tiles as e4m3
 weight's bytes) and quantizes its rows of x as it loads them, one 128-wide group per K step
 (the checkpoint's dynamic per-token scheme: a group's scale is its largest magnitude over 448),
 so the activations cost no launch of their own; the group's e4m3 product goes through the
-matrix units and is scaled by both scales into a float32 sum. A norm that feeds only FP8
-products quantizes its rows as it writes them (``Fp8Rows``, norm.py): the product then loads
-e4m3 rows and their scales, which its weight stream's pipeline carries along, where quantizing
-in the loop held it to about 0.9 of the rate (the values are the same bit for bit). As in matvec.py the K range may be
+matrix units and is scaled by both scales into a float32 sum. As in matvec.py the K range may be
 split (float32 partial sums that the next norm or q/k/v kernel adds), and the gated form writes
 silu(gate) * up. A row's result depends on its own values alone, its groups summed in one order
 fixed by the weight's shape, whatever M is: the product is batch-invariant as the bf16 one.
@@ -35,7 +32,6 @@ from .matvec import MAX_ROWS, PROGRAMS, _epilogue, interpreted, row_tile
 GROUP = 128  # a K step: one activation group and one weight block's columns
 _MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -80,23 +76,6 @@ def pack(linears: list[Fp8Linear]) -> Fp8Weight:
 
 
 @dataclass(frozen=True)
-class Fp8Rows:
-    """Activations quantized as the products read them: a norm's output for an FP8 target's
-    q/k/v or gate/up products (norm.add_norm with ``quantize``)."""
-
-    values: Tensor  # [M, K] float8_e4m3fn
-    scales: Tensor  # [M, cdiv(K, 128)] float32: each 128-wide group's largest magnitude / 448
-    shape: torch.Size  # the activations' shape ([N, W, K]), M their product but the last
-    dtype: torch.dtype  # the model's: the products' results are rounded to it
-
-    @staticmethod
-    def empty(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> "Fp8Rows":
-        rows, k = shape[:-1].numel(), shape[-1]
-        return Fp8Rows(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device),
-                       torch.empty(rows, triton.cdiv(k, GROUP), dtype=torch.float32, device=device), shape, dtype)
-
-
-@dataclass(frozen=True)
 class Fp8Tiling:
     block_m: int  # rows a program takes
     block_n: int  # output columns a program takes
@@ -137,27 +116,17 @@ def _to_grid(v):
 
 
 @triton.jit
-def quantize_groups(v, EXACT_CAST: tl.constexpr):
-    """float32 [R, 128], one group a row (zeros past K) -> (e4m3 values, each row's float32
-    scale): the checkpoint's dynamic scheme, the one rounding every quantizing kernel shares."""
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), _MAX), _MIN_SCALE)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -_MAX), _MAX)
+def _quantized(x, rm, rk, M, K, EXACT_CAST: tl.constexpr):
+    """Rows rm x columns rk (one group) of x -> (e4m3 values, each row's float32 scale). Rows
+    past M read row M - 1 again (their results are never stored): a row mask on the load made
+    a product of fewer rows than the tile twice as slow as a full tile."""
+    rows = tl.minimum(rm, M - 1)
+    xt = tl.load(x + rows[:, None].to(tl.int64) * K + rk[None, :], mask=rk[None, :] < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xt), axis=1), _MAX), _MIN_SCALE)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(xt, scale[:, None]), -_MAX), _MAX)
     if EXACT_CAST:  # the GPU's conversion rounds to nearest even
         return q.to(tl.float8e4nv), scale
     return _to_grid(q).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def _quantized(x, xs, rm, rk, M, K, G, g, PREQUANT: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """Rows rm x columns rk (group g) of x -> (e4m3 values, each row's float32 scale): loaded
-    as they are (PREQUANT: x e4m3, xs its scales [M, G]) or quantized from x here. Rows past M
-    read row M - 1 again (their results are never stored): a row mask on the load made a
-    product of fewer rows than the tile twice as slow as a full tile."""
-    rows = tl.minimum(rm, M - 1)
-    xt = tl.load(x + rows[:, None].to(tl.int64) * K + rk[None, :], mask=rk[None, :] < K, other=0.0)
-    if PREQUANT:
-        return xt, tl.load(xs + rows * G + g)
-    return quantize_groups(xt.to(tl.float32), EXACT_CAST)
 
 
 @triton.jit
@@ -181,10 +150,10 @@ def _group_swapped(q, sx, w, s, rows, rk, END, K, G, SCALE_ROWS: tl.constexpr, g
 
 
 @triton.jit
-def _fp8_rows(x, xs, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
+def _fp8_rows(x, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
               GATED: tl.constexpr, SPLIT: tl.constexpr, SCALE_ROWS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
-              SWAP: tl.constexpr, PREQUANT: tl.constexpr, DT: tl.constexpr):
+              SWAP: tl.constexpr):
     """Program (row tile, column block, K split): BLOCK_N outputs of BLOCK_M rows over groups
     [pk * GROUPS_PER_SPLIT, +GROUPS_PER_SPLIT). Row tiles vary fastest: the programs reading one
     weight tile run side by side. The two orientations keep a loop each (their accumulators
@@ -199,7 +168,7 @@ def _fp8_rows(x, xs, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
         acc_ut = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for g in range(first, first + GROUPS_PER_SPLIT):
             rk = g * 128 + tl.arange(0, 128)
-            q, sx = _quantized(x, xs, rm, rk, M, K, G, g, PREQUANT, EXACT_CAST)
+            q, sx = _quantized(x, rm, rk, M, K, EXACT_CAST)
             acc_gt += _group_swapped(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
             if GATED:
                 acc_ut += _group_swapped(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
@@ -210,24 +179,22 @@ def _fp8_rows(x, xs, w, s, out, M, N, K, G, GROUPS_PER_SPLIT,
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for g in range(first, first + GROUPS_PER_SPLIT):
             rk = g * 128 + tl.arange(0, 128)
-            q, sx = _quantized(x, xs, rm, rk, M, K, G, g, PREQUANT, EXACT_CAST)
+            q, sx = _quantized(x, rm, rk, M, K, EXACT_CAST)
             acc_g += _group(q, sx, w, s, rn, rk, N, K, G, SCALE_ROWS, g)
             if GATED:  # the up rows sit N rows below the gate rows
                 acc_u += _group(q, sx, w, s, rn + N, rk, 2 * N, K, G, SCALE_ROWS, g)
     _epilogue(acc_g, acc_u, out, out, out, out, out, out, out, out, rm, rn, M, N, 1, 0, pk,
-              DT, GATED, SPLIT, False, False)
+              x.dtype.element_ty, GATED, SPLIT, False, False)
 
 
-def fp8_product(x: Tensor | Fp8Rows, w: Fp8Weight, gated: bool = False, out_dtype: torch.dtype | None = None,
+def fp8_product(x: Tensor, w: Fp8Weight, gated: bool = False, out_dtype: torch.dtype | None = None,
                 invariant: bool = False, tiling: Fp8Tiling | None = None) -> Tensor:
-    """x [M, K] (or its rows quantized already) @ dequantized(w).T -> [M, N] rounded to x's
-    dtype (stored as ``out_dtype`` when given), or float32 partial sums [split, M, N] for the
-    next norm or q/k/v kernel to add. ``gated``: w is [gate; up] and the result silu(gate) * up.
-    ``invariant``: row tiles of 16 at any M, so a row's products meet the matrix units in the
-    same shape however many rows run. ``tiling``: fp8_tiling's unless given (a probe's)."""
-    quantized = isinstance(x, Fp8Rows)
-    values, scales, dtype = (x.values, x.scales, x.dtype) if quantized else (x.contiguous(), None, x.dtype)
-    m, k = values.shape
+    """x [M, K] @ dequantized(w).T -> [M, N] rounded to x's dtype (stored as ``out_dtype`` when
+    given), or float32 partial sums [split, M, N] for the next norm or q/k/v kernel to add.
+    ``gated``: w is [gate; up] and the result silu(gate) * up. ``invariant``: row tiles of 16 at
+    any M, so a row's products meet the matrix units in the same shape however many rows run.
+    ``tiling``: fp8_tiling's unless given (a probe's candidates)."""
+    m, k = x.shape
     rows, cols = w.shape
     n = rows // 2 if gated else rows
     if cols != k:
@@ -239,13 +206,14 @@ def fp8_product(x: Tensor | Fp8Rows, w: Fp8Weight, gated: bool = False, out_dtyp
     split, groups = t.split, triton.cdiv(k, GROUP)
     if groups % split or (gated and split > 1):
         raise ValueError(f"fp8_product: {groups} groups of K do not split into {split} (gated: whole sums only)")
+    x = x.contiguous()
     if split == 1:
-        out = torch.empty(m, n, dtype=out_dtype or dtype, device=values.device)
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=values.device)
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
-    _fp8_rows[grid](values, scales, w.weight, w.scale, out, m, n, k, w.scale.shape[1], groups // split,
+    _fp8_rows[grid](x, w.weight, w.scale, out, m, n, k, w.scale.shape[1], groups // split,
                     GATED=gated, SPLIT=split, SCALE_ROWS=w.scale_rows, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                    EXACT_CAST=not interpreted(), SWAP=t.swap, PREQUANT=quantized, DT=TL_DTYPES[dtype],
+                    EXACT_CAST=not interpreted(), SWAP=t.swap,
                     num_warps=t.warps, num_stages=t.stages, **overlap.launch(release=True))
     return out

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from draftline.core.models.fp8 import Fp8Linear
 
 from . import overlap
-from .fp8 import GROUP, Fp8Rows, Fp8Weight, fp8_product, pack
+from .fp8 import Fp8Weight, fp8_product, pack
 from .matvec import MAX_ROWS, WIDE_WEIGHTS, choose_tiling, invariant_tiling, matvec
 
 
@@ -31,20 +31,17 @@ def _silu_mul_kernel(gu, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(out + r * I + cols, silu * u, mask=inside)
 
 
-def linear(x: Tensor | Fp8Rows, weight: Tensor | Fp8Weight, gated: bool = False,
-           out_dtype: torch.dtype | None = None, invariant: bool = False) -> Tensor:
+def linear(x: Tensor, weight: Tensor | Fp8Weight, gated: bool = False, out_dtype: torch.dtype | None = None,
+           invariant: bool = False) -> Tensor:
     """x [M, K] @ weight.T through the decode matvec when it applies (the result may then be
     float32 partial sums [parts, M, N]: add_norm and the q/k/v kernel take those), else the
     matrix library. ``gated``: weight is [gate; up] and the result silu(gate) * up. Whole
     results are rounded to x's dtype, then stored as ``out_dtype`` when given. ``invariant``:
     the matvec at every M, its reductions fixed by the weight's shape (matvec.invariant_tiling),
     where the matrix library's algorithm would change with M; a launch-bound weight past the
-    matvec's rows takes that form too (launch_bound). An Fp8Weight goes through fp8.py's product
-    (x may then be rows quantized already)."""
+    matvec's rows takes that form too (launch_bound). An Fp8Weight goes through fp8.py's product."""
     if isinstance(weight, Fp8Weight):
         return fp8_product(x, weight, gated, out_dtype, invariant)
-    if isinstance(x, Fp8Rows):
-        raise ValueError("linear: quantized rows reach a weight that is not FP8 (a norm marked as feeding FP8 only)")
     return product(x, weight, gated, out_dtype, invariant or launch_bound(x.shape[0], weight))
 
 
@@ -92,20 +89,6 @@ def fuse(model: nn.Module) -> None:
             m.fused_gate_up, _ = _fuse([m.gate_proj, m.up_proj])
         if isinstance(m, Fp8Linear) and getattr(m, "packed", None) is None:  # o and down: read alone
             m.packed = pack([m])
-    for m in model.modules():  # a second pass: a layer comes before its attention and MLP
-        _mark_quantizing_norms(m)
-
-
-def _mark_quantizing_norms(layer: nn.Module) -> None:
-    """A decoder layer's norms whose one reader is an FP8 product (the input norm's q/k/v, the
-    post-attention norm's gate/up) write their rows quantized (``quantizes``): the products then
-    stream their weight without quantizing the activations in the loop."""
-    readers = (("input_layernorm", "self_attn", "fused_qkv"), ("post_attention_layernorm", "mlp", "fused_gate_up"))
-    for norm, child, weight in readers:
-        norm_module, reader = getattr(layer, norm, None), getattr(layer, child, None)
-        fp8 = isinstance(getattr(reader, weight, None), Fp8Weight)
-        if norm_module is not None and fp8 and norm_module.weight.shape[0] >= GROUP:
-            norm_module.quantizes = True
 
 
 def _fuse(linears: list[nn.Module]) -> tuple[Tensor | Fp8Weight, Tensor | None]:

@@ -1,8 +1,7 @@
 """RMSNorm kernels: a norm with the residual add deferred into it (add_norm), over a linear's
 result or its float32 partial sums (added and rounded to the model dtype as they are loaded).
 The add's sum is written too: it is the next residual, and a tapped layer's output, which may
-go straight into its columns of the features (a strided ``out``). A norm that feeds only FP8
-products writes its rows quantized (fp8.Fp8Rows) instead of in the model dtype."""
+go straight into its columns of the features (a strided ``out``)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ import triton.language as tl
 from torch import Tensor
 
 from . import overlap
-from .fp8 import GROUP, Fp8Rows, quantize_groups
-from .matvec import interpreted
 
 
 @triton.jit
@@ -35,14 +32,12 @@ def rms_row(s, weight, H, eps, dt):
 
 
 @triton.jit
-def _add_norm_kernel(a, h, w, h_out, y_out, y_scales, H, eps, part, sh, so, HAS_ADD: tl.constexpr,
-                     HAS_H: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                     KEEP: tl.constexpr = False, QUANT: tl.constexpr = False, EXACT_CAST: tl.constexpr = True):
+def _add_norm_kernel(a, h, w, h_out, y_out, H, eps, part, sh, so, HAS_ADD: tl.constexpr, HAS_H: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, KEEP: tl.constexpr = False):
     """Row r: s = a + h (rounded to the model dtype, as an eager add is), y = rmsnorm(s) * w.
     Without HAS_H, s = a (its partial sums added and rounded), written to h_out only with KEEP. h and
     h_out rows are ``sh`` and ``so`` apart (a tapped layer's output goes into the features); a's
-    partial sums ``part`` elements (rows x H, from the host: past 2^31 in a long prefill). QUANT:
-    y (rounded to the model dtype) goes out as e4m3 values and a scale per 128 columns."""
+    partial sums ``part`` elements (rows x H, from the host: past 2^31 in a long prefill)."""
     overlap.gate(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -59,39 +54,27 @@ def _add_norm_kernel(a, h, w, h_out, y_out, y_scales, H, eps, part, sh, so, HAS_
         tl.store(h_out + r * so + cols, s, mask=inside)
         s = s.to(tl.float32)
     weight = tl.load(w + cols, mask=inside, other=0.0)
-    if QUANT:
-        y = rms_row(s, weight, H, eps, h_out.dtype.element_ty).to(tl.float32)
-        q, scale = quantize_groups(tl.reshape(y, (BLOCK // 128, 128)), EXACT_CAST)
-        groups = tl.arange(0, BLOCK // 128)
-        tl.store(y_out + r * H + tl.reshape(cols, (BLOCK // 128, 128)), q, mask=tl.reshape(inside, (BLOCK // 128, 128)))
-        tl.store(y_scales + r * tl.cdiv(H, 128) + groups, scale, mask=groups * 128 < H)
-    else:
-        tl.store(y_out + r * H + cols, rms_row(s, weight, H, eps, y_out.dtype.element_ty), mask=inside)
+    tl.store(y_out + r * H + cols, rms_row(s, weight, H, eps, y_out.dtype.element_ty), mask=inside)
 
 
 def add_norm(a: Tensor | None, h: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
-             invariant: bool = False, quantize: bool = False) -> tuple[Tensor, Tensor | Fp8Rows]:
+             invariant: bool = False) -> tuple[Tensor, Tensor]:
     """(h + a, rmsnorm(h + a) * weight) over rows of h [..., H]; with a None, (h, rmsnorm(h)).
     ``a`` may be a matvec's float32 partial sums [parts, rows, H], added as they are read. The
     sum goes to ``out`` [rows, H] when given (rows may be strided, as h's may), else a new tensor.
-    ``invariant``: the warps (and so the reduction's tree) fixed, not chosen by the row count.
-    ``quantize``: the normed rows as FP8 products read them (H of at least 128)."""
+    ``invariant``: the warps (and so the reduction's tree) fixed, not chosen by the row count."""
     flat = h.reshape(-1, h.shape[-1])  # a view: a 2-D h keeps its row stride
     rows, width = flat.shape
     parts = 1 if a is None else a.numel() // flat.numel()
     total = flat  # with nothing to add, h is the sum
     if a is not None:
         total = out if out is not None else torch.empty(rows, width, dtype=h.dtype, device=h.device)
-    if quantize and width < GROUP:
-        raise ValueError(f"add_norm: rows of {width} columns are not quantized (a group is {GROUP})")
-    normed = Fp8Rows.empty(h.shape, h.dtype, h.device) if quantize else \
-        torch.empty(rows, width, dtype=h.dtype, device=h.device)
-    y, scales = (normed.values, normed.scales) if quantize else (normed, None)
-    _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, y, scales, width, eps, rows * width,
+    normed = torch.empty(rows, width, dtype=h.dtype, device=h.device)
+    _add_norm_kernel[(rows,)](flat if a is None else a, flat, weight, total, normed, width, eps, rows * width,
                               flat.stride(0), total.stride(0), HAS_ADD=a is not None, HAS_H=True, PARTS=parts,
-                              BLOCK=triton.next_power_of_2(width), QUANT=quantize, EXACT_CAST=not interpreted(),
+                              BLOCK=triton.next_power_of_2(width),
                               num_warps=norm_warps(rows, invariant), **overlap.launch(release=True))
-    return total.view(h.shape), normed if quantize else normed.view(h.shape)
+    return total.view(h.shape), normed.view(h.shape)
 
 
 def norm_warps(rows: int, invariant: bool = False) -> int:
@@ -107,7 +90,7 @@ def norm(a: Tensor, weight: Tensor, eps: float, rows: int, keep: Tensor | None =
     ``keep`` [rows, H] the rounded sum is written there too (a residual stream's start)."""
     out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=a.device)
     width = weight.shape[0]
-    _add_norm_kernel[(rows,)](a, a, weight, out if keep is None else keep, out, None, width, eps, rows * width, width,
+    _add_norm_kernel[(rows,)](a, a, weight, out if keep is None else keep, out, width, eps, rows * width, width,
                               width if keep is None else keep.stride(0), HAS_ADD=True, HAS_H=False,
                               PARTS=a.numel() // out.numel(), BLOCK=triton.next_power_of_2(weight.shape[0]),
                               num_warps=norm_warps(rows), KEEP=keep is not None, **overlap.launch(release=True))

@@ -4,8 +4,7 @@ RMSNorm (norm.py), the q/k/v matvec (linear.py), q/k-norm + RoPE + K/V store (qk
 attention by the forward's mask (views.py), the output matvec, add + RMSNorm, the gate-up
 matvec writing SiLU·up, the down matvec. A matvec may leave float32 partial sums, which the
 norm and q/k/v kernels add as they load; the residual add is deferred into the next norm, which
-writes a tapped layer's output straight into its columns of the features. A norm that feeds
-only FP8 products (linear.fuse marks it) hands them its rows quantized (fp8.Fp8Rows)."""
+writes a tapped layer's output straight into its columns of the features."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from draftline.core.models.fp8 import Fp8Linear
 from draftline.core.models.ops import Forward, Partial
 
 from .embedding import embed_beside, normed_beside
-from .fp8 import Fp8Rows, Fp8Weight
+from .fp8 import Fp8Weight
 from .head import head_argmax
 from .linear import linear
 from .matvec import ArgmaxScratch
@@ -49,8 +48,9 @@ class CudaOps:
     def project(self, x: Tensor, module: nn.Linear) -> Tensor:
         return F.linear(x, module.weight, module.bias)
 
-    def gated(self, fwd: Forward, x: Tensor | Fp8Rows, mlp: nn.Module) -> Tensor:
-        return linear(_rows(x), mlp.fused_gate_up, gated=True, invariant=fwd.invariant).view(*x.shape[:-1], -1)
+    def gated(self, fwd: Forward, x: Tensor, mlp: nn.Module) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        return linear(flat, mlp.fused_gate_up, gated=True, invariant=fwd.invariant).view(*x.shape[:-1], -1)
 
     def norm(self, fwd: Forward, x: Partial, module: nn.Module) -> Tensor:
         rows = fwd.positions.numel()
@@ -65,8 +65,7 @@ class CudaOps:
             kept = partial.new_empty(n * w, module.weight.shape[0], dtype=module.weight.dtype)
             normed = norm(partial, module.weight, module.eps, n * w, keep=kept)
             return kept.view(n, w, -1), normed.view(n, w, -1)
-        return add_norm(partial, residual, module.weight, module.eps, out=out, invariant=fwd.invariant,
-                        quantize=getattr(module, "quantizes", False))
+        return add_norm(partial, residual, module.weight, module.eps, out=out, invariant=fwd.invariant)
 
     def attention(self, fwd: Forward, layer: int, module: nn.Module, x: Tensor, rotary: nn.Module) -> Tensor:
         view, (n, w) = fwd.kv, fwd.positions.shape
@@ -97,14 +96,10 @@ class CudaOps:
         return block_window(last_token, start, fill, width)
 
     @staticmethod
-    def _product(fwd: Forward, x: Tensor | Fp8Rows, weight: Tensor | Fp8Weight, bias: Tensor | None) -> Partial:
+    def _product(fwd: Forward, x: Tensor, weight: Tensor | Fp8Weight, bias: Tensor | None) -> Partial:
         """x [..., K] @ weight.T: the matvec (maybe partial sums) where it applies; with a bias,
         whole values through the matrix library."""
+        flat = x.reshape(-1, x.shape[-1])
         if bias is not None:
-            return F.linear(_rows(x), weight, bias)
-        return linear(_rows(x), weight, invariant=fwd.invariant)
-
-
-def _rows(x: Tensor | Fp8Rows) -> Tensor | Fp8Rows:
-    """Activations [..., K] as the rows [M, K] a product reads (quantized rows are already)."""
-    return x if isinstance(x, Fp8Rows) else x.reshape(-1, x.shape[-1])
+            return F.linear(flat, weight, bias)
+        return linear(flat, weight, invariant=fwd.invariant)
