@@ -126,17 +126,50 @@ def hash32(x: Tensor) -> Tensor:
 
 
 def row_key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
-    """seed, position [N] int64 -> 32-bit key [N] int64."""
+    """seed, position [N] int64 -> 32-bit key [N] int64 (on the CPU through numpy, as uniform)."""
+    if seed.device.type == "cpu" and position.device.type == "cpu":
+        seed, position = numpy.broadcast_arrays(seed.numpy(), position.numpy())
+        k = _hash32_host(_hash32_host(seed.astype(numpy.uint32)) ^ (seed >> 32).astype(numpy.uint32))
+        k = _hash32_host(k ^ position.astype(numpy.uint32))
+        return torch.from_numpy(_hash32_host(k ^ numpy.uint32(int(stream))).astype(numpy.int64))
     k = hash32(hash32(seed & MASK32) ^ ((seed >> 32) & MASK32))
     k = hash32(k ^ (position & MASK32))
     return hash32(k ^ int(stream))
 
 
 def uniform(key: Tensor, cols: int | None = None) -> Tensor:
-    """Uniform floats in (0, 1) from keys [N]: [N], or [N, cols] (one per column) when cols given."""
+    """Uniform floats in (0, 1) from keys [N]: [N], or [N, cols] (one per column) when cols given.
+    On the CPU through numpy's uint32 arithmetic, which wraps as the hash needs: a row of a
+    vocabulary's draws is a tenth of the int64 form's time there, the same bits."""
+    if key.device.type == "cpu":
+        return torch.from_numpy(_uniform_host(key.numpy(), cols))
     if cols is not None:
         key = hash32(key[:, None] ^ column_keys(cols, key.device)[None, :])
     return unit_interval(hash32(key))
+
+
+def _uniform_host(key: numpy.ndarray, cols: int | None) -> numpy.ndarray:
+    """uniform's numbers for int64 keys in [0, 2^32), in numpy uint32: float32 [N] or [N, cols]."""
+    h = key.astype(numpy.uint32)
+    if cols is not None:
+        h = _hash32_host(h[:, None] ^ _column_keys_host(cols)[None, :])
+    h = _hash32_host(h)
+    return ((h >> numpy.uint32(9)).astype(numpy.float32) + numpy.float32(0.5)) * numpy.float32(1.0 / 8388608.0)
+
+
+def _hash32_host(x: numpy.ndarray) -> numpy.ndarray:
+    """hash32 on uint32 values (products wrap modulo 2^32), in place where it can."""
+    x = x ^ (x >> numpy.uint32(16))
+    x *= numpy.uint32(0x7FEB352D)
+    x ^= x >> numpy.uint32(15)
+    x *= numpy.uint32(0x846CA68B)
+    x ^= x >> numpy.uint32(16)
+    return x
+
+
+@functools.lru_cache(maxsize=8)
+def _column_keys_host(cols: int) -> numpy.ndarray:
+    return column_keys(cols, torch.device("cpu")).numpy().astype(numpy.uint32)
 
 
 @functools.lru_cache(maxsize=8)

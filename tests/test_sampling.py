@@ -28,6 +28,21 @@ def test_hash_matches_32bit_arithmetic():
     assert hash32(torch.tensor(xs)).tolist() == [ref(x) for x in xs]
 
 
+def test_the_cpus_numpy_draws_are_the_int64_forms_bits():
+    """On the CPU row_key and uniform run in numpy's uint32; the int64 torch form (hash32, which
+    the kernels reproduce) gives the same keys and the same floats, seeds past 2^32 included."""
+    seeds = torch.tensor([0, 1, 5, 2**32 - 1, 2**32, 2**40 + 5, 2**63 - 1]).repeat(3)
+    pos = torch.arange(21) * 7919
+    want = hash32(hash32(hash32(hash32(seeds & 0xFFFFFFFF) ^ (seeds >> 32)) ^ pos) ^ int(Stream.RESIDUAL))
+    key = row_key(seeds, pos, Stream.RESIDUAL)
+    assert key.dtype == torch.int64 and torch.equal(key, want)
+    cols = hash32(torch.arange(300) + 0x9E3779B9)
+    assert torch.equal(uniform(key, 300), unit_interval(hash32(hash32(want[:, None] ^ cols[None, :]))))
+    assert torch.equal(uniform(key), unit_interval(hash32(want)))
+    grid = row_key(seeds[:4, None].expand(4, 3), pos[:4, None] + torch.arange(3), Stream.ACCEPT)  # broadcast rows
+    assert torch.equal(grid[:, 1], row_key(seeds[:4], pos[:4] + 1, Stream.ACCEPT))
+
+
 def test_uniform_is_keyed_not_ordered():
     seeds, pos = torch.tensor([5, 7, 5, 2**40 + 5]), torch.tensor([3, 3, 4, 3])
     u = uniform(row_key(seeds, pos, Stream.SAMPLE), 8)
