@@ -210,8 +210,10 @@ class Eagle3Drafter(Drafter):
             return Proposal(tokens=self._greedy_rows(rows))
         if self.kv.positional:
             logits = self._chain_rows(rows)  # [N, K, V]
-        else:  # one request at a time (its pending context, then K-1 chained steps)
-            logits = torch.stack([self._chain(req) for req in reqs])
+        else:  # one request at a time (its pending context, then K-1 chained steps, fewer where
+            # the round verifies fewer drafts)
+            k = self.plan.num_speculative_tokens if rows is None else rows.verified(self.plan.num_speculative_tokens)
+            logits = torch.stack([self._chain(req, k) for req in reqs])
         proposal = Proposal(tokens=logits.argmax(-1)) if argmax else self._sampled(logits, rows)
         return replace(proposal, scores=logits) if scores else proposal
 
@@ -268,10 +270,10 @@ class Eagle3Drafter(Drafter):
         q = probs_from_logits(logits, rows.batch)
         return sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)
 
-    def _chain(self, req: Request) -> Tensor:
-        """-> float32 logits [K, V] of the K draft steps (each step's token is its argmax, or a
+    def _chain(self, req: Request, k: int) -> Tensor:
+        """-> float32 logits [k, V] of k draft steps (each step's token is its argmax, or a
         draw keyed by (seed, position) when drafting probabilistically)."""
-        st, k = req.draft_state, self.plan.num_speculative_tokens
+        st = req.draft_state
         self.kv.truncate(st.cache, st.start)  # drop last round's chained positions
         m = st.pending.shape[0]
         ids = torch.tensor([req.token_ids[st.start + 1 : st.start + 1 + m]], device=st.pending.device)  # [1, m]
