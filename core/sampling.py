@@ -139,8 +139,8 @@ def row_key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
 
 def uniform(key: Tensor, cols: int | None = None) -> Tensor:
     """Uniform floats in (0, 1) from keys [N]: [N], or [N, cols] (one per column) when cols given.
-    On the CPU through numpy's uint32 arithmetic, which wraps as the hash needs: a row of a
-    vocabulary's draws is a tenth of the int64 form's time there, the same bits."""
+    On the CPU through numpy's uint32 arithmetic, which wraps as the hash needs (the int64
+    form's masked 16-bit multiplies cost far more there per element), the same bits."""
     if key.device.type == "cpu":
         return torch.from_numpy(_uniform_host(key.numpy(), cols))
     if cols is not None:
