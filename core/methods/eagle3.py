@@ -206,22 +206,21 @@ class Eagle3Drafter(Drafter):
         argmax = self.plan.draft_sample_method == "greedy" if rows is None else rows.argmax_drafts(
             self.plan.draft_sample_method)
         scores = rows is not None and rows.scores  # the logits kept: a grammar chooses drafts again
+        # the chain's steps: K, fewer where the round verifies fewer drafts
+        k = self.plan.num_speculative_tokens if rows is None else rows.verified(self.plan.num_speculative_tokens)
         if self.kv.positional and self.ascending and argmax and not scores:
-            return Proposal(tokens=self._greedy_rows(rows))
+            return Proposal(tokens=self._greedy_rows(rows, k))
         if self.kv.positional:
-            logits = self._chain_rows(rows)  # [N, K, V]
-        else:  # one request at a time (its pending context, then K-1 chained steps, fewer where
-            # the round verifies fewer drafts)
-            k = self.plan.num_speculative_tokens if rows is None else rows.verified(self.plan.num_speculative_tokens)
+            logits = self._chain_rows(rows, k)  # [N, k, V]
+        else:  # one request at a time (its pending context, then k - 1 chained steps)
             logits = torch.stack([self._chain(req, k) for req in reqs])
         proposal = Proposal(tokens=logits.argmax(-1)) if argmax else self._sampled(logits, rows)
         return replace(proposal, scores=logits) if scores else proposal
 
-    def _chain_rows(self, rows: DraftRows) -> Tensor:
+    def _chain_rows(self, rows: DraftRows, k: int) -> Tensor:
         """Positional store: the last verified position's entry (the round's last token and
-        rows.features), then K-1 chained steps (fewer where the round verifies fewer drafts:
-        rows.verified), one position on each -> logits [N, K, V]."""
-        steps, k = [], rows.verified(self.plan.num_speculative_tokens)
+        rows.features), then k - 1 chained steps, one position on each -> logits [N, k, V]."""
+        steps = []
         token, out, normed = None, None, None
         for j, fwd in enumerate(self._chain_forwards(rows, k)):
             if j == 0:
@@ -232,9 +231,9 @@ class Eagle3Drafter(Drafter):
             steps.append(self.model.logits(out[:, 0], normed[:, 0], self.ops))  # [N, V]
         return torch.stack(steps, dim=1)
 
-    def _greedy_rows(self, rows: DraftRows) -> Tensor:
-        """_chain_rows for greedy drafts, reading out tokens (no logits) -> [N, K]."""
-        tokens, k = [], rows.verified(self.plan.num_speculative_tokens)
+    def _greedy_rows(self, rows: DraftRows, k: int) -> Tensor:
+        """_chain_rows for greedy drafts, reading out tokens (no logits) -> [N, k]."""
+        tokens = []
         out, normed = None, None
         for j, fwd in enumerate(self._chain_forwards(rows, k)):
             if j == 0:
