@@ -41,7 +41,8 @@ def _uncached_drafts(model, target, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
-def test_cached_chain_equals_uncached_recompute_over_rounds():
+def _chain_at_prefill():
+    """(target, head, its drafter on the reference store, a request whose prompt it has read)."""
     torch.manual_seed(0)
     target = random_target("tiny-qwen3", 0)
     model = random_eagle3("tiny-eagle3", 3)
@@ -49,45 +50,43 @@ def test_cached_chain_equals_uncached_recompute_over_rounds():
     drafter = Eagle3Drafter(model, target, ReferenceKV(), plan)
     tokens = torch.randint(0, 256, (12,)).tolist()  # prompt 11 tokens + the first sampled one
     req = SimpleNamespace(draft_state=None, token_ids=tokens)
-    with torch.no_grad():
-        _, feats = full_forward(target, torch.tensor([tokens[:-1]]), TAPS)
-        drafter.extend(req, feats[0], 0)  # prefill: the prompt's features
-        for accepted in (2, 0, K):
-            got = drafter.propose([req], None).tokens[0].tolist()
-            assert got == _uncached_drafts(model, target, req.token_ids, K)
-            # the round accepts `accepted` drafts and adds a token of its own
-            new = got[:accepted] + [int(torch.randint(0, 256, ()))]
-            first = len(req.token_ids) - 1
-            req.token_ids = req.token_ids + new
-            _, feats = full_forward(target, torch.tensor([req.token_ids[:-1]]), TAPS)
-            drafter.extend(req, feats[0, first:], first)  # the verified positions' features
-        assert req.draft_state.start + req.draft_state.pending.shape[0] == len(req.token_ids) - 1
+    _, feats = full_forward(target, torch.tensor([tokens[:-1]]), TAPS)
+    drafter.extend(req, feats[0], 0)  # prefill: the prompt's features
+    return target, model, drafter, req
 
 
+def _accept(target, drafter, req, drafts: list[int], accepted: int) -> None:
+    """The round accepts ``accepted`` drafts and adds a token of its own; the drafter reads the
+    verified positions' features."""
+    new = drafts[:accepted] + [int(torch.randint(0, 256, ()))]
+    first = len(req.token_ids) - 1
+    req.token_ids = req.token_ids + new
+    _, feats = full_forward(target, torch.tensor([req.token_ids[:-1]]), TAPS)
+    drafter.extend(req, feats[0, first:], first)
+
+
+@torch.no_grad()
+def test_cached_chain_equals_uncached_recompute_over_rounds():
+    target, model, drafter, req = _chain_at_prefill()
+    for accepted in (2, 0, K):
+        got = drafter.propose([req], None).tokens[0].tolist()
+        assert got == _uncached_drafts(model, target, req.token_ids, K)
+        _accept(target, drafter, req, got, accepted)
+    assert req.draft_state.start + req.draft_state.pending.shape[0] == len(req.token_ids) - 1
+
+
+@torch.no_grad()
 def test_a_narrower_verify_runs_a_shorter_chain_of_the_same_drafts():
     """A round that verifies fewer drafts (the draft policy's narrower widths) runs only those
     chain steps on the reference backend: the first drafts of the full chain, and the rounds
     after it chain from the same cache as after a full one."""
-    torch.manual_seed(0)
-    target = random_target("tiny-qwen3", 0)
-    model = random_eagle3("tiny-eagle3", 3)
-    plan = Plan(method="eagle3", drafting="chain", num_speculative_tokens=K, target_layer_ids=TAPS)
-    drafter = Eagle3Drafter(model, target, ReferenceKV(), plan)
-    tokens = torch.randint(0, 256, (12,)).tolist()
-    req = SimpleNamespace(draft_state=None, token_ids=tokens)
-    with torch.no_grad():
-        _, feats = full_forward(target, torch.tensor([tokens[:-1]]), TAPS)
-        drafter.extend(req, feats[0], 0)
-        for width, accepted in ((2, 1), (K + 1, 0), (3, 2), (K + 1, 2)):
-            rows = SimpleNamespace(verified=lambda k, d=width - 1: min(k, d), argmax_drafts=lambda method: True,
-                                   scores=False)
-            got = drafter.propose([req], rows).tokens[0].tolist()
-            assert got == _uncached_drafts(model, target, req.token_ids, K)[: width - 1]
-            new = got[:accepted] + [int(torch.randint(0, 256, ()))]
-            first = len(req.token_ids) - 1
-            req.token_ids = req.token_ids + new
-            _, feats = full_forward(target, torch.tensor([req.token_ids[:-1]]), TAPS)
-            drafter.extend(req, feats[0, first:], first)
+    target, model, drafter, req = _chain_at_prefill()
+    for width, accepted in ((2, 1), (K + 1, 0), (3, 2), (K + 1, 2)):
+        rows = SimpleNamespace(verified=lambda k, d=width - 1: min(k, d), argmax_drafts=lambda method: True,
+                               scores=False)
+        got = drafter.propose([req], rows).tokens[0].tolist()
+        assert got == _uncached_drafts(model, target, req.token_ids, K)[: width - 1]
+        _accept(target, drafter, req, got, accepted)
 
 
 def _save(folder, config: dict, tensors: dict):
