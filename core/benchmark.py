@@ -186,7 +186,7 @@ def graph_ms(engine: Engine, batch: int) -> float:
     back to back over padding rows."""
     backend, bucket = engine.backend, engine.backend.bucket(batch)
     graphs = [g for key, (g, _) in getattr(backend.graphs, "_graphs", {}).items()
-              if key[:4] == ("round", bucket, backend.width, True)]
+              if key[:4] == ("round", bucket, backend.width, True) and not key[5]]  # argmax drafts
     if not graphs:
         return 0.0
     backend.bufs.load([], bucket)  # padding rows: replays move no request's state

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from draftline.core.models.ops import Forward, Ops
 from draftline.core.request import Request
-from draftline.core.sampling import SamplingBatch
+from draftline.core.sampling import Filters, SamplingBatch
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,9 @@ class DraftRows:
     end: Tensor | None = None  # [N] int64: start + W, that window's key count, where the backend has it
     greedy: bool = False  # every row greedy (temperature 0): a draw from the drafter's q is its argmax
     scores: bool = False  # keep the drafter's logits in the proposal (Proposal.scores): some row is constrained
+    # the batch's sampling passes as the host knows them, so drawing from q waits for nothing
+    # (a captured draft step cannot wait); None: read off rows.batch
+    filters: Filters | None = None
 
     def argmax_drafts(self, draft_sample_method: str) -> bool:
         """Whether the drafts are the drafter's argmax: the plan drafts greedily, or every row is

@@ -219,7 +219,8 @@ def probs_from_logits(logits: Tensor, batch: SamplingBatch, filters: Filters | N
     x = logits.float().reshape(n, -1, v)  # [N, T, V]
     temp = batch.temperature.to(x.device)[:, None, None]
     greedy = temp == 0
-    onehot = torch.nn.functional.one_hot(x.argmax(-1), v).to(torch.float32)
+    # a scatter, not one_hot: one_hot checks its ids on the host, which a captured graph cannot wait for
+    onehot = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
     if filters is None:
         filters = Filters(bool(greedy.all()), bool((batch.top_k > 0).any()), bool((batch.top_p < 1).any()))
     if filters.greedy:

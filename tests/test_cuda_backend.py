@@ -269,36 +269,45 @@ def test_slots_are_reused_after_requests_finish():
     assert eng.generate(prompts[:1], params)[0].output_ids == first[0].output_ids
 
 
-def test_probabilistic_drafting_samples_eagerly_and_drafts_greedy_rows_inside_the_round():
+def test_probabilistic_drafting_draws_inside_the_round_and_filtered_rows_eagerly():
     """With draft_sample_method probabilistic, rounds of greedy rows draft the drafter's argmax
-    (what a draw from their one-hot q is) inside the round's graph path, and get the reference's
-    tokens; rounds with a sampling row draw from q on the eager draft path and the rejection
-    kernel, and repeat under their seed, before and after start-up's warm sampled rounds."""
+    (what a draw from their one-hot q is) inside the round's graph path; rounds with a row at
+    temperature 1 draw from q and take the rejection rule inside it too; rows with top-p draw and
+    accept eagerly. Each gets the reference's tokens, and repeats under its seed, before and
+    after start-up's warm sampled rounds."""
     spec = {**METHODS["dflash"], "draft_sample_method": "probabilistic"}
     engines = [Engine(tiny_spec(spec, max_batch_size=2, backend=backend, device=DEV, dtype="float32", max_model_len=128))
                for backend in ("reference", "cuda")]
-    backend, inside, eager = engines[1].backend, [], []
-    replay, propose = backend._replay, backend.drafter.propose  # (bucket, width, decide, drafts inside)
+    backend, rounds, drawn = engines[1].backend, [], []
+    replay, propose = backend._replay, backend.drafter.propose
 
-    def spied(bucket, width, decide, drafts_inside):
+    def spied(bucket, width, decide, drafts_inside, sampled=False):
         if width > 1:
-            inside.append(drafts_inside)
-        return replay(bucket, width, decide, drafts_inside)
+            rounds.append((drafts_inside, sampled))
+        return replay(bucket, width, decide, drafts_inside, sampled)
+
+    def run(params, n=1) -> list:
+        rounds.clear()
+        drawn.clear()
+        ref, got = (e.generate(PROMPTS[:n], params) for e in engines)
+        assert [c.output_ids for c in got] == [c.output_ids for c in ref]
+        return [c.output_ids for c in got]
 
     backend._replay = spied
-    backend.drafter.propose = lambda reqs, rows: eager.append(not rows.greedy) or propose(reqs, rows)
+    backend.drafter.propose = lambda reqs, rows: drawn.append(not rows.greedy) or propose(reqs, rows)
     greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)  # about 4 rounds: each is interpreted
-    ref, got = (e.generate(PROMPTS[:2], greedy) for e in engines)
-    assert [c.output_ids for c in got] == [c.output_ids for c in ref]
-    assert inside and all(inside) and not any(eager)
-    sampled = [SamplingParams(temperature=1.0, seed=9, max_new_tokens=5, ignore_eos=True)]
-    first = [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)]
-    assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first
-    assert any(eager)
+    first_greedy = run(greedy, 2)
+    assert rounds and all(r == (True, False) for r in rounds) and not any(drawn)
+    sampled = SamplingParams(temperature=1.0, seed=9, max_new_tokens=5, ignore_eos=True)
+    first = run(sampled)
+    assert rounds and all(r == (True, True) for r in rounds) and all(drawn)  # drawn from q, inside
+    filtered = SamplingParams(temperature=1.0, top_p=0.9, seed=9, max_new_tokens=5, ignore_eos=True)
+    run(filtered)
+    assert rounds and all(r == (False, False) for r in rounds) and all(drawn)  # drawn eagerly
     for n in (1, 2):  # start-up's sampled rounds (a GPU's, to compile their eager path) leave nothing behind
         backend._warm_sampled(n)
-    assert [c.output_ids for c in engines[1].generate(PROMPTS[:1], sampled)] == first
-    assert [c.output_ids for c in engines[1].generate(PROMPTS[:2], greedy)] == [c.output_ids for c in ref]
+    assert run(sampled) == first
+    assert run(greedy, 2) == first_greedy
 
 
 def _stops_in_flight_match_depth_0(engine_at, prompts: list[str], n: int) -> list:

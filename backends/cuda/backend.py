@@ -70,6 +70,9 @@ MAX_DEPTH = 2  # rounds the machine may launch for a row beyond the one it colle
 # a drafting round's verify tokens (rows x (K + 1)) from which narrower verify widths are captured
 # too: below it the verify is bound by reading the weights, and the full width costs the same
 NARROW_TOKENS = 64
+# the sampling passes of a graph's rows that draw from q: temperature alone (rows with top-k or
+# top-p read their logits on the host, drafted and accepted eagerly)
+SAMPLED = Filters(greedy=False, top_k=False, top_p=False)
 
 
 @triton.jit
@@ -291,9 +294,11 @@ class CudaBackend:
                 self.free(req)
 
     def _warm_sampled(self, n: int) -> None:
-        """A drafting round of n rows that sample, drafts drawn from q: its eager path (the
-        drafter's draws, the rejection kernel) compiled now, not in a request's first such round."""
-        warm = self._warm_requests(2, n, SamplingParams(max_new_tokens=self.width + 1, temperature=1.0, seed=0))
+        """A drafting round of n rows that sample through top-p, drafts drawn from q: the eager
+        path such rows take (the drafter's draws, the rejection kernel) compiled now, not in a
+        request's first such round."""
+        params = SamplingParams(max_new_tokens=self.width + 1, temperature=1.0, top_p=0.9, seed=0)
+        warm = self._warm_requests(2, n, params)
         self.collect(self.prefill(warm))
         self.collect(self.launch(warm, self.width))
         for req in warm:
@@ -305,16 +310,19 @@ class CudaBackend:
                 for _ in range(n)]
 
     def _graph_keys(self, bucket: int) -> list[tuple]:
-        """(bucket, width, decide, drafts inside): plain rounds, and drafting rounds (their
-        greedy draft step inside the graph, or drafted eagerly when drafts are sampled);
+        """(bucket, width, decide, drafts inside, drafts sampled): plain rounds, and drafting
+        rounds (their draft step inside the graph: the drafter's argmax, or, where the spec
+        drafts probabilistically, draws from its q that the graph's rejection step accepts);
         deciding on the device, or leaving logits for eager acceptance (top-k / top-p), which
-        takes the full width; a window drafted apart (sampled drafts, a grammar's rounds) leaves
-        its logits too. Narrower widths decide on the device."""
+        takes the full width; a window drafted apart (such rows' sampled drafts, a grammar's
+        rounds) leaves its logits too. Narrower widths decide on the device."""
         keys = [(bucket, 1, True, False), (bucket, 1, False, False)]
         if self.width > 1:
             keys += [(bucket, self.width, False, True), (bucket, self.width, True, True)]
             keys += [(bucket, self.width, False, False)]
             keys += [(bucket, w, True, True) for w in self.narrow[bucket]]
+            if self.plan.draft_sample_method != "greedy":
+                keys += [(bucket, w, True, True, True) for w in (self.width, *self.narrow[bucket])]
         return keys
 
     def _narrower(self, bucket: int) -> tuple[int, ...]:
@@ -345,12 +353,14 @@ class CudaBackend:
             for r in reqs:
                 self.cache.reserve(r.kv, r.seq_len + self.capacity.kv_lookahead)
             self.cache.flush()
-        # drafts drawn from the drafter's q (rows that sample, where the spec drafts so) are accepted
-        # eagerly, q and all; greedy rows' drafts are its argmax, drafted inside the round's graph
+        # drafts drawn from the drafter's q (rows that sample, where the spec drafts so): drawn and
+        # accepted inside the round's graph, q and all; greedy rows' drafts are its argmax
         sampled = width > 1 and self.plan.draft_sample_method != "greedy" and any(r.params.temperature > 0 for r in reqs)
         constrained = any(r.grammar is not None for r in reqs)  # its masks read the drafts before the verify
-        # rows that filter, adjust or report logits take the eager acceptance over the graph's logits
-        decide = not any(r.params.reads_logits_beyond_masks for r in reqs) and not sampled
+        # rows that filter, adjust or report logits take the eager acceptance over the graph's logits,
+        # as do sampled drafts under a grammar (drawn from q under its masks: core.walk.chosen)
+        beyond = any(r.params.reads_logits_beyond_masks for r in reqs)
+        decide = not beyond and not (sampled and constrained)
         if width > 1 and (not decide or constrained or width not in self.verify_widths(n)):
             width = self.width  # logits read on the host, or masked: the full window's graph
         if constrained and decide:  # the graphs mask the verify's logits, then decide (constrained.py)
@@ -359,9 +369,9 @@ class CudaBackend:
         self.constrained.drop()
         started = self.landing.started()
         self.bufs.load(reqs, bucket)
-        eager = width > 1 and (sampled or constrained)
+        eager = width > 1 and ((sampled and not decide) or constrained)
         probs = self._eager_drafts(reqs, bucket, width, sampled) if eager else None
-        logits, packed = self._replay(bucket, width, decide, width > 1 and not eager)
+        logits, packed = self._replay(bucket, width, decide, width > 1 and not eager, sampled and decide)
         reported = []
         if packed is None:
             packed = self._accept(reqs, width, logits[:n], probs)
@@ -375,7 +385,8 @@ class CudaBackend:
         again under its masks (core.walk.chosen) -> q [n, W - 1, V], or None."""
         n = len(reqs)
         self.bufs.gather(bucket)
-        rows = self._rows(bucket, width - 1, greedy=not sampled, scores=any(r.grammar is not None for r in reqs))
+        rows = self._rows(bucket, width - 1, greedy=not sampled, scores=any(r.grammar is not None for r in reqs),
+                          filters=Filters.of([r.params for r in reqs]))
         proposal = chosen(reqs, self.drafter.propose(reqs, rows).first(width - 1).rows(list(range(n))))
         self.bufs.drafts[:n, : width - 1].copy_(proposal.tokens)
         return proposal.probs
@@ -395,17 +406,19 @@ class CudaBackend:
     def timeline(self, spans: list | None) -> None:
         self.landing.timeline = spans
 
-    def _replay(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
-        return self.graphs.run(("round", bucket, width, decide, inside),
-                               lambda: self._round_step(bucket, width, decide, inside))
+    def _replay(self, bucket: int, width: int, decide: bool, inside: bool, sampled: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        return self.graphs.run(("round", bucket, width, decide, inside, sampled),
+                               lambda: self._round_step(bucket, width, decide, inside, sampled))
 
-    def _round_step(self, bucket: int, width: int, decide: bool, inside: bool) -> tuple[Tensor, Tensor | None]:
+    def _round_step(self, bucket: int, width: int, decide: bool, inside: bool, sampled: bool = False
+                    ) -> tuple[Tensor, Tensor | None]:
         """One round's device work from the rows' slot state; idempotent (capture runs it for
-        real): it reads ``state`` and writes it only at the end, and only for live rows."""
+        real): it reads ``state`` and writes it only at the end, and only for live rows.
+        ``sampled``: the drafts are draws from the drafter's q, which the decision reads."""
         self.bufs.gather(bucket)
-        if inside:
-            self._draft_step(bucket, width)
-        return self._verify_step(bucket, width, decide)
+        q = self._draft_step(bucket, width, sampled=sampled) if inside else None
+        return self._verify_step(bucket, width, decide, q)
 
     def _draft_round(self, bucket: int, width: int, ranked: Tensor | None = None) -> None:
         """A round's draft step alone, from the rows' slot state (a constrained round's, whose
@@ -420,20 +433,26 @@ class CudaBackend:
     # ------------------------------------------------------------------ draft
 
     def _rows(self, bucket: int, drafts: int = 0, positions: Tensor | None = None, end: Tensor | None = None,
-              greedy: bool = False, scores: bool = False) -> DraftRows:
+              greedy: bool = False, scores: bool = False, filters: Filters | None = None) -> DraftRows:
         """The rows as a drafter sees them; ``end`` [bucket]: start + the width of the forward
         their caches serve (the verify's, for its context update), where it is on the device;
-        ``greedy``: every row is (its drafts the drafter's argmax); ``scores``: keep the drafter's logits."""
+        ``greedy``: every row is (its drafts the drafter's argmax); ``scores``: keep the drafter's
+        logits; ``filters``: the rows' sampling passes (DraftRows.filters)."""
         b = self.bufs
         slots, start = b.row(SLOT, bucket), b.row(START, bucket)
         return DraftRows(last_token=b.row(LAST, bucket), start=start, batch=b.sampling(bucket),
                          caches=Rows(b.row(DRAFT_SLOT, bucket)), target_kv=FrozenTargetKV(self.cache, slots, start),
                          features=None if self.ring is None else self.ring.read(slots, start, shift=-1),
-                         drafts=drafts, positions=positions, end=end, greedy=greedy, scores=scores)
+                         drafts=drafts, positions=positions, end=end, greedy=greedy, scores=scores,
+                         filters=filters)
 
-    def _draft_step(self, bucket: int, width: int, ranked: Tensor | None = None) -> None:
-        """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps)."""
-        rows = self._rows(bucket, width - 1, greedy=True, scores=ranked is not None)  # a graph's: greedy rows alone
+    def _draft_step(self, bucket: int, width: int, ranked: Tensor | None = None, sampled: bool = False
+                    ) -> Tensor | None:
+        """The drafts of a round verifying ``width`` tokens (a chain stops after width - 1 steps):
+        the drafter's argmax, or with ``sampled`` draws from its q -> q [bucket, W - 1, V], else None."""
+        # a graph's rows take temperature alone (rows with top-k / top-p are drafted eagerly)
+        rows = self._rows(bucket, width - 1, greedy=not sampled, scores=ranked is not None,
+                          filters=SAMPLED if sampled else None)
         proposal = self.drafter.propose([], rows)
         tokens = proposal.tokens  # [bucket, K], or its first width - 1 columns
         self.bufs.drafts[:bucket, : tokens.shape[1]].copy_(tokens)
@@ -441,12 +460,15 @@ class CudaBackend:
             ranked[:, : tokens.shape[1]].copy_(candidates(proposal.scores))
         if self.draft_override is not None:
             self.draft_override(self.bufs.row(SLOT, bucket), rows.start, self.bufs.drafts[:bucket])
+        return proposal.probs if sampled else None
 
     # ------------------------------------------------------------------ verify
 
-    def _verify_step(self, bucket: int, width: int, decide: bool) -> tuple[Tensor, Tensor | None]:
+    def _verify_step(self, bucket: int, width: int, decide: bool, q: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor | None]:
         """Target forward over each row's [last token, drafts]; with ``decide`` the round's
-        acceptance too (packed, and the rows' new state), else only the logits."""
+        acceptance too (packed, and the rows' new state), else only the logits; ``q``
+        [bucket, W - 1, V]: the drafter's distributions the drafts were drawn from."""
         b = self.bufs
         ids, positions, ends = verify_window(b.meta, b.drafts, bucket, width, LAST, START)  # [bucket, W] each, [bucket]
         started = False
@@ -464,13 +486,16 @@ class CudaBackend:
         if self.ring is not None:
             self.ring.write(b.row(SLOT, bucket), b.row(START, bucket), features)
         logits = None
-        if decide:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
+        if decide and q is None:  # the head folds the round's draws where it can (into b.argmax; the settle takes them)
             draw = Draw(b.row(SEED, bucket), b.row(START, bucket), b.fmeta[INV_TEMP, :bucket], width, shift=1)
             logits = head_draw(self.target.lm_head, hidden, b.argmax, draw, self.cache.invariant)
         drawn = logits is not None
         if not drawn:  # [bucket, W, V] float32, as target.logits
             logits = lm_logits(self.target.lm_head, hidden, self.cache.invariant)
-        packed = self._decide(bucket, width, logits, drawn) if decide else None
+        if decide and q is not None:
+            packed = self._reject(bucket, width, logits, q)
+        else:
+            packed = self._decide(bucket, width, logits, drawn) if decide else None
         self.branch.join()
         return logits, packed
 
@@ -487,6 +512,15 @@ class CudaBackend:
                                               b.row(START, bucket), inv_temp=b.fmeta[INV_TEMP, :bucket],
                                               bad=bad, shift=1)
         return self._settle(bucket, width, num, tokens, bad, real, chunks, False)
+
+    def _reject(self, bucket: int, width: int, logits: Tensor, q: Tensor) -> Tensor:
+        """Decide a round whose drafts were drawn from q on the device: the rejection rule over
+        the target's p (temperature alone, as the graph's rows take), then the same settle."""
+        b = self.bufs
+        p = probs_from_logits(logits, b.sampling(bucket), SAMPLED)  # [bucket, W, V]
+        drafts = b.drafts[:bucket, : width - 1]
+        num, tokens = kernels.accept_rejection(p, q, drafts, b.row(SEED, bucket), b.row(START, bucket) + 1)
+        return self._settle(bucket, width, num, tokens, kernels.nonfinite(logits), 1, 1, False)
 
     def _settle(self, rows: int, width: int, num: Tensor, tokens: Tensor, bad: Tensor, real: int, chunks: int,
                 drawn: bool) -> Tensor:

@@ -237,7 +237,7 @@ class DFlashDrafter(Drafter):
         scores = logits if rows.scores else None
         if argmax:
             return Proposal(tokens=logits.argmax(-1), scores=scores)
-        q = probs_from_logits(logits, rows.batch)  # [N, K, V]
+        q = probs_from_logits(logits, rows.batch, rows.filters)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
         tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:read].reshape(-1), Stream.DRAFT)

@@ -266,7 +266,7 @@ class Eagle3Drafter(Drafter):
         """Draft j + 1's token, as propose() will choose it: argmax, or the seeded draw."""
         if rows.argmax_drafts(self.plan.draft_sample_method):
             return logits.argmax(-1)
-        q = probs_from_logits(logits, rows.batch)
+        q = probs_from_logits(logits, rows.batch, rows.filters)
         return sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)
 
     def _chain(self, req: Request, k: int) -> Tensor:
@@ -305,7 +305,7 @@ class Eagle3Drafter(Drafter):
         n, k, v = logits.shape
         b = rows.batch  # a backend may pass a padded bucket of rows: keep the first n
         batch = SamplingBatch(temperature=b.temperature[:n], top_k=b.top_k[:n], top_p=b.top_p[:n], seed=b.seed[:n])
-        q = probs_from_logits(logits, batch)  # [N, K, V]
+        q = probs_from_logits(logits, batch, rows.filters)  # [N, K, V]
         seeds = batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
         positions = rows.start[:n, None] + 1 + torch.arange(k, device=q.device)  # each draft's position
         tokens = sample(q.reshape(-1, v), seeds, positions.reshape(-1), Stream.DRAFT)

@@ -135,7 +135,7 @@ class MTPDrafter(Drafter):
                 if argmax:
                     token = logits.argmax(-1)[:, None]
                 else:
-                    q = probs_from_logits(logits, rows.batch)
+                    q = probs_from_logits(logits, rows.batch, rows.filters)
                     qs.append(q)
                     token = sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)[:, None]
             tokens.append(token)
