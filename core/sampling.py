@@ -126,9 +126,13 @@ def hash32(x: Tensor) -> Tensor:
 
 
 def row_key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
-    """seed, position [N] int64 -> 32-bit key [N] int64 (on the CPU through numpy, as uniform)."""
+    """seed, position [N] int64 -> 32-bit key [N] int64 (on the CPU through numpy, as uniform;
+    a few keys in Python's integers, where numpy's per-call cost is most of the work)."""
     if seed.device.type == "cpu" and position.device.type == "cpu":
         seed, position = numpy.broadcast_arrays(seed.numpy(), position.numpy())
+        if seed.size <= SMALL_KEYS:
+            keys = [_key_int(int(s), int(p), int(stream)) for s, p in zip(seed.flat, position.flat)]
+            return torch.tensor(keys, dtype=torch.int64).reshape(seed.shape)
         k = _hash32_host(_hash32_host(seed.astype(numpy.uint32)) ^ (seed >> 32).astype(numpy.uint32))
         k = _hash32_host(k ^ position.astype(numpy.uint32))
         return torch.from_numpy(_hash32_host(k ^ numpy.uint32(int(stream))).astype(numpy.int64))
@@ -155,6 +159,28 @@ def _uniform_host(key: numpy.ndarray, cols: int | None) -> numpy.ndarray:
         h = _hash32_host(h[:, None] ^ _column_keys_host(cols)[None, :])
     h = _hash32_host(h)
     return ((h >> numpy.uint32(9)).astype(numpy.float32) + numpy.float32(0.5)) * numpy.float32(1.0 / 8388608.0)
+
+
+SMALL_KEYS = 16  # keys a CPU call hashes in Python's integers
+
+
+def _hash32_int(x: int) -> int:
+    """hash32 on one Python integer in [0, 2^32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_int(seed: int) -> int:
+    """A seed's part of every key it makes (a request's seed recurs each round)."""
+    return _hash32_int(_hash32_int(seed & MASK32) ^ ((seed >> 32) & MASK32))
+
+
+def _key_int(seed: int, position: int, stream: int) -> int:
+    return _hash32_int(_hash32_int(_seed_int(seed) ^ (position & MASK32)) ^ stream)
 
 
 def _hash32_host(x: numpy.ndarray) -> numpy.ndarray:
@@ -219,19 +245,25 @@ def probs_from_logits(logits: Tensor, batch: SamplingBatch, filters: Filters | N
     x = logits.float().reshape(n, -1, v)  # [N, T, V]
     temp = batch.temperature.to(x.device)[:, None, None]
     greedy = temp == 0
-    # a scatter, not one_hot: one_hot checks its ids on the host, which a captured graph cannot wait for
-    onehot = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
     if filters is None:
         filters = Filters(bool(greedy.all()), bool((batch.top_k > 0).any()), bool((batch.top_p < 1).any()))
     if filters.greedy:
-        return onehot.reshape(shape)
-    x = x / torch.where(greedy, torch.ones_like(temp), temp)
+        return _onehot(x).reshape(shape)
+    scaled = x / torch.where(greedy, torch.ones_like(temp), temp)
     if filters.top_k:  # rows with top-k off pass through _top_k unchanged
-        x = _top_k(x, batch.top_k.to(x.device))
-    probs = torch.softmax(x, dim=-1)
+        scaled = _top_k(scaled, batch.top_k.to(x.device))
+    probs = torch.softmax(scaled, dim=-1)
     if filters.top_p:
         probs = _top_p(probs, batch.top_p.to(x.device))
-    return torch.where(greedy, onehot, probs).reshape(shape)
+    if x.device.type == "cpu" and not bool(greedy.any()):  # the CPU reads this for free: no one-hot pass
+        return probs.reshape(shape)
+    return torch.where(greedy, _onehot(x), probs).reshape(shape)
+
+
+def _onehot(x: Tensor) -> Tensor:
+    """One-hot at each row's argmax, float32; a scatter, not one_hot, which checks its ids on the
+    host (a wait a captured graph cannot make)."""
+    return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
 
 
 def _top_k(x: Tensor, k: Tensor) -> Tensor:
@@ -253,11 +285,16 @@ def _top_p(p: Tensor, top_p: Tensor) -> Tensor:
 
 def sample(probs: Tensor, seed: Tensor, position: Tensor, stream: int) -> Tensor:
     """Gumbel-max draw from probs [N, V] keyed by (seed, position, stream) -> ids [N]."""
+    return _draw(probs, lambda: row_key(seed, position, stream))
+
+
+def _draw(probs: Tensor, keys) -> Tensor:
+    """sample's draw from probs [N, V] with each row's key (``keys()`` -> [N], made only where used)."""
     if probs.device.type == "cpu" and bool((probs.amax(-1) == 1).all()):
         # every row one-hot (greedy rows): the draw is its argmax, whatever the noise; on the
         # CPU, where reading the flag waits for nothing, the noise over the vocabulary is skipped
         return probs.argmax(-1)
-    u = uniform(row_key(seed, position, stream), probs.shape[-1])
+    u = uniform(keys(), probs.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return (torch.log(probs) + gumbel).argmax(-1)
 
@@ -333,7 +370,9 @@ def _accept_rejection(p: Tensor, drafts: Tensor, q: Tensor, seed: Tensor, first:
     residual = (p_at - q_at).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
-    at = pos[rows, num]
-    fix = sample(residual, seed, at, Stream.RESIDUAL)
-    bonus = sample(p_at, seed, at, Stream.SAMPLE)
-    return _finish(drafts, num, torch.where(num == k, bonus, fix))
+    at, full = pos[rows, num], num == k
+    # one draw a row: the bonus sample of p where every draft stood, else the residual's, each
+    # with its own stream's key (as drawing both and choosing would)
+    last = _draw(torch.where(full[:, None], p_at, residual),
+                 lambda: torch.where(full, row_key(seed, at, Stream.SAMPLE), row_key(seed, at, Stream.RESIDUAL)))
+    return _finish(drafts, num, last)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from draftline.core.sampling import (
-    SamplingBatch, SamplingParams, Stream, accept_drafts, hash32, probs_from_logits, row_key, sample, uniform,
-    unit_interval,
+    SMALL_KEYS, SamplingBatch, SamplingParams, Stream, accept_drafts, hash32, probs_from_logits, row_key, sample,
+    uniform, unit_interval,
 )
 from stats import chi_square_p
 
@@ -29,13 +29,19 @@ def test_hash_matches_32bit_arithmetic():
 
 
 def test_the_cpus_numpy_draws_are_the_int64_forms_bits():
-    """On the CPU row_key and uniform run in numpy's uint32; the int64 torch form (hash32, which
-    the kernels reproduce) gives the same keys and the same floats, seeds past 2^32 included."""
+    """On the CPU row_key and uniform run in numpy's uint32 (a few keys in Python's integers);
+    the int64 torch form (hash32, which the kernels reproduce) gives the same keys and the same
+    floats, seeds past 2^32 included."""
     seeds = torch.tensor([0, 1, 5, 2**32 - 1, 2**32, 2**40 + 5, 2**63 - 1]).repeat(3)
     pos = torch.arange(21) * 7919
     want = hash32(hash32(hash32(hash32(seeds & 0xFFFFFFFF) ^ (seeds >> 32)) ^ pos) ^ int(Stream.RESIDUAL))
     key = row_key(seeds, pos, Stream.RESIDUAL)
     assert key.dtype == torch.int64 and torch.equal(key, want)
+    for n in (1, 7, SMALL_KEYS):  # the integers' form
+        small = row_key(seeds[:n], pos[:n], Stream.RESIDUAL)
+        assert small.dtype == torch.int64 and torch.equal(small, want[:n])
+    one_seed = hash32(hash32(hash32(hash32(seeds[5] & 0xFFFFFFFF) ^ (seeds[5] >> 32)) ^ pos[:3]) ^ int(Stream.RESIDUAL))
+    assert torch.equal(row_key(seeds[5:6], pos[:3], Stream.RESIDUAL), one_seed)  # a seed broadcast over positions
     cols = hash32(torch.arange(300) + 0x9E3779B9)
     assert torch.equal(uniform(key, 300), unit_interval(hash32(hash32(want[:, None] ^ cols[None, :]))))
     assert torch.equal(uniform(key), unit_interval(hash32(want)))

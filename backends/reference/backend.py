@@ -23,7 +23,7 @@ from draftline.core.models.target import TargetModel
 from draftline.core.walk import chosen, masked
 from draftline.core.penalties import adjust_logits
 from draftline.core.request import Request
-from draftline.core.sampling import SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
+from draftline.core.sampling import Filters, SamplingBatch, Stream, Verdict, accept_drafts, probs_from_logits, sample
 
 from draftline.core.prefix import Block, PrefixCache
 
@@ -187,7 +187,9 @@ class ReferenceBackend:
             target_kv=FrozenTargetKV([r.kv for r in reqs], getattr(self.kv.ops, "gather_heads", None)),
             features=torch.stack([self._last_features[r.rid] for r in reqs]) if self._reads_last() else None,
             drafts=drafts,
+            greedy=all(r.params.greedy for r in reqs),  # drafts are then the drafter's argmax, no q drawn from
             scores=any(r.grammar is not None for r in reqs),
+            filters=Filters.of([r.params for r in reqs]),
         )
 
     def _reads_last(self) -> bool:

@@ -295,7 +295,7 @@ class Eagle3Drafter(Drafter):
 
     def _pick(self, logits: Tensor, req: Request, position: int) -> Tensor:
         """The token a chain step feeds forward: as propose() will choose it."""
-        if self.plan.draft_sample_method == "greedy":
+        if self.plan.draft_sample_method == "greedy" or req.params.greedy:  # a greedy row's q is one-hot
             return logits.argmax()
         batch = SamplingBatch.of([req.params], logits.device)
         q = probs_from_logits(logits[None], batch)
