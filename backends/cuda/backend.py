@@ -407,12 +407,12 @@ class CudaBackend:
         self.landing.timeline = spans
 
     def _replay(self, bucket: int, width: int, decide: bool, inside: bool, sampled: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
+                ) -> tuple[Tensor | None, Tensor | None]:
         return self.graphs.run(("round", bucket, width, decide, inside, sampled),
                                lambda: self._round_step(bucket, width, decide, inside, sampled))
 
     def _round_step(self, bucket: int, width: int, decide: bool, inside: bool, sampled: bool = False
-                    ) -> tuple[Tensor, Tensor | None]:
+                    ) -> tuple[Tensor | None, Tensor | None]:
         """One round's device work from the rows' slot state; idempotent (capture runs it for
         real): it reads ``state`` and writes it only at the end, and only for live rows.
         ``sampled``: the drafts are draws from the drafter's q, which the decision reads."""
@@ -465,7 +465,7 @@ class CudaBackend:
     # ------------------------------------------------------------------ verify
 
     def _verify_step(self, bucket: int, width: int, decide: bool, q: Tensor | None = None
-                     ) -> tuple[Tensor, Tensor | None]:
+                     ) -> tuple[Tensor | None, Tensor | None]:
         """Target forward over each row's [last token, drafts]; with ``decide`` the round's
         acceptance too (packed, and the rows' new state), else only the logits; ``q``
         [bucket, W - 1, V]: the drafter's distributions the drafts were drawn from."""
@@ -492,8 +492,8 @@ class CudaBackend:
         drawn = logits is not None
         if not drawn:  # [bucket, W, V] float32, as target.logits
             logits = lm_logits(self.target.lm_head, hidden, self.cache.invariant)
-        if decide and q is not None:
-            packed = self._reject(bucket, width, logits, q)
+        if decide and q is not None:  # the rejection rule decides; the logits stay inside (no output kept)
+            packed, logits = self._reject(bucket, width, logits, q), None
         else:
             packed = self._decide(bucket, width, logits, drawn) if decide else None
         self.branch.join()
