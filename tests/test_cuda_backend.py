@@ -272,8 +272,8 @@ def test_slots_are_reused_after_requests_finish():
 def test_probabilistic_drafting_draws_inside_the_round_and_filtered_rows_eagerly():
     """With draft_sample_method probabilistic, rounds of greedy rows draft the drafter's argmax
     (what a draw from their one-hot q is) inside the round's graph path; rounds with a row at
-    temperature 1 draw from q and take the rejection rule inside it too; rows with top-p draw and
-    accept eagerly. Each gets the reference's tokens, and repeats under its seed, before and
+    temperature 1 draw from q and take the rejection rule inside it too (a greedy row beside it
+    included); rows with top-p draw and accept eagerly. Each gets the reference's tokens, and repeats under its seed, before and
     after start-up's warm sampled rounds."""
     spec = {**METHODS["dflash"], "draft_sample_method": "probabilistic"}
     engines = [Engine(tiny_spec(spec, max_batch_size=2, backend=backend, device=DEV, dtype="float32", max_model_len=128))
@@ -301,6 +301,8 @@ def test_probabilistic_drafting_draws_inside_the_round_and_filtered_rows_eagerly
     sampled = SamplingParams(temperature=1.0, seed=9, max_new_tokens=5, ignore_eos=True)
     first = run(sampled)
     assert rounds and all(r == (True, True) for r in rounds) and all(drawn)  # drawn from q, inside
+    run([greedy, sampled], 2)  # a greedy row beside a sampling one: its q and p one-hot in the same graph
+    assert rounds and all(r == (True, True) for r in rounds)
     filtered = SamplingParams(temperature=1.0, top_p=0.9, seed=9, max_new_tokens=5, ignore_eos=True)
     run(filtered)
     assert rounds and all(r == (False, False) for r in rounds) and all(drawn)  # drawn eagerly
