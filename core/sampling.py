@@ -20,6 +20,7 @@ from .bounds import MAX_SEED, check_params
 from .grammar import Constraint
 
 MASK32 = 0xFFFFFFFF
+HASH_MUL = (0x7FEB352D, 0x846CA68B)  # hash32's two multipliers (lowbias32), in each of its forms
 
 
 class Stream(IntEnum):
@@ -119,9 +120,9 @@ def hash32(x: Tensor) -> Tensor:
     """A 32-bit integer mixer (lowbias32 constants); x int64 holding values in [0, 2^32)."""
     x = x & MASK32
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = _mul32(x, HASH_MUL[0])
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = _mul32(x, HASH_MUL[1])
     return x ^ (x >> 16)
 
 
@@ -167,9 +168,9 @@ SMALL_KEYS = 16  # keys a CPU call hashes in Python's integers
 def _hash32_int(x: int) -> int:
     """hash32 on one Python integer in [0, 2^32)."""
     x ^= x >> 16
-    x = (x * 0x7FEB352D) & MASK32
+    x = (x * HASH_MUL[0]) & MASK32
     x ^= x >> 15
-    x = (x * 0x846CA68B) & MASK32
+    x = (x * HASH_MUL[1]) & MASK32
     return x ^ (x >> 16)
 
 
@@ -186,9 +187,9 @@ def _key_int(seed: int, position: int, stream: int) -> int:
 def _hash32_host(x: numpy.ndarray) -> numpy.ndarray:
     """hash32 on uint32 values (products wrap modulo 2^32), in place where it can."""
     x = x ^ (x >> numpy.uint32(16))
-    x *= numpy.uint32(0x7FEB352D)
+    x *= numpy.uint32(HASH_MUL[0])
     x ^= x >> numpy.uint32(15)
-    x *= numpy.uint32(0x846CA68B)
+    x *= numpy.uint32(HASH_MUL[1])
     x ^= x >> numpy.uint32(16)
     return x
 

@@ -493,7 +493,8 @@ class CudaBackend:
         if not drawn:  # [bucket, W, V] float32, as target.logits
             logits = lm_logits(self.target.lm_head, hidden, self.cache.invariant)
         if decide and q is not None:  # the rejection rule decides; the logits stay inside (no output kept)
-            packed, logits = self._reject(bucket, width, logits, q), None
+            p = probs_from_logits(logits, b.sampling(bucket), SAMPLED)  # temperature alone, as the graph's rows take
+            packed, logits = self._reject(bucket, width, p, q, logits), None
         else:
             packed = self._decide(bucket, width, logits, drawn) if decide else None
         self.branch.join()
@@ -513,14 +514,13 @@ class CudaBackend:
                                               bad=bad, shift=1)
         return self._settle(bucket, width, num, tokens, bad, real, chunks, False)
 
-    def _reject(self, bucket: int, width: int, logits: Tensor, q: Tensor) -> Tensor:
-        """Decide a round whose drafts were drawn from q on the device: the rejection rule over
-        the target's p (temperature alone, as the graph's rows take), then the same settle."""
+    def _reject(self, rows: int, width: int, p: Tensor, q: Tensor, logits: Tensor) -> Tensor:
+        """Decide a round whose drafts were drawn from q [rows, W - 1, V]: the rejection rule over
+        the target's p [rows, W, V], then the settle (non-finite counts of the raw ``logits``)."""
         b = self.bufs
-        p = probs_from_logits(logits, b.sampling(bucket), SAMPLED)  # [bucket, W, V]
-        drafts = b.drafts[:bucket, : width - 1]
-        num, tokens = kernels.accept_rejection(p, q, drafts, b.row(SEED, bucket), b.row(START, bucket) + 1)
-        return self._settle(bucket, width, num, tokens, kernels.nonfinite(logits), 1, 1, False)
+        num, tokens = kernels.accept_rejection(p, q, b.drafts[:rows, : width - 1], b.row(SEED, rows),
+                                               b.row(START, rows) + 1)  # the first draft's position
+        return self._settle(rows, width, num, tokens, kernels.nonfinite(logits), 1, 1, False)
 
     def _settle(self, rows: int, width: int, num: Tensor, tokens: Tensor, bad: Tensor, real: int, chunks: int,
                 drawn: bool) -> Tensor:
@@ -541,18 +541,16 @@ class CudaBackend:
         n, b = len(reqs), self.bufs
         batch = b.sampling(n)
         start = b.row(START, n)
-        first = start + 1  # position of the first draft
         drafts = b.drafts[:n, : width - 1]
         adjusted = self.penalties.adjust(logits, reqs, start, drafts)  # each slot as plain decoding there
         adjusted = masked(adjusted, reqs, drafts)  # and each constrained row's grammar after the drafts before
         if probs is not None:
             p = probs_from_logits(adjusted, batch, Filters.of([r.params for r in reqs]))  # no wait on the device
-            num, tokens = kernels.accept_rejection(p, probs, drafts, batch.seed, first)
+            packed = self._reject(n, width, p, probs, logits)
         else:
             scores, inv_temp = draw_scores(adjusted, reqs, batch)
-            num, tokens = kernels.accept_matching(scores, drafts, batch.seed, first, inv_temp=inv_temp)
-        bad = kernels.nonfinite(logits)  # of the raw logits
-        packed = self._settle(n, width, num, tokens, bad, 1, 1, False)
+            num, tokens = kernels.accept_matching(scores, drafts, batch.seed, start + 1, inv_temp=inv_temp)
+            packed = self._settle(n, width, num, tokens, kernels.nonfinite(logits), 1, 1, False)  # of the raw logits
         self.penalties.count(reqs, packed[:, 2 : 2 + width], packed[:, 1])
         return packed
 

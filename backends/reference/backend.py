@@ -179,6 +179,7 @@ class ReferenceBackend:
         return chosen(reqs, proposal)  # a constrained row's drafts chosen under its grammar
 
     def draft_rows(self, reqs: list[Request], drafts: int = 0) -> DraftRows:
+        filters = Filters.of([r.params for r in reqs])
         return DraftRows(
             last_token=torch.tensor([r.last_token for r in reqs], device=self.device),
             start=torch.tensor([r.seq_len - 1 for r in reqs], device=self.device),
@@ -187,9 +188,9 @@ class ReferenceBackend:
             target_kv=FrozenTargetKV([r.kv for r in reqs], getattr(self.kv.ops, "gather_heads", None)),
             features=torch.stack([self._last_features[r.rid] for r in reqs]) if self._reads_last() else None,
             drafts=drafts,
-            greedy=all(r.params.greedy for r in reqs),  # drafts are then the drafter's argmax, no q drawn from
+            greedy=filters.greedy,  # drafts are then the drafter's argmax, no q drawn from
             scores=any(r.grammar is not None for r in reqs),
-            filters=Filters.of([r.params for r in reqs]),
+            filters=filters,
         )
 
     def _reads_last(self) -> bool:
