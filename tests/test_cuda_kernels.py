@@ -34,6 +34,21 @@ def test_sampling_kernel_matches_the_oracle_draw_for_draw(chunk):
     assert torch.equal(got, kernels.sample(_logp(probs), seed.to(DEV), pos.to(DEV), block=128, chunk=chunk).cpu())
 
 
+@pytest.mark.parametrize("chunk", [4096, 256])
+def test_a_drafters_draw_from_q_matches_the_reference_draw(chunk):
+    """CudaOps.draw (probabilities in, one pass): core.sampling.sample's draws, one-hot rows
+    (greedy rows of a sampled batch) exactly, zeros (filtered columns) never drawn."""
+    torch.manual_seed(1)
+    n, v = 24, 1100
+    params = [SamplingParams(temperature=1.0, top_p=0.8)] * (n - 4) + [SamplingParams(temperature=0.0)] * 4
+    q = probs_from_logits(torch.randn(n, v) * 2, SamplingBatch.of(params))
+    seed, pos = torch.arange(n) * 104729 + 2**33, torch.arange(n) * 3 + 7
+    want = sample(q, seed, pos, Stream.DRAFT)
+    got = kernels.draw(q.to(DEV), seed.to(DEV), pos.to(DEV), Stream.DRAFT, block=128, chunk=chunk).cpu()
+    assert (got == want).float().mean() >= 0.95  # float32 log may differ by an ulp at a near-tie
+    assert torch.equal(got[-4:], q[-4:].argmax(-1)) and bool((q[torch.arange(n), got] > 0).all())
+
+
 def test_greedy_draw_breaks_ties_to_the_lower_index_across_chunks():
     n, v = 6, 300
     logits = torch.zeros(n, v)

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from draftline.core.models.fp8 import Fp8Linear
 from draftline.core.models.ops import Forward, Partial
 
+from . import sampling as kernels
 from .embedding import embed_beside, normed_beside
 from .fp8 import Fp8Weight
 from .head import head_argmax
@@ -91,6 +92,9 @@ class CudaOps:
 
     def argmax(self, head: nn.Linear, hidden: Tensor) -> Tensor:
         return head_argmax(head, hidden, self.scratch)
+
+    def draw(self, probs: Tensor, seed: Tensor, position: Tensor, stream: int) -> Tensor:
+        return kernels.draw(probs, seed, position, stream)
 
     def block_window(self, last_token: Tensor, start: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
         return block_window(last_token, start, fill, width)

@@ -226,9 +226,11 @@ CHUNK = 4096  # vocabulary columns per program of a draw
 
 
 def _draws(scores: Tensor, seed: Tensor, first: Tensor, stream: int, block: int, inv_temp: Tensor | None,
-           chunk: int = CHUNK, bad: Tensor | None = None, shift: int = 0) -> tuple[Tensor, Tensor, int]:
+           chunk: int = CHUNK, bad: Tensor | None = None, shift: int = 0, probs: bool = False
+           ) -> tuple[Tensor, Tensor, int]:
     """Every row's draw over scores [N, W, V] (row (n, t) keyed by first[n] + shift + t), per
     chunk of the vocabulary: (best values, best columns) [N * W, chunks], and the padded chunk count.
+    The scores are log-probabilities, raw logits with ``inv_temp``, or probabilities with ``probs``.
     ``bad`` [N * W, chunks] int32, when given, gets each real chunk's count of non-finite scores."""
     n, w, v = scores.shape
     if bad is not None and inv_temp is None:
@@ -240,7 +242,7 @@ def _draws(scores: Tensor, seed: Tensor, first: Tensor, stream: int, block: int,
         scores, seed, first, shift, seed if inv_temp is None else inv_temp, vals, idxs,
         vals if bad is None else bad, v, w, scores.stride(0), scores.stride(1), chunk, STREAM=stream, CHUNKS=chunks,
         BLOCK=min(block, chunk),
-        MODE=0 if inv_temp is None else 3, COUNT_BAD=bad is not None)  # LOGP or LOGITS
+        MODE=3 if inv_temp is not None else 1 if probs else 0, COUNT_BAD=bad is not None)  # LOGITS, PROBS or LOGP
     return vals, idxs, chunks
 
 
@@ -260,6 +262,19 @@ def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_ST
     vals, idxs, chunks = _draws(logp[:, None], seed, position, stream, block, inv_temp, chunk)
     out = torch.empty(logp.shape[0], dtype=torch.int64, device=logp.device)
     _pick_kernel[(logp.shape[0],)](vals, idxs, out, CHUNKS=chunks)
+    return out
+
+
+def draw(probs: Tensor, seed: Tensor, position: Tensor, stream: int, block: int = 1024, chunk: int = CHUNK) -> Tensor:
+    """probabilities [N, V] -> ids [N]: draftline.core.sampling.sample, bit for bit, in one pass
+    over the vocabulary (a drafter's draw from its q; the reference's keyed hash is dozens of
+    elementwise launches, each a node of a captured round)."""
+    if probs.stride(1) != 1:
+        probs = probs.contiguous()
+    vals, idxs, chunks = _draws(probs[:, None], seed.contiguous(), position.contiguous(), int(stream), block, None,
+                                chunk, probs=True)
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    _pick_kernel[(probs.shape[0],)](vals, idxs, out, CHUNKS=chunks)
     return out
 
 

@@ -24,7 +24,7 @@ from ..models.presets import DRAFT_PRESETS, dflash_preset
 from ..models.target import TargetModel
 from ..registry import METHODS
 from ..request import Request
-from ..sampling import Stream, probs_from_logits, sample
+from ..sampling import Stream, probs_from_logits
 from ..spec import DraftModelSpec, SpeculativeSpec
 from .base import Drafter, Method
 
@@ -240,7 +240,7 @@ class DFlashDrafter(Drafter):
         q = probs_from_logits(logits, rows.batch, rows.filters)  # [N, K, V]
         k, v = q.shape[1], q.shape[2]
         seeds = rows.batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
-        tokens = sample(q.reshape(-1, v), seeds, positions[:, 1:read].reshape(-1), Stream.DRAFT)
+        tokens = ops.draw(q.reshape(-1, v), seeds, positions[:, 1:read].reshape(-1), Stream.DRAFT)
         return Proposal(tokens=tokens.view(n, k), probs=q, scores=scores)
 
 

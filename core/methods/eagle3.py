@@ -31,7 +31,7 @@ from ..models.loader import place
 from ..models.target import TargetModel
 from ..registry import METHODS
 from ..request import Request
-from ..sampling import SamplingBatch, Stream, probs_from_logits, sample
+from ..sampling import SamplingBatch, Stream, probs_from_logits
 from ..spec import DraftModelSpec, SpeculativeSpec
 from .base import Drafter, Method
 
@@ -267,7 +267,7 @@ class Eagle3Drafter(Drafter):
         if rows.argmax_drafts(self.plan.draft_sample_method):
             return logits.argmax(-1)
         q = probs_from_logits(logits, rows.batch, rows.filters)
-        return sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)
+        return self.ops.draw(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)
 
     def _chain(self, req: Request, k: int) -> Tensor:
         """-> float32 logits [k, V] of k draft steps (each step's token is its argmax, or a
@@ -299,7 +299,7 @@ class Eagle3Drafter(Drafter):
             return logits.argmax()
         batch = SamplingBatch.of([req.params], logits.device)
         q = probs_from_logits(logits[None], batch)
-        return sample(q, batch.seed, torch.tensor([position + 1], device=logits.device), Stream.DRAFT)[0]
+        return self.ops.draw(q, batch.seed, torch.tensor([position + 1], device=logits.device), Stream.DRAFT)[0]
 
     def _sampled(self, logits: Tensor, rows: DraftRows) -> Proposal:
         n, k, v = logits.shape
@@ -308,7 +308,7 @@ class Eagle3Drafter(Drafter):
         q = probs_from_logits(logits, batch, rows.filters)  # [N, K, V]
         seeds = batch.seed.to(q.device)[:, None].expand(n, k).reshape(-1)
         positions = rows.start[:n, None] + 1 + torch.arange(k, device=q.device)  # each draft's position
-        tokens = sample(q.reshape(-1, v), seeds, positions.reshape(-1), Stream.DRAFT)
+        tokens = self.ops.draw(q.reshape(-1, v), seeds, positions.reshape(-1), Stream.DRAFT)
         return Proposal(tokens=tokens.view(n, k), probs=q)
 
 

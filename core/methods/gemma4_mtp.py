@@ -22,7 +22,7 @@ from ..models.loader import place
 from ..models.target import TargetModel
 from ..registry import METHODS
 from ..request import Request
-from ..sampling import Stream, probs_from_logits, sample
+from ..sampling import Stream, probs_from_logits
 from ..spec import DraftModelSpec, SpeculativeSpec
 from .base import Drafter, Method
 
@@ -137,7 +137,7 @@ class MTPDrafter(Drafter):
                 else:
                     q = probs_from_logits(logits, rows.batch, rows.filters)
                     qs.append(q)
-                    token = sample(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)[:, None]
+                    token = self.ops.draw(q, rows.batch.seed, rows.start + 1 + j, Stream.DRAFT)[:, None]
             tokens.append(token)
         drafts = torch.cat(tokens, dim=1)  # [N, K]
         return Proposal(tokens=drafts, probs=torch.stack(qs, dim=1) if qs else None,

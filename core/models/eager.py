@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..sampling import sample
 from .layers import rotate
 from .ops import Forward, Partial
 
@@ -87,6 +88,9 @@ class EagerOps:
 
     def argmax(self, head: nn.Linear, hidden: Tensor) -> Tensor:
         return head(hidden).argmax(-1)
+
+    def draw(self, probs: Tensor, seed: Tensor, position: Tensor, stream: int) -> Tensor:
+        return sample(probs, seed, position, stream)
 
     def block_window(self, last_token: Tensor, start: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
         offsets = torch.arange(width, device=start.device)

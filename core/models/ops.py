@@ -98,6 +98,10 @@ class Ops(Protocol):
     def argmax(self, head: nn.Linear, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> [...] int64, the first largest of head(hidden) (no logits kept)."""
 
+    def draw(self, probs: Tensor, seed: Tensor, position: Tensor, stream: int) -> Tensor:
+        """A seeded draw from probs [N, V] at each row's (seed, position) [N] int64 and ``stream``
+        -> ids [N] int64: core.sampling.sample, bit for bit (a drafter's draft from its q)."""
+
     def block_window(self, last_token: Tensor, start: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
         """A block drafter's inputs: ids [N, width] (each row's last token, then ``fill``) and
         positions start .. start + width - 1 [N, width]."""
