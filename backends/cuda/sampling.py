@@ -253,13 +253,14 @@ def chunking(v: int, chunk: int = CHUNK) -> tuple[int, int, int]:
 
 
 def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_STREAM, block: int = 1024,
-           inv_temp: Tensor | None = None, chunk: int = CHUNK) -> Tensor:
+           inv_temp: Tensor | None = None, chunk: int = CHUNK, probs: bool = False) -> Tensor:
     """log-probabilities [N, V] (-inf where filtered) -> ids [N]; as draftline.core.sampling.sample on exp(logp).
     With ``inv_temp`` [N] the rows are raw logits instead, sampled at temperature 1 / inv_temp
-    (greedy where it is 0): no softmax pass over the vocabulary."""
+    (greedy where it is 0): no softmax pass over the vocabulary; with ``probs``, probabilities."""
     if logp.stride(1) != 1:
         logp = logp.contiguous()
-    vals, idxs, chunks = _draws(logp[:, None], seed, position, stream, block, inv_temp, chunk)
+    vals, idxs, chunks = _draws(logp[:, None], seed.contiguous(), position.contiguous(), int(stream), block,
+                                inv_temp, chunk, probs=probs)
     out = torch.empty(logp.shape[0], dtype=torch.int64, device=logp.device)
     _pick_kernel[(logp.shape[0],)](vals, idxs, out, CHUNKS=chunks)
     return out
@@ -269,13 +270,7 @@ def draw(probs: Tensor, seed: Tensor, position: Tensor, stream: int, block: int 
     """probabilities [N, V] -> ids [N]: draftline.core.sampling.sample, bit for bit, in one pass
     over the vocabulary (a drafter's draw from its q; the reference's keyed hash is dozens of
     elementwise launches, each a node of a captured round)."""
-    if probs.stride(1) != 1:
-        probs = probs.contiguous()
-    vals, idxs, chunks = _draws(probs[:, None], seed.contiguous(), position.contiguous(), int(stream), block, None,
-                                chunk, probs=True)
-    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-    _pick_kernel[(probs.shape[0],)](vals, idxs, out, CHUNKS=chunks)
-    return out
+    return sample(probs, seed, position, stream, block, chunk=chunk, probs=True)
 
 
 def accept_matching(logp: Tensor, drafts: Tensor, seed: Tensor, first: Tensor, block: int = 1024,
