@@ -267,9 +267,9 @@ def sample(logp: Tensor, seed: Tensor, position: Tensor, stream: int = SAMPLE_ST
 
 
 def draw(probs: Tensor, seed: Tensor, position: Tensor, stream: int, block: int = 1024, chunk: int = CHUNK) -> Tensor:
-    """probabilities [N, V] -> ids [N]: draftline.core.sampling.sample, bit for bit, in one pass
-    over the vocabulary (a drafter's draw from its q; the reference's keyed hash is dozens of
-    elementwise launches, each a node of a captured round)."""
+    """probabilities [N, V] -> ids [N]: draftline.core.sampling.sample's draw (as `sample` keeps
+    it), in one pass over the vocabulary (a drafter's draw from its q; the reference's keyed hash
+    is dozens of elementwise launches, each a node of a captured round)."""
     return sample(probs, seed, position, stream, block, chunk=chunk, probs=True)
 
 

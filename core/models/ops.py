@@ -100,7 +100,8 @@ class Ops(Protocol):
 
     def draw(self, probs: Tensor, seed: Tensor, position: Tensor, stream: int) -> Tensor:
         """A seeded draw from probs [N, V] at each row's (seed, position) [N] int64 and ``stream``
-        -> ids [N] int64: core.sampling.sample, bit for bit (a drafter's draft from its q)."""
+        -> ids [N] int64 (a drafter's draft from its q): core.sampling.sample's draw, its keyed noise
+        exactly (a float32 log may differ by an ulp, which moves a draw only at a near-tie)."""
 
     def block_window(self, last_token: Tensor, start: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
         """A block drafter's inputs: ids [N, width] (each row's last token, then ``fill``) and
