@@ -51,6 +51,7 @@ class Options:
     kv_blocks: int = 0  # server.num_kv_blocks (0: the spec's)
     memory: float = 0.0  # server.gpu_memory_utilization (0: the spec's)
     admission_wait: int = 0  # server.admission_wait (0: the spec's)
+    prefill_stall: float | None = None  # server.max_prefill_stall (None: the spec's; 0: no bound)
     trace: str = ""  # write each mode's collected rounds to TRACE.MODE.jsonl
 
     def count(self, concurrency: int) -> int:
@@ -181,6 +182,7 @@ def run_bench(spec: Spec, opts: Options, as_json: bool) -> str:
     server |= {"num_kv_blocks": opts.kv_blocks} if opts.kv_blocks else {}
     server |= {"gpu_memory_utilization": opts.memory} if opts.memory else {}
     server |= {"admission_wait": opts.admission_wait} if opts.admission_wait else {}
+    server |= {} if opts.prefill_stall is None else {"max_prefill_stall": opts.prefill_stall or None}
     spec = spec.model_copy(update={"model": model, "server": spec.server.model_copy(update=server)})
     rows, target, continuations, prompts, long_prompt = [], (), None, None, None
     for mode in opts.modes:

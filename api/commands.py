@@ -31,7 +31,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     opts = Options(args.concurrency, args.requests, args.max_new_tokens, args.prompt_len, args.shared_prefix,
                    args.long_prompt, args.acceptance or "", tuple(args.modes), args.max_model_len,
                    not args.no_prefix_caching, args.max_num_batched_tokens, args.num_kv_blocks,
-                   args.gpu_memory_utilization, args.admission_wait, args.trace_rounds)
+                   args.gpu_memory_utilization, args.admission_wait, args.max_prefill_stall, args.trace_rounds)
     with _quiet(not args.verbose):  # the table, not every request's log line
         table = run_bench(load_spec(args.spec), opts, args.json)
     print(table)
@@ -89,6 +89,9 @@ def add_commands(sub) -> None:
     bs.add_argument("--admission-wait", type=NON_NEGATIVE, default=0,
                     help="override server.admission_wait, the steps arrivals may wait to be prefilled together "
                          "(0: the spec's)")
+    bs.add_argument("--max-prefill-stall", type=flags.real(0.0), default=None,
+                    help="override server.max_prefill_stall, the rounds' time a step's prefill may take while "
+                         "others decode (0: no bound; default: the spec's)")
     bs.add_argument("--trace-rounds", default="",
                     help="write every collected round (rows, verify width, wall, device and host time) and prefill "
                          "to PATH.MODE.jsonl, with a record where each concurrency level starts")

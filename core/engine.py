@@ -32,6 +32,7 @@ from .models.tokenizer import byte_tokenizer, load_tokenizer
 from .registry import BACKENDS, METHODS
 from .request import Request, Round, SpecStats
 from .sampling import SamplingParams
+from .pacer import Pacer
 from .scheduler import Scheduler
 from .stops import Stops
 from .spec import Spec, SpeculativeSpec, device_problems, load_spec
@@ -164,7 +165,7 @@ class Engine:
                                    chunked=getattr(self.backend, "chunked_prefill", False),
                                    pool=self.blocks if paged else None,  # unpaged: nothing to count
                                    admission_wait=spec.server.admission_wait,
-                                   prefix=prefix)
+                                   prefix=prefix, pacer=Pacer(spec.server.max_prefill_stall))
         self.policy = DraftPolicy(draft_policy or spec.speculative.max_draft_batch)
         self.stops = Stops(self._decode)
         self.machine = Machine(self.plan, self.backend, self.scheduler, self.policy, self.stops, depth)

@@ -106,6 +106,7 @@ class Flight:
     ends: tuple[int, ...] = ()  # a prefill's: the prompt position each row's chunk ran to
     step: int = 0  # the machine step that launched it
     held: int = 0  # rows this step left out because their rounds in flight are expected to end them
+    tokens: int = 0  # a prefill's: the prompt tokens it computes (the pacer prices them)
 
     @property
     def constrained(self) -> bool:
@@ -232,6 +233,7 @@ class Machine:
         in order with the rounds launched behind it."""
         begin = time.perf_counter()
         reqs = [r for r, _ in prefills]
+        tokens = sum(end - r.prefilled for r, end in prefills)
         for req in reqs:
             if req.phase is Phase.WAITING:
                 advance(req, Phase.PREFILL)
@@ -239,7 +241,8 @@ class Machine:
         handle = self.backend.prefill(reqs, [end for _, end in prefills])
         launched = time.perf_counter()
         self.flights.append(Flight(handle, tuple(reqs), launched, prefill=True, launch_s=launched - begin,
-                                   ends=tuple(r.prefilled for r in reqs), step=self.steps))  # as the launch left them
+                                   ends=tuple(r.prefilled for r in reqs), step=self.steps,  # as the launch left them
+                                   tokens=tokens))
         self.clock.prefills += 1
         self.clock.prefill_s += launched - begin
         if self.depth == 0:  # synchronous: booked now, so the rows' first round runs in this step
@@ -304,8 +307,10 @@ class Machine:
         synchronous = not flight.prefill and self._last_collect is not None and flight.constrained
         wall = now - (self._last_collect if synchronous else max(flight.launched, self._last_collect or 0.0))
         self._last_collect = now
+        spent = result.device_s if result.device_s is not None else wall
         if flight.prefill:
             self._first_tokens(flight, result)
+            self.scheduler.pacer.prefilled(flight.tokens, spent)
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall,
                                    "launch_s": flight.launch_s, "device_s": result.device_s,
@@ -313,6 +318,7 @@ class Machine:
                                    "device_at": result.device_at})
             return
         self.clock.rounds += 1
+        self.scheduler.pacer.rounded(spent)
         # the width the round ran: a backend may widen it (rows that read logits take its full window)
         width = 1 + max(map(len, result.drafted), default=0)
         expected = {kind: self.policy.expected(width, kind) for kind in (False, True)}  # greedy rows', sampled rows'

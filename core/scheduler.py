@@ -7,14 +7,17 @@ from typing import Callable
 
 from .blocks import BlockPool
 from .machine import Phase, abort
+from .pacer import Pacer
 from .prefix import PrefixCache, block_keys
 from .request import Request
 
 
 class Scheduler:
     def __init__(self, max_batch_size: int, max_prefill_tokens: int | None = None, chunked: bool = False,
-                 pool: BlockPool | None = None, admission_wait: int = 0, prefix: PrefixCache | None = None):
+                 pool: BlockPool | None = None, admission_wait: int = 0, prefix: PrefixCache | None = None,
+                 pacer: Pacer | None = None):
         self.max_batch_size = max_batch_size
+        self.pacer = pacer or Pacer(None)  # bounds a step's prefill while others decode, from the machine's timings
         # the backend's prefix cache (read only): a prompt that starts with blocks another is
         # computing waits for them to be cached instead of computing them again beside it
         self.prefix = prefix
@@ -43,8 +46,9 @@ class Scheduler:
     def schedule(self) -> tuple[list[tuple[Request, int]], list[Request]]:
         """((request, prompt position its prefill runs to this step) for each prefill, the
         requests already running); cancellations end their requests here, before anything
-        runs. Within max_prefill_tokens a step: first the chunks of prompts being prefilled,
-        then new requests in arrival order while slots last; with a chunking backend the last
+        runs. Within max_prefill_tokens a step (while others decode, within the pacer's
+        budget): first the chunks of prompts being prefilled, then new requests in arrival
+        order while slots last; with a chunking backend the last
         one admitted may take only part of its prompt (not one asking prompt logprobs), else
         whole prompts, the first one always; and while the KV pool has the blocks of the whole
         prompt (a resumed request's: prompt and generated tokens). With admission_wait, new
@@ -61,6 +65,8 @@ class Scheduler:
                 abort(req, req.cancel_reason)
         running = [r for r in self.running if r.phase is not Phase.FINISHED]
         budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
+        if any(r.phase is not Phase.PREFILL for r in running):  # streams that a prefill would hold back
+            budget = self.pacer.budget(budget)
         prefills = []
         for req in running:  # prompts part-way through their prefill
             if req.prefilled < req.prefill_len and req.phase is Phase.PREFILL and budget > 0:
