@@ -1,6 +1,8 @@
 """The pacer: a step's prefill, while other requests decode, bounded to server.max_prefill_stall
 rounds' time as this machine measured a round and a prompt token (core/pacer.py)."""
 
+import time
+
 import pytest
 
 from draftline.core.contract import RoundResult
@@ -92,3 +94,27 @@ def test_a_burst_beside_decoding_streams_is_prefilled_over_steps(stall, groups):
         machine.step()
     assert device.groups == groups
     assert all(len(r.output_ids) == 40 for r in first + burst)
+
+
+class Untimed(Priced):
+    """A synchronous device that times nothing (the reference backend): the prefill's work is done
+    inside its launch, which the machine must count."""
+
+    def prefill(self, reqs, ends):
+        time.sleep(0.01)
+        result = super().prefill(reqs, ends)
+        return RoundResult(result.finite, result.accepted, result.tokens, result.drafted)
+
+    def launch(self, reqs, width, then=None):
+        result = super().launch(reqs, width, then)
+        return RoundResult(result.finite, result.accepted, result.tokens, result.drafted)
+
+
+def test_an_untimed_synchronous_prefill_is_priced_by_its_launch():
+    scheduler = Scheduler(4, 8192, pacer=Pacer(1.5))
+    machine = Machine(Plan("dflash", "parallel", 7), Untimed(), scheduler, DraftPolicy("always"), Stops(lambda ids: ""))
+    for req in _requests(0, 2):
+        scheduler.add(req)
+    machine.step()
+    assert [t for t, _ in scheduler.pacer.prefills] == [256]
+    assert scheduler.pacer.prefills[0][1] >= 0.01
