@@ -29,10 +29,10 @@ from .models.config import ConfigError
 from .models.loader import load_target, place, random_target
 from .models.target import TargetModel
 from .models.tokenizer import byte_tokenizer, load_tokenizer
+from .pacer import Pacer
 from .registry import BACKENDS, METHODS
 from .request import Request, Round, SpecStats
 from .sampling import SamplingParams
-from .pacer import Pacer
 from .scheduler import Scheduler
 from .stops import Stops
 from .spec import Spec, SpeculativeSpec, device_problems, load_spec

@@ -310,8 +310,8 @@ class Machine:
         spent = result.device_s if result.device_s is not None else wall
         if flight.prefill:
             self._first_tokens(flight, result)
-            # untimed, a synchronous backend's prefill ran inside its launch
-            self.scheduler.pacer.prefilled(flight.tokens, spent + (result.device_s is None) * flight.launch_s)
+            untimed = result.device_s is None  # a synchronous backend's prefill then ran inside its launch
+            self.scheduler.pacer.prefilled(flight.tokens, wall + flight.launch_s if untimed else spent)
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall,
                                    "launch_s": flight.launch_s, "device_s": result.device_s,

@@ -1,8 +1,8 @@
 """How much prompt one step prefills while other requests decode.
 
 A prefill launched between the running requests' rounds holds back each of their next tokens
-for its whole length: a burst of arrivals prefilled at once stalls every stream (the 8B shape at
-64 streams: 14 prompts in one 71-ms prefill beside 24-ms rounds, a gap of 4 rounds). The pacer
+for its whole length: a burst of arrivals prefilled at once stalls every stream for several of
+its rounds (docs/RESULTS.md, serving). The pacer
 learns what a round and a prompt token cost on this machine, from the flights the machine
 collects, and bounds a step's prefill while others decode to ``stall`` rounds' time, so that a
 stream's longest gap stays near 1 + ``stall`` times its usual one. Arrivals beyond the bound go
