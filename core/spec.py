@@ -130,10 +130,10 @@ class ServerSpec(Strict):
     max_num_batched_tokens: int = Field(8192, ge=1)
     # while requests decode, a step's prefill may take at most this many of their rounds' time
     # (both as measured on this machine): a prefill launched between rounds holds back every
-    # stream's next tokens, so a burst of arrivals is prefilled over several steps, and a
-    # stream's longest gap stays near 1 + this times its usual one. null: only
-    # max_num_batched_tokens bounds a step's prefill
-    max_prefill_stall: float | None = Field(1.5, gt=0)
+    # stream's next tokens, so a burst of arrivals is then prefilled over several steps, and a
+    # stream's longest gap stays near 1 + this times its usual one, for fewer rows a round.
+    # null (default): only max_num_batched_tokens bounds a step's prefill
+    max_prefill_stall: float | None = Field(None, gt=0)
     # steps new requests may wait while others run, so arrivals are prefilled together (each
     # prefill launch reads the target's weights once; TGI's max_waiting_tokens): once a waiting
     # request could take a free slot, it is admitted when this many steps have passed, when a
