@@ -48,13 +48,13 @@ class Scheduler:
         requests already running); cancellations end their requests here, before anything
         runs. Within max_prefill_tokens a step (while others decode, within the pacer's
         budget): first the chunks of prompts being prefilled, then new requests in arrival
-        order while slots last; with a chunking backend the last
-        one admitted may take only part of its prompt (not one asking prompt logprobs), else
-        whole prompts, the first one always; and while the KV pool has the blocks of the whole
-        prompt (a resumed request's: prompt and generated tokens). With admission_wait, new
-        requests wait while others run so they are prefilled together (_admitting). A prompt
-        that starts with blocks another prefill computes now waits, and the requests behind
-        it go first (_waits_for)."""
+        order while slots last; with a chunking backend the last one admitted may take only
+        part of its prompt (not one asking prompt logprobs), else whole prompts, the first
+        one always; and while the KV pool has the blocks of the whole prompt (a resumed
+        request's: prompt and generated tokens). With admission_wait, new requests wait
+        while others run so they are prefilled together (_admitting). A prompt that starts
+        with blocks another prefill computes now waits, and the requests behind it go first
+        (_waits_for)."""
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             abort(req, req.cancel_reason)
