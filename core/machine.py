@@ -307,11 +307,11 @@ class Machine:
         synchronous = not flight.prefill and self._last_collect is not None and flight.constrained
         wall = now - (self._last_collect if synchronous else max(flight.launched, self._last_collect or 0.0))
         self._last_collect = now
-        spent = result.device_s if result.device_s is not None else wall
         if flight.prefill:
             self._first_tokens(flight, result)
-            untimed = result.device_s is None  # a synchronous backend's prefill then ran inside its launch
-            self.scheduler.pacer.prefilled(flight.tokens, wall + flight.launch_s if untimed else spent)
+            # untimed, a synchronous backend's prefill ran inside its launch
+            self.scheduler.pacer.prefilled(flight.tokens, wall + flight.launch_s if result.device_s is None
+                                           else result.device_s)
             if self.trace is not None:
                 self.trace.append({"t": now, "prefill": True, "rows": len(flight.reqs), "wall_s": wall,
                                    "launch_s": flight.launch_s, "device_s": result.device_s,
@@ -319,7 +319,7 @@ class Machine:
                                    "device_at": result.device_at})
             return
         self.clock.rounds += 1
-        self.scheduler.pacer.rounded(spent)
+        self.scheduler.pacer.rounded(wall if result.device_s is None else result.device_s)
         # the width the round ran: a backend may widen it (rows that read logits take its full window)
         width = 1 + max(map(len, result.drafted), default=0)
         expected = {kind: self.policy.expected(width, kind) for kind in (False, True)}  # greedy rows', sampled rows'

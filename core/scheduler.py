@@ -65,7 +65,8 @@ class Scheduler:
                 abort(req, req.cancel_reason)
         running = [r for r in self.running if r.phase is not Phase.FINISHED]
         budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
-        if any(r.phase is not Phase.PREFILL for r in running):  # streams that a prefill would hold back
+        # streams that a prefill would hold back (no scan of the rows a step where nothing bounds it)
+        if self.pacer.stall is not None and any(r.phase is not Phase.PREFILL for r in running):
             budget = self.pacer.budget(budget)
         prefills = []
         for req in running:  # prompts part-way through their prefill
